@@ -1,0 +1,26 @@
+# Two commands for everyone:
+#   make learn   set up (first time only) and start learning at the first unfinished kata
+#   make test    set up (first time only) and run the full maintainer check (what CI runs)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: learn test clean-venv
+
+learn: $(STAMP)
+	@$(BIN)/python -m dojo
+
+test: $(STAMP)
+	$(BIN)/python -m dojo dev check
+
+# The environment is rebuilt only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $(STAMP)
+
+clean-venv:
+	rm -rf $(VENV)

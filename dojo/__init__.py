@@ -1,0 +1,1 @@
+"""The dojo: tooling a learner never edits (rank harness, pytest plugin, curriculum, data)."""

@@ -1,0 +1,99 @@
+"""The pytest plugin: which implementation is tested, fixtures, and reports a learner can read.
+
+* ``pytest`` tests the learner's ``katas/``; ``pytest --solutions`` tests ``solutions/`` (it sets
+  ``DOJO_IMPL=solutions``, which rank processes inherit).
+* ``pytest --expect-todo`` is the maintainer's check that the shipped stubs fail: a test passes
+  only when it fails with "not implemented yet", and fails if the stub passes or crashes.
+* A ``KataTodo`` anywhere (in the test, in a rank, in a process the learner started) is
+  reported as one line: ``not implemented yet: k02 step 1 (...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from dojo import impl
+from dojo.todo import find_todo
+from dojo.world import run_world
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("dojo", "torch-dist-katas")
+    group.addoption(
+        "--solutions", action="store_true",
+        help="test the reference solutions/ instead of your katas/ (same as DOJO_IMPL=solutions)",
+    )
+    group.addoption(
+        "--expect-todo", action="store_true",
+        help="maintainers: pass only the tests that fail with 'not implemented yet' (proves the stubs fail)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("solutions"):
+        os.environ[impl.ENV_VAR] = "solutions"
+    impl.current()  # a bad DOJO_IMPL stops the run here, with a message that says how to fix it
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"dojo: testing {impl.current()}/ (DOJO_IMPL={impl.current()})"
+
+
+_KATA_FILE = re.compile(r"test_(k\d\d_\w+)\.py$")
+
+
+@pytest.fixture
+def kata(request: pytest.FixtureRequest):
+    """The module under test for this test file: katas.kNN_x, or solutions.kNN_x with --solutions."""
+    match = _KATA_FILE.search(os.path.basename(str(request.node.path)))
+    if not match:
+        raise RuntimeError(f"the kata fixture works in tests/test_kNN_topic.py files, not in {request.node.path}")
+    return impl.load_kata(match.group(1))
+
+
+class World:
+    """The ``world`` fixture: ``world.run(fn, 4)`` runs ``fn(rank, 4)`` on a fresh 4-rank world."""
+
+    def run(self, fn, world_size: int, *args, **options):
+        return run_world(fn, world_size, *args, **options)
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call":
+        return
+    todo = find_todo(call.excinfo.value) if call.excinfo is not None else None
+    if item.config.getoption("expect_todo"):
+        _expect_todo(report, call, todo)
+    elif todo is not None:
+        report.longrepr = f"{todo}\n  -> write {todo.kata} step {todo.step} in katas/ (the kata's docstring explains it)"
+
+
+def _expect_todo(report, call: pytest.CallInfo, todo) -> None:
+    if report.skipped:
+        return
+    if todo is not None:
+        report.outcome = "passed"
+        report.longrepr = None
+    elif call.excinfo is None:
+        report.outcome = "failed"
+        report.longrepr = (
+            "the shipped stub PASSED this test: a test that passes before the learner has written "
+            "anything proves nothing (make the stub raise KataTodo, or the test stricter)"
+        )
+    else:
+        report.outcome = "failed"
+        report.longrepr = (
+            "the shipped stub failed this test, but not with 'not implemented yet':\n"
+            f"{call.excinfo.exconly()}"
+        )

@@ -1,0 +1,430 @@
+"""The rank harness: run a function on every rank of a fresh world and collect every answer.
+
+    results = run_world(fn, world_size=4)   # fn(rank, world_size, *args) on 4 processes
+
+What it guarantees, whatever the function does:
+
+* rendezvous that cannot collide: the parent owns a TCPStore bound to port 0 for its whole life,
+  and each world uses a fresh key prefix of it (safe under ``pytest -n auto``);
+* a rank's exception comes back with its rank and traceback, and its peers are stopped at once;
+* a deadlock ends at the deadline as a report of the stuck ranks and where each one waits;
+* a crash (segfault, abort, ``os._exit``) names the rank, the signal or exit code and its output;
+* nothing is left running: every rank leads its own process group and the parent kills the
+  group; a rank whose parent dies (even ``kill -9``) kills its own group;
+* speed: ranks fork from a forkserver that has torch imported already, so a new world costs
+  a fraction of a second instead of ~1.5 s of ``import torch`` per rank.
+"""
+
+from __future__ import annotations
+
+import linecache
+import multiprocessing
+import os
+import pickle
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from dojo import rank as _rank
+from dojo.todo import KataTodo
+
+DEFAULT_DEADLINE_S = 20.0
+# Once one rank has returned, its peers get this long to return too: a peer that does not is
+# almost always stuck in a collective the others never called.
+DEFAULT_STRAGGLER_S = 5.0
+_STACK_WAIT_S = 1.0  # how long stuck ranks get to write their stacks
+_TEARDOWN_WAIT_S = 10.0
+
+
+class WorldFailure(AssertionError):
+    """A world did not finish cleanly. Subclasses say how; the message is written for a learner."""
+
+
+class RankFailed(WorldFailure):
+    """A rank raised an exception."""
+
+    def __init__(self, message: str, rank: int, error: BaseException | None):
+        super().__init__(message)
+        self.rank, self.error = rank, error
+
+
+class RankCrashed(WorldFailure):
+    """A rank process died without a Python exception (signal, abort, os._exit)."""
+
+
+class WorldDeadlock(WorldFailure):
+    """Some ranks did not finish by the deadline."""
+
+    def __init__(self, message: str, stuck: list[int]):
+        super().__init__(message)
+        self.stuck = stuck
+
+
+@dataclass
+class _Rank:
+    number: int
+    process: Any
+    results: Any  # parent's end of the result pipe
+    lifeline: Any  # parent's end of the lifeline pipe; closing it tells the rank to die
+    log_path: str
+    outcome: tuple | None = None  # ("ok", value) or ("error", RankError)
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    deadline: float = DEFAULT_DEADLINE_S,
+    straggler: float = DEFAULT_STRAGGLER_S,
+    init_group: bool = True,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    echo_output: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
+
+    With ``init_group`` (the default) each rank joins a fresh process group first (``backend``,
+    gloo by default) and the group is destroyed after the function returns. Without it, the
+    function sets up whatever it needs itself (katas 01-03 do). ``fn`` must be defined at module
+    level, so that rank processes can import it. Returns the results in rank order; raises a
+    ``WorldFailure`` (or the ``KataTodo`` a rank raised) otherwise.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    _check_importable(fn)
+    context = _context()
+    world_id = f"{os.getpid()}-{next(_world_numbers)}"
+    log_dir = tempfile.mkdtemp(prefix=f"dojo-world-{world_id}-")
+    ranks: list[_Rank] = []
+    try:
+        for number in range(world_size):
+            ranks.append(
+                _start_rank(
+                    context, fn, args, kwargs, number, world_size, world_id, log_dir,
+                    store_port=_store_port() if init_group else None,
+                    backend=backend,
+                    group_timeout_s=deadline + 30.0,  # the harness's deadline always fires first
+                    env={**(env or {}), "DOJO_IMPL": os.environ.get("DOJO_IMPL", "katas")},
+                )
+            )
+        _collect(ranks, deadline, straggler)
+        _release(ranks)
+        results = [_load_result(r) for r in ranks]
+        if echo_output:
+            _echo(ranks)
+        return results
+    finally:
+        _kill(ranks)
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- starting ranks
+
+_world_numbers = iter(range(1, 1 << 62))
+_lock = threading.Lock()
+_store = None
+
+
+def _context():
+    """A forkserver context whose server has torch imported (spawn where there is no fork)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" not in methods:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["dojo._preload"])
+    return context
+
+
+def _store_port() -> int:
+    """Port of the store this process owns for all its worlds (created on first use)."""
+    global _store
+    with _lock:
+        if _store is None:
+            import torch.distributed as dist
+
+            _store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return _store.port
+
+
+def _check_importable(fn: Callable[..., Any]) -> None:
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(
+            f"run_world needs a function defined at module level, got {qualname!r}: rank "
+            "processes import it by name, so move it to the top level of its module"
+        )
+
+
+def _start_rank(context, fn, args, kwargs, number, world_size, world_id, log_dir, **options) -> _Rank:
+    log_path = os.path.join(log_dir, f"rank{number}.log")
+    spec = _rank.RankSpec(fn, args, kwargs, number, world_size, world_id, log_path, **options)
+    results_parent, results_child = context.Pipe(duplex=False)
+    lifeline_child, lifeline_parent = context.Pipe(duplex=False)
+    process = context.Process(
+        # Not a daemon: a rank may start processes of its own (katas 01-03 do). The harness
+        # kills every rank itself, and each rank dies with its parent.
+        target=_rank.main, args=(spec, results_child, lifeline_child), name=f"dojo-rank{number}"
+    )
+    process.start()
+    results_child.close()
+    lifeline_child.close()
+    return _Rank(number, process, results_parent, lifeline_parent, log_path)
+
+
+# --------------------------------------------------------------------------- watching ranks
+
+def _collect(ranks: list[_Rank], deadline: float, straggler: float) -> None:
+    """Wait for every rank's outcome; raise on the first error, crash or missed deadline."""
+    give_up = time.monotonic() + deadline
+    straggling = False  # some ranks have returned; the rest now have `straggler` seconds
+    while True:
+        waiting = [r for r in ranks if r.outcome is None]
+        if not waiting:
+            return
+        if not straggling and len(waiting) < len(ranks):
+            straggling = True
+            give_up = min(give_up, time.monotonic() + straggler)
+        timeout = give_up - time.monotonic()
+        if timeout <= 0:
+            raise _deadlock(ranks, waiting, deadline if not straggling else straggler, straggling)
+        ready = wait([r.results for r in waiting] + [r.process.sentinel for r in waiting], timeout)
+        for rank in waiting:
+            if rank.results in ready or rank.results.poll():
+                try:
+                    rank.outcome = rank.results.recv()
+                except (EOFError, OSError):
+                    raise _crashed(rank, ranks) from None
+                if rank.outcome[0] == "error":
+                    raise _failed(rank.outcome[1], ranks)
+            elif rank.process.sentinel in ready:
+                raise _crashed(rank, ranks)
+
+
+def _release(ranks: list[_Rank]) -> None:
+    """Let every rank tear down, and make sure each one ends cleanly."""
+    for rank in ranks:
+        rank.lifeline.send("release")
+    end = time.monotonic() + _TEARDOWN_WAIT_S
+    for rank in ranks:
+        rank.process.join(max(0.0, end - time.monotonic()))
+    for rank in ranks:
+        code = rank.process.exitcode
+        if code != _rank.EXIT_OK:
+            how = "did not exit" if code is None else _describe_exit(code)
+            raise RankCrashed(
+                f"rank {rank.number} returned its result but then {how} while tearing down "
+                f"its process group.\n{_tail(rank.log_path)}"
+            )
+
+
+def _load_result(rank: _Rank) -> Any:
+    return pickle.loads(rank.outcome[1])
+
+
+# --------------------------------------------------------------------------- reports
+
+def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
+    _kill(ranks)
+    original = error.error
+    if isinstance(original, KataTodo):
+        return original
+    if type(original).__name__ == "Skipped":  # pytest.skip() inside a rank
+        import pytest
+
+        return pytest.skip.Exception(f"rank {error.rank}: {error.message}")
+    output = _tail(ranks[error.rank].log_path, header=f"rank {error.rank}'s output")
+    text = f"rank {error.rank} raised {error.type_name}: {error.message}\n\n" \
+           f"rank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
+    if output:
+        text += f"\n\n{output}"
+    failure = RankFailed(text, error.rank, original)
+    if original is not None:
+        failure.__cause__ = None
+    return failure
+
+
+def _crashed(rank: _Rank, ranks: list[_Rank]) -> RankCrashed:
+    rank.process.join(2.0)
+    _kill(ranks)
+    code = rank.process.exitcode
+    how = "is still running but closed its pipe" if code is None else _describe_exit(code)
+    output, _, dump = _read_from(rank.log_path, 0).partition("Fatal Python error:")
+    text = (
+        f"rank {rank.number} {how} without a Python exception (a crash, an abort or "
+        "os._exit), and its peers were stopped."
+    )
+    if "bootstrapping phase" in output:
+        text += (
+            "\nIt failed while starting: the main module starts processes when it is imported. "
+            "Put that code under `if __name__ == \"__main__\":`."
+        )
+    if dump:
+        text += f"\n\nwhere it crashed (most recent call last):\n{format_stack_dump(dump)}"
+    tail = _tail_of(output, header="its last output")
+    return RankCrashed(f"{text}\n\n{tail}" if tail else text)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"died from {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def _deadlock(ranks: list[_Rank], stuck: list[_Rank], seconds: float, straggler: bool) -> WorldDeadlock:
+    stacks = _dump_stacks(stuck)
+    numbers = [r.number for r in stuck]
+    finished = [r.number for r in ranks if r.outcome is not None]
+    if straggler:
+        head = (
+            f"deadlock: rank(s) {_join(numbers)} still had not returned {seconds:g} s "
+            f"after rank(s) {_join(finished)} had: a rank is probably waiting in a collective or "
+            "a recv that its peers never call (every rank must call every collective, in the "
+            "same order)."
+        )
+    else:
+        head = (
+            f"deadlock: rank(s) {_join(numbers)} did not return within the {seconds:g} s "
+            "deadline. Is every rank calling the same collectives in the same order, and does "
+            "every recv have a matching send?"
+        )
+    body = "\n\n".join(f"rank {n} is waiting here (most recent call last):\n{s}" for n, s in stacks)
+    _kill(ranks)
+    return WorldDeadlock(f"{head}\n\n{body}", numbers)
+
+
+def _dump_stacks(stuck: list[_Rank]) -> list[tuple[int, str]]:
+    """Ask every stuck rank for its Python stacks (faulthandler on SIGUSR1) and read them."""
+    offsets = {}
+    for rank in stuck:
+        offsets[rank.number] = _size(rank.log_path)
+        try:
+            os.kill(rank.process.pid, signal.SIGUSR1)
+        except (OSError, AttributeError):
+            pass
+    end = time.monotonic() + _STACK_WAIT_S
+    stacks = []
+    for rank in stuck:
+        text = ""
+        while time.monotonic() < end:
+            text = _read_from(rank.log_path, offsets[rank.number])
+            if "most recent call first" in text and text.endswith("\n"):
+                time.sleep(0.05)  # let the dump finish
+                text = _read_from(rank.log_path, offsets[rank.number])
+                break
+            time.sleep(0.02)
+        stacks.append((rank.number, format_stack_dump(text)))
+    return stacks
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_HIDDEN = (os.sep + "multiprocessing" + os.sep, os.sep + "dojo" + os.sep + "rank.py", "threading.py")
+
+
+def _is_rank_main(frame: re.Match) -> bool:
+    return frame["func"] == "main" and frame["file"].endswith(os.path.join("dojo", "rank.py"))
+
+
+def format_stack_dump(text: str) -> str:
+    """The main thread's frames from a faulthandler dump, oldest first, with their source lines.
+
+    Harness frames are hidden, and a run of frames inside torch shrinks to the innermost one:
+    the learner needs "my line, waiting in all_reduce", not torch's plumbing.
+    """
+    threads = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", text, flags=re.M)
+    for block in threads[1:]:
+        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        if not any(_is_rank_main(m) for m in frames):
+            continue  # not the main thread (the lifeline watcher, gloo's threads)
+        shown: list[re.Match] = []
+        for frame in reversed(frames):  # oldest first
+            if frame["file"].startswith("<") or any(part in frame["file"] for part in _HIDDEN):
+                continue
+            if shown and _in_torch(shown[-1]) and _in_torch(frame):
+                shown[-1] = frame  # keep only the innermost torch frame of a run
+                continue
+            shown.append(frame)
+        return "\n".join(_format_frame(m) for m in shown) or "  (no Python frames outside the harness)"
+    return "  (no stack: the rank did not answer the request for one)"
+
+
+def _in_torch(frame: re.Match) -> bool:
+    return f"{os.sep}torch{os.sep}" in frame["file"]
+
+
+def _format_frame(frame: re.Match) -> str:
+    line = linecache.getline(frame["file"], int(frame["line"])).strip()
+    head = f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}'
+    return f"{head}\n    {line}" if line else head
+
+
+# --------------------------------------------------------------------------- output and cleanup
+
+def _kill(ranks: list[_Rank]) -> None:
+    """Kill every rank and everything it started; never raises."""
+    for rank in ranks:
+        pid = rank.process.pid
+        if pid is None:
+            continue
+        for kill in (getattr(os, "killpg", None), os.kill):
+            if kill is None:
+                continue
+            try:
+                kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+    for rank in ranks:
+        if rank.process.pid is not None:
+            rank.process.join(5.0)
+        for pipe in (rank.results, rank.lifeline):
+            pipe.close()
+
+
+def _echo(ranks: list[_Rank]) -> None:
+    """Show what each rank printed, prefixed with its rank (pytest captures it)."""
+    for rank in ranks:
+        text = _read_from(rank.log_path, 0)
+        for line in text.splitlines():
+            print(f"[rank {rank.number}] {line}")
+
+
+def _tail(path: str, lines: int = 20, header: str = "its last output") -> str:
+    return _tail_of(_read_from(path, 0), lines, header)
+
+
+def _tail_of(text: str, lines: int = 20, header: str = "its last output") -> str:
+    text = text.rstrip()
+    if not text:
+        return ""
+    last = text.splitlines()[-lines:]
+    return f"{header}:\n" + "\n".join(f"  | {line}" for line in last)
+
+
+def _join(numbers: list[int]) -> str:
+    return ", ".join(str(n) for n in numbers)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
