@@ -39,6 +39,8 @@ class RankSpec:
     backend: str = "gloo"
     group_timeout_s: float = 60.0
     env: dict = field(default_factory=dict)
+    capture_output: bool = True  # False: print straight to the parent's terminal (programs)
+    threads: int = 1  # torch threads; ranks share few cores, more threads only contend
 
 
 @dataclass
@@ -55,7 +57,10 @@ class RankError:
 def main(spec: RankSpec, results, lifeline) -> None:
     """Entry point of a rank process (the ``target`` of its ``Process``)."""
     os.setpgrp()  # own process group: the parent can kill this rank and all it started
-    _redirect_output(spec.log_path)
+    if spec.capture_output:
+        _redirect_output(spec.log_path)
+    else:
+        faulthandler.enable(all_threads=True)
     released = threading.Event()
     threading.Thread(target=_watch_parent, args=(lifeline, released), daemon=True).start()
     os.environ.update(spec.env)
@@ -63,7 +68,7 @@ def main(spec: RankSpec, results, lifeline) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # ranks share few cores; more threads only contend
+    torch.set_num_threads(spec.threads)
     try:
         if spec.store_port is not None:
             _init_group(spec, dist)
@@ -102,6 +107,10 @@ def _init_group(spec: RankSpec, dist) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     for name, value in (("RANK", spec.rank), ("WORLD_SIZE", spec.world_size), ("LOCAL_RANK", spec.rank)):
         os.environ[name] = str(value)
+    if os.environ.get("DOJO_DEVICE") == "cuda":
+        import torch
+
+        torch.cuda.set_device(spec.rank)  # one GPU per rank: cuda:LOCAL_RANK (one node here)
     timeout = timedelta(seconds=spec.group_timeout_s)
     # The parent owns the store (bound to port 0, never closed): no port can collide.
     store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)

@@ -80,12 +80,13 @@ def run_world(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    deadline: float = DEFAULT_DEADLINE_S,
-    straggler: float = DEFAULT_STRAGGLER_S,
+    deadline: float | None = DEFAULT_DEADLINE_S,
+    straggler: float | None = DEFAULT_STRAGGLER_S,
     init_group: bool = True,
     backend: str = "gloo",
     env: dict[str, str] | None = None,
-    echo_output: bool = True,
+    capture_output: bool = True,
+    threads: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
@@ -95,6 +96,10 @@ def run_world(
     function sets up whatever it needs itself (katas 01-03 do). ``fn`` must be defined at module
     level, so that rank processes can import it. Returns the results in rank order; raises a
     ``WorldFailure`` (or the ``KataTodo`` a rank raised) otherwise.
+
+    ``deadline=None`` waits for ever (programs; Ctrl-C still stops every rank). With
+    ``capture_output`` (tests) each rank's output goes to a log that failures quote and that is
+    echoed, rank-prefixed, afterwards; without it ranks print straight to the terminal.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -110,14 +115,17 @@ def run_world(
                     context, fn, args, kwargs, number, world_size, world_id, log_dir,
                     store_port=_store_port() if init_group else None,
                     backend=backend,
-                    group_timeout_s=deadline + 30.0,  # the harness's deadline always fires first
+                    # The harness's deadline must fire before the group's own timeout does.
+                    group_timeout_s=(deadline or 1800.0) + 30.0,
                     env={**(env or {}), "DOJO_IMPL": os.environ.get("DOJO_IMPL", "katas")},
+                    capture_output=capture_output,
+                    threads=threads,
                 )
             )
         _collect(ranks, deadline, straggler)
         _release(ranks)
         results = [_load_result(r) for r in ranks]
-        if echo_output:
+        if capture_output:
             _echo(ranks)
         return results
     finally:
@@ -180,21 +188,22 @@ def _start_rank(context, fn, args, kwargs, number, world_size, world_id, log_dir
 
 # --------------------------------------------------------------------------- watching ranks
 
-def _collect(ranks: list[_Rank], deadline: float, straggler: float) -> None:
+def _collect(ranks: list[_Rank], deadline: float | None, straggler: float | None) -> None:
     """Wait for every rank's outcome; raise on the first error, crash or missed deadline."""
-    give_up = time.monotonic() + deadline
+    give_up = time.monotonic() + deadline if deadline is not None else float("inf")
     straggling = False  # some ranks have returned; the rest now have `straggler` seconds
     while True:
         waiting = [r for r in ranks if r.outcome is None]
         if not waiting:
             return
-        if not straggling and len(waiting) < len(ranks):
+        if not straggling and straggler is not None and len(waiting) < len(ranks):
             straggling = True
             give_up = min(give_up, time.monotonic() + straggler)
         timeout = give_up - time.monotonic()
         if timeout <= 0:
-            raise _deadlock(ranks, waiting, deadline if not straggling else straggler, straggling)
-        ready = wait([r.results for r in waiting] + [r.process.sentinel for r in waiting], timeout)
+            raise _deadlock(ranks, waiting, straggler if straggling else deadline, straggling)
+        pipes = [r.results for r in waiting] + [r.process.sentinel for r in waiting]
+        ready = wait(pipes, None if timeout == float("inf") else timeout)
         for rank in waiting:
             if rank.results in ready or rank.results.poll():
                 try:

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from dojo.impl import load_kata
+from dojo.testing import run_program
 from dojo.world import run_world
 
 KATA = "k01_spawn"
@@ -123,3 +124,12 @@ def test_launch_names_the_rank_that_failed(kata):
         f"only rank 2 failed, but the error names other ranks too: {message!r}"
     )
     assert not leftovers, f"processes {leftovers} were still running after launch failed: join them"
+
+
+def test_program_prints_the_tutorial_lines(kata):
+    """`python -m katas.k01_spawn` does what the tutorial's run_multiprocess.py does."""
+    result = run_program(KATA, "--world-size", "4", timeout=90)
+    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    for rank in range(4):
+        line = f"[rank {rank}] world size:4. I'm rank {rank}."
+        assert line in result.stdout.splitlines(), f"expected the line {line!r} in:\n{result.stdout}"

@@ -1,0 +1,51 @@
+"""The launcher behind the katas' programs (``python -m solutions.k04_allreduce`` and on).
+
+Katas 01-03 teach how to start ranks by hand; from kata 04 on a program hands its per-rank
+function to ``launch_world``, which uses the same machinery as the test harness: ranks forked
+from a warm forkserver, a rendezvous store the launcher owns (no port to collide), every failure
+named by rank, and every process stopped on Ctrl-C or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable
+
+from dojo.devices import DEVICES, BACKENDS, choose_for_this_machine
+from dojo.world import WorldFailure, run_world
+
+
+class LaunchFailed(RuntimeError):
+    """A rank of a program's world failed; the message names it and shows why."""
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 4) -> None:
+    parser.add_argument("--world-size", type=int, default=world_size, help=f"how many ranks (default {world_size})")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None,
+        help="default: nccl when there is one GPU per rank, else gloo",
+    )
+    parser.add_argument("--device", choices=DEVICES, default=None, help="default: cuda when there is one GPU per rank, else cpu")
+
+
+def launch_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+    device: str | None = None, **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks in a fresh process group.
+
+    Inside a rank, ``dojo.devices.rank_device()`` is the rank's device. Returns every rank's
+    result in rank order; raises ``LaunchFailed`` naming the rank that failed.
+    """
+    if world_size < 1:
+        raise LaunchFailed(f"--world-size must be at least 1, got {world_size}")
+    backend, device = choose_for_this_machine(world_size, backend, device)
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    try:
+        return run_world(
+            fn, world_size, *args, deadline=None, straggler=None, backend=backend,
+            env={"DOJO_DEVICE": device}, capture_output=False, threads=threads, **kwargs,
+        )
+    except WorldFailure as failure:
+        raise LaunchFailed(str(failure)) from None

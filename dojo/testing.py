@@ -1,0 +1,79 @@
+"""Helpers for tests that run a kata's program the way an instructor would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from dojo import impl
+from dojo.console import EXIT_TODO
+from dojo.curriculum import ROOT
+from dojo.todo import find_todo
+
+
+def run_program(kata_module: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m <impl>.<kata_module> *args`` with a deadline; nothing it starts survives it.
+
+    Raises the program's ``KataTodo`` when it stopped at a step not written yet, and fails the
+    test when it runs past ``timeout`` or leaves processes running after it exits.
+    """
+    command = [sys.executable, "-m", f"{impl.current()}.{kata_module}", *args]
+    shown = " ".join(command[2:])
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own session: every process it starts can be found and killed
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_session(process.pid)
+        out, err = process.communicate()
+        raise AssertionError(
+            f"`python {shown}` did not finish within {timeout:g} s.\nstdout:\n{out}\nstderr:\n{err}"
+        ) from None
+    leftovers = _wait_for_session_to_end(process.pid)
+    if leftovers:
+        _kill_session(process.pid)
+        raise AssertionError(f"`python {shown}` exited but left processes running: {leftovers}")
+    if process.returncode == EXIT_TODO:
+        todo = find_todo(AssertionError(err))
+        if todo is not None:
+            raise todo
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _session_members(session: int) -> list[int]:
+    """Processes of a session, read from /proc (an empty list where there is no /proc)."""
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":  # fields[3] is the session id
+                members.append(int(entry))
+    return members
+
+
+def _wait_for_session_to_end(session: int, grace: float = 5.0) -> list[int]:
+    """Ranks notice their parent's exit within moments; give them ``grace`` seconds to go."""
+    end = time.monotonic() + grace
+    while True:
+        members = _session_members(session)
+        if not members or time.monotonic() > end:
+            return members
+        time.sleep(0.05)
+
+
+def _kill_session(session: int) -> None:
+    for pid in _session_members(session) or [session]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
