@@ -77,3 +77,23 @@ def _kill_session(session: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago.
+
+    Only for katas that teach env:// rendezvous (MASTER_PORT), where the port must be known
+    before any process starts: another process could take it in between, a small race the
+    harness itself avoids by owning its store. Tests that use it retry once on "address in use".
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_port_clash(error: BaseException) -> bool:
+    """Whether ``error`` is the rare race ``free_port`` can lose (retry with a new port)."""
+    text = str(error).lower()
+    return "address already in use" in text or "eaddrinuse" in text
