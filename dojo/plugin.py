@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from dojo import impl
+from dojo import curriculum, impl
 from dojo.todo import find_todo
 from dojo.world import run_world
 
@@ -76,7 +76,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if item.config.getoption("expect_todo"):
         _expect_todo(report, call, todo)
     elif todo is not None:
-        report.longrepr = f"{todo}\n  -> write {todo.kata} step {todo.step} in katas/ (the kata's docstring explains it)"
+        report.longrepr = _todo_report(todo)
+
+
+def _todo_report(todo) -> str:
+    """One line for the todo, where to write it, and the step's first (gentlest) hint."""
+    lines = [str(todo)]
+    try:
+        kata = curriculum.find(todo.kata)
+        lines.append(f"  -> write step {todo.step} in katas/{kata.module}.py (its lesson explains it)")
+        hints = kata.step(todo.step).hints
+        if hints:
+            lines.append(f"  hint: {hints[0]}  (more: dojo hint {todo.kata})")
+    except KeyError:
+        lines.append(f"  -> write {todo.kata} step {todo.step} in katas/")
+    return "\n".join(lines)
 
 
 def _expect_todo(report, call: pytest.CallInfo, todo) -> None:
