@@ -1,0 +1,396 @@
+"""k04 all-reduce: the tutorial's demonstration, the reduce ops, and average_gradients.
+
+Every check is a ``check_*`` function that can run another implementation than the kata's
+(``impl="module:function"``): tests/test_k04_mistakes.py runs a catalogue of real mistakes
+through these same checks and proves each one fails with a message that names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dojo.impl import load_kata
+from dojo.testing import run_program
+from dojo.todo import KataTodo
+from dojo.world import run_world
+
+KATA = "k04_allreduce"
+
+
+def _implementation(name: str, impl: str | None):
+    """The kata's function ``name``, or the stand-in ``impl`` ("module:function") for it."""
+    if impl is None:
+        return getattr(load_kata(KATA), name)
+    module, _, function = impl.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _show(t: torch.Tensor) -> str:
+    values = t.flatten().tolist()
+    return str(values[0] if len(values) == 1 else values)
+
+
+# --------------------------------------------------------------------------- step 1: the demo
+
+def _demo(rank, world_size, impl=None):
+    before, after = _implementation("tutorial_allreduce", impl)(rank, world_size)
+    return before.cpu().tolist(), after.cpu().tolist(), str(after.device)
+
+
+def check_tutorial_allreduce(world_size: int, impl: str | None = None, **options) -> list:
+    results = run_world(_demo, world_size, impl, **options)
+    total = sum(range(world_size))
+    terms = " + ".join(str(r) for r in range(world_size))
+    for rank, (before, after, _) in enumerate(results):
+        if before == [total] and after == [total] and rank != total:
+            raise AssertionError(
+                f"rank {rank}'s 'before' tensor already holds the sum {total}: all_reduce works in "
+                "place and overwrote it. Keep a copy (tensor.clone()) made before the all-reduce."
+            )
+        assert before == [rank], (
+            f"rank {rank} started from {before}, expected tensor([{rank}]): each rank holds its own "
+            "rank number, torch.tensor([rank])"
+        )
+        if after == [rank] and rank != total:
+            raise AssertionError(
+                f"rank {rank} still holds its own value {after} after the all-reduce: call "
+                "dist.all_reduce(tensor) on the very tensor you return (it works in place and "
+                "returns nothing useful), on every rank"
+            )
+        assert after == [total], (
+            f"rank {rank} holds {after} after the all-reduce, expected [{total}] ({terms}): use "
+            "op=dist.ReduceOp.SUM"
+        )
+    return results
+
+
+@pytest.mark.parametrize("world_size", [4, 3])
+def test_tutorial_allreduce_gives_every_rank_the_sum(kata, world_size):
+    check_tutorial_allreduce(world_size)
+
+
+# --------------------------------------------------------------------------- step 2: reduce ops
+
+def _values(rank: int) -> torch.Tensor:
+    # Different on every rank, negatives included, so that each op has one right answer.
+    return torch.tensor([rank + 1.0, 10.0 - rank, (-1.0) ** rank * (rank + 1)])
+
+
+_EXPECTED_OPS = {
+    "sum": ("the element-wise sum", lambda stack: stack.sum(0)),
+    "product": ("the element-wise product", lambda stack: stack.prod(0)),
+    "min": ("the element-wise smallest", lambda stack: stack.min(0).values),
+    "max": ("the element-wise largest", lambda stack: stack.max(0).values),
+}
+
+
+def _ops(rank, world_size, impl=None):
+    all_reduce_with = _implementation("all_reduce_with", impl)
+    got = {}
+    for op in _EXPECTED_OPS:
+        tensor = _values(rank).to(_device())
+        returned = all_reduce_with(tensor, op)
+        got[op] = (tensor.cpu(), returned is tensor)
+    try:
+        all_reduce_with(_values(rank), "median")
+        refused = "returned without an error"
+    except ValueError as error:
+        refused = ("ValueError", str(error))
+    except KataTodo:
+        raise
+    except Exception as error:  # noqa: BLE001 - the test reports which error it was
+        refused = f"raised {type(error).__name__}: {error}"
+    return got, refused
+
+
+def check_reduce_ops(world_size: int, impl: str | None = None, **options) -> None:
+    results = run_world(_ops, world_size, impl, **options)
+    stack = torch.stack([_values(rank) for rank in range(world_size)])
+    for op, (what, reduce) in _EXPECTED_OPS.items():
+        expected = reduce(stack)
+        for rank, (got, _) in enumerate(results):
+            tensor, same = got[op]
+            if torch.equal(tensor, _values(rank)):
+                raise AssertionError(
+                    f"all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was "
+                    f"({_show(tensor)}): reduce that tensor in place with dist.all_reduce"
+                )
+            assert torch.equal(tensor, expected), (
+                f"all_reduce_with(tensor, {op!r}): rank {rank} holds {_show(tensor)}, expected "
+                f"{what} over the {world_size} ranks, {_show(expected)}. Which dist.ReduceOp did "
+                f"{op!r} map to?"
+            )
+            assert same, f"all_reduce_with(tensor, {op!r}) must return the tensor it reduced in place"
+    refused = results[0][1]
+    assert isinstance(refused, tuple), (
+        f"all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError"
+    )
+    assert all(op in refused[1] for op in _EXPECTED_OPS), (
+        f"all_reduce_with(tensor, 'median') raised ValueError({refused[1]!r}): name the ops it "
+        f"knows ({', '.join(_EXPECTED_OPS)}) so the caller can fix the call"
+    )
+
+
+def test_reduce_ops(kata):
+    check_reduce_ops(3)
+
+
+# --------------------------------------------------------------------------- step 3: gradients
+#
+# Rank r sets every parameter's gradient to (r + 1) * base, with base a distinct integer
+# pattern per parameter: the mean, (N + 1) / 2 * base, and the sum are exact in floating point.
+# Parameter values differ per rank too, so that reducing the values instead of the gradients
+# shows.
+
+def _model(with_none: bool = False) -> nn.Module:
+    layers = OrderedDict(hidden=nn.Linear(3, 4), act=nn.ReLU(), out=nn.Linear(4, 2))
+    if with_none:
+        layers["frozen"] = nn.Linear(2, 2)  # requires_grad off: its .grad stays None
+    model = nn.Sequential(layers)
+    if with_none:
+        model.frozen.requires_grad_(False)
+        model.register_parameter("unused", nn.Parameter(torch.zeros(2)))  # trainable, no grad yet
+    return model
+
+
+def _pattern(index: int, param: torch.Tensor) -> torch.Tensor:
+    return torch.arange(1.0, param.numel() + 1).reshape(param.shape) + 10.0 * index
+
+
+def _own_grad(index: int, param: torch.Tensor, rank: int) -> torch.Tensor:
+    return (rank + 1) * _pattern(index, param)
+
+
+def _own_value(index: int, param: torch.Tensor, rank: int) -> torch.Tensor:
+    return 0.5 * _pattern(index, param) - 100.0 * rank
+
+
+def _no_grad(name: str) -> bool:
+    return name.startswith("frozen") or name == "unused"
+
+
+def _average(rank, world_size, impl=None, with_none=False):
+    device = _device()
+    model = _model(with_none).to(device)
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            param.copy_(_own_value(index, param, rank))
+            param.grad = None if _no_grad(name) else _own_grad(index, param, rank).to(device)
+    average = _implementation("average_gradients", impl)
+    try:
+        average(model)
+    except KataTodo:
+        raise
+    except Exception as error:
+        if with_none and ("NoneType" in str(error) or isinstance(error, (AttributeError, TypeError))):
+            raise AssertionError(
+                f"rank {rank}: average_gradients raised {type(error).__name__}: {error}\n"
+                "This model has parameters whose .grad is None (frozen.weight and frozen.bias "
+                "have requires_grad=False; 'unused' took no part in the forward pass): there is "
+                "nothing to average, so skip them (if param.grad is None: continue)."
+            ) from error
+        raise
+    return {
+        name: (param.detach().cpu().clone(), None if param.grad is None else param.grad.cpu().clone())
+        for name, param in model.named_parameters()
+    }
+
+
+def _expectations(world_size: int, with_none: bool = False):
+    model = _model(with_none)
+    for index, (name, param) in enumerate(model.named_parameters()):
+        own = [_own_grad(index, param, rank) for rank in range(world_size)]
+        values = [_own_value(index, param, rank) for rank in range(world_size)]
+        yield name, own, values
+
+
+def _label(got: torch.Tensor, named: dict) -> str:
+    for what, tensor in named.items():
+        if _close(got, tensor):
+            return what
+    return "neither the mean, the sum nor its own gradient"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+def check_average_gradients(world_size: int, impl: str | None = None, with_none: bool = False, **options) -> None:
+    results = run_world(_average, world_size, impl, with_none, **options)
+    n = world_size
+    averaged, untouched = [], []
+    problems = []
+    for name, own, values in _expectations(n, with_none):
+        for rank in range(n):
+            got_value = results[rank][name][0]
+            if not _close(got_value, values[rank]):
+                if _close(got_value, sum(values) / n) or _close(got_value, sum(values)):
+                    raise AssertionError(
+                        f"average_gradients changed the value of parameter {name!r} on rank {rank} "
+                        f"to {_show(got_value)} (it was {_show(values[rank])}, and the ranks' values "
+                        "differ in this test): it all-reduced param.data, the weights themselves. "
+                        "Reduce param.grad instead."
+                    )
+                raise AssertionError(
+                    f"average_gradients changed the value of parameter {name!r} on rank {rank} from "
+                    f"{_show(values[rank])} to {_show(got_value)}: it must touch only .grad (the "
+                    "optimizer's step changes the values)"
+                )
+        if with_none and _no_grad(name):
+            for rank in range(n):
+                grad = results[rank][name][1]
+                assert grad is None, (
+                    f"parameter {name!r} had no gradient (.grad None) on rank {rank}, but after "
+                    f"average_gradients it holds {_show(grad)}: leave such parameters alone. The "
+                    "optimizer skips a parameter without a gradient, while a zero gradient still "
+                    "moves it through momentum or weight decay."
+                )
+            continue
+        mean, total = sum(own) / n, sum(own)
+        grads = [results[rank][name][1] for rank in range(n)]
+        if all(_close(g, mean) for g in grads):
+            averaged.append(name)
+            continue
+        if n > 1 and all(_close(g, own[rank]) for rank, g in enumerate(grads)):
+            untouched.append(name)
+            continue
+        if all(_close(g, total) for g in grads):
+            problems.append(
+                f"every rank holds the sum of the {n} ranks' gradients for {name!r} "
+                f"({_show(total)}), not their mean ({_show(mean)}): after the SUM all-reduce, "
+                "divide by the world size, dist.get_world_size()"
+            )
+        elif all(_close(g, own[rank] / n) for rank, g in enumerate(grads)):
+            problems.append(
+                f"each rank divided its own gradient of {name!r} by {n} but never combined them "
+                f"(rank 0 holds {_show(grads[0])}, the mean is {_show(mean)}): all_reduce the "
+                "gradient across the ranks as well"
+            )
+        elif all(_close(g, grads[0]) for g in grads):
+            problems.append(
+                f"every rank holds {_show(grads[0])} for the gradient of {name!r}, expected the mean "
+                f"{_show(mean)}: the sum {_show(total)} divided by the world size {n}. Divide by "
+                "dist.get_world_size() (not a fixed number), after a SUM all-reduce."
+            )
+        else:
+            named = {"the mean": mean, "the sum": total}
+            lines = "\n".join(
+                f"  rank {rank} holds {_show(g)} ({_label(g, {**named, 'its own gradient': own[rank]})})"
+                for rank, g in enumerate(grads)
+            )
+            problems.append(
+                f"the ranks disagree about the gradient of {name!r} after average_gradients "
+                f"(expected the mean {_show(mean)} on every rank):\n{lines}\n"
+                "Every rank must end with the same mean, or the replicas drift apart: use "
+                "dist.all_reduce (every rank gets the result; dist.reduce gives it to one rank "
+                "only), and divide on every rank."
+            )
+    if untouched and averaged:
+        problems.insert(0,
+            f"the gradients of {', '.join(map(repr, untouched))} were not averaged: every rank still "
+            f"holds its own, while {', '.join(map(repr, averaged))} were. Average every parameter: "
+            "loop over model.parameters() (weights and biases, every layer)."
+        )
+    elif untouched:
+        problems.insert(0,
+            "no gradient was averaged: after average_gradients every rank still holds its own .grad. "
+            "Did you all-reduce param.data (the values) instead of param.grad, or a copy of the "
+            "gradient that you then dropped? dist.all_reduce(param.grad) changes param.grad in place."
+        )
+    if problems:
+        raise AssertionError(f"with {n} ranks: " + "\n".join(problems))
+
+
+def test_average_gradients_gives_every_rank_the_mean(kata):
+    check_average_gradients(4)
+
+
+def test_average_gradients_divides_by_the_world_size(kata):
+    check_average_gradients(3)
+
+
+def test_average_gradients_leaves_missing_gradients_alone(kata):
+    check_average_gradients(2, with_none=True)
+
+
+def test_average_gradients_in_a_world_of_one(kata):
+    check_average_gradients(1)
+
+
+# --------------------------------------------------------------------------- the program
+
+def test_program_prints_every_rank_before_and_after(kata):
+    done = run_program(KATA, "--world-size", "4", "--backend", "gloo", "--device", "cpu", timeout=90)
+    assert done.returncode == 0, (
+        f"`python -m {KATA} --world-size 4` exited with status {done.returncode}\n"
+        f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    )
+    for rank in range(4):
+        before = f"[rank {rank}] before all_reduce: tensor([{rank}])"
+        after = f"[rank {rank}] after  all_reduce(SUM): tensor([6])"
+        assert before in done.stdout and after in done.stdout, (
+            f"the program's output lacks rank {rank}'s lines {before!r} and {after!r}:\n{done.stdout}"
+        )
+
+
+# --------------------------------------------------------------------------- CUDA
+
+def _device() -> torch.device:
+    from dojo.devices import rank_device
+
+    return rank_device()
+
+
+def _needs_gpus(count: int) -> None:
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < count:
+        pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
+
+
+def _on_cuda(rank, world_size, share_gpus=False):
+    if share_gpus:
+        # gloo lets ranks share a GPU: rank r uses GPU r % count. The harness would pin rank r to
+        # cuda:r, so this world runs without DOJO_DEVICE and the rank sets it up itself.
+        os.environ["DOJO_DEVICE"] = "cuda"
+        os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
+    torch.cuda.set_device(_device())  # what a real program does before any CUDA work
+    kata = load_kata(KATA)
+    before, after = kata.tutorial_allreduce(rank, world_size)
+    model = _model().to(_device())
+    for param in model.parameters():
+        param.grad = torch.full_like(param, float(rank + 1))
+    kata.average_gradients(model)
+    grad_devices = {p.grad.device.type for p in model.parameters()}
+    return after.cpu().tolist(), after.device.type, grad_devices, [p.grad.cpu() for p in model.parameters()]
+
+
+def _check_on_cuda(results, world_size):
+    mean = (world_size + 1) / 2
+    for rank, (after, device, grad_devices, grads) in enumerate(results):
+        assert device == "cuda" and grad_devices == {"cuda"}, (
+            f"rank {rank}: the tensors ended on {device} (gradients on {grad_devices}), expected "
+            "cuda: make every tensor on dojo.devices.rank_device()"
+        )
+        assert after == [sum(range(world_size))], f"rank {rank} holds {after} after the SUM all-reduce"
+        assert all(torch.all(g == mean) for g in grads), f"rank {rank}'s averaged gradients are not {mean}"
+
+
+@pytest.mark.cuda
+def test_nccl_world_of_one(kata):
+    _needs_gpus(1)
+    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    _check_on_cuda(results, 1)
+
+
+@pytest.mark.cuda
+def test_gloo_on_cuda_several_ranks(kata):
+    _needs_gpus(1)
+    results = run_world(_on_cuda, 2, True, backend="gloo", deadline=60)
+    _check_on_cuda(results, 2)
