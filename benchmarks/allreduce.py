@@ -1,0 +1,131 @@
+"""Benchmark: your ring all-reduce (k09) against gloo's own ``dist.all_reduce``, on one world.
+
+    python -m benchmarks.allreduce                  # the ring in katas/ (yours), 4 ranks
+    python -m benchmarks.allreduce --impl solutions # the reference ring
+    python -m benchmarks.allreduce --sizes 16M --repeat 21
+
+For each size (float32 tensors, 4 KB to 64 MB by default) both all-reduces run on the same gloo
+world, alternating, so a busy machine slows both alike. Each timing is the slowest rank's time
+between two barriers; the table shows the median over the repetitions, the algorithm bandwidth
+(size / time, as nccl-tests report it) and ``gloo time / ring time`` (above 1: the ring is
+faster). The ring's sum is checked against gloo's at every size; a wrong sum fails the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dojo import impl
+from dojo.console import run_program, say
+from dojo.launch import add_launch_arguments, launch_world
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"16M"`` -> 16777216 bytes; plain numbers are bytes. Must be a multiple of 4 (float32)."""
+    text = text.strip().upper().removesuffix("B")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    try:
+        number = int(text[: len(text) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4K, 16M or 4096") from None
+    if number < 4 or number % 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes are float32 tensors, a positive multiple of 4 bytes")
+    return number
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" or nbytes >= 100 else f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def repetitions(nbytes: int, at_least: int) -> int:
+    """Many repetitions for small tensors (noisy, cheap), ``at_least`` for big ones."""
+    return max(at_least, min(100, (8 << 20) // nbytes))
+
+
+def _slowest_rank(seconds: float) -> float:
+    timing = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(timing, op=dist.ReduceOp.MAX)
+    return float(timing.item())
+
+
+def _timed(op, buffer: torch.Tensor, original: torch.Tensor) -> float:
+    buffer.copy_(original)  # a fresh input each time: repeated sums would overflow
+    dist.barrier()
+    start = time.perf_counter()
+    op(buffer)
+    return _slowest_rank(time.perf_counter() - start)
+
+
+def _bench_rank(rank: int, world_size: int, impl_name: str, sizes: list[int], at_least: int) -> list[dict]:
+    ring = importlib.import_module(f"{impl_name}.k09_ring_allreduce").ring_allreduce
+    rows = []
+    for nbytes in sizes:
+        original = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+        buffer = torch.empty_like(original)
+        ops = {"ring": ring, "gloo": dist.all_reduce}
+        results = {}
+        for name, op in ops.items():  # warm-up, and the correctness check
+            _timed(op, buffer, original)
+            results[name] = buffer.clone()
+        correct = torch.allclose(results["ring"], results["gloo"], rtol=1e-4, atol=1e-4)
+        times = {name: [] for name in ops}
+        for _ in range(repetitions(nbytes, at_least)):
+            for name, op in ops.items():  # alternate, so noise hits both alike
+                times[name].append(_timed(op, buffer, original))
+        row = {"bytes": nbytes, "correct": correct, **{n: statistics.median(t) for n, t in times.items()}}
+        if rank == 0:
+            say(None, _format_row(row))
+        rows.append(row)
+    return rows
+
+
+_HEADER = f"{'size':>8} | {'ring time':>10} {'ring algbw':>12} | {'gloo time':>10} {'gloo algbw':>12} | {'gloo/ring':>9}"
+
+
+def _format_row(row: dict) -> str:
+    size, ring, gloo = row["bytes"], row["ring"], row["gloo"]
+    text = (f"{human(size):>8} | {ring * 1e3:>7.2f} ms {human(size / ring) + '/s':>12} | "
+            f"{gloo * 1e3:>7.2f} ms {human(size / gloo) + '/s':>12} | {gloo / ring:>8.2f}x")
+    return text if row["correct"] else text + "  WRONG SUM"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_launch_arguments(parser)
+    parser.add_argument("--impl", choices=impl.PACKAGES, default=impl.current(),
+                        help="whose ring: katas (yours) or solutions (default: $DOJO_IMPL, else katas)")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"comma-separated tensor sizes in bytes, K or M (default {DEFAULT_SIZES})")
+    parser.add_argument("--repeat", type=int, default=7,
+                        help="repetitions at least, per size and all-reduce; the median is shown (default 7)")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    say(None, f"{args.impl}.k09_ring_allreduce.ring_allreduce against dist.all_reduce, {args.world_size} ranks, gloo on CPU, "
+              f"float32, median of at least {args.repeat} runs")
+    say(None, _HEADER)
+    rows = launch_world(_bench_rank, args.world_size, args.impl, sizes, args.repeat,
+                        backend=args.backend or "gloo", device=args.device or "cpu")[0]
+    wrong = [human(r["bytes"]) for r in rows if not r["correct"]]
+    if wrong:
+        say(None, f"the ring's sum differs from dist.all_reduce's at {', '.join(wrong)}: see k09's tests")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)
