@@ -1,0 +1,627 @@
+"""k06 several machines: the rank arithmetic, the environment checks, joining a world at an
+address, the all-reduce check, the node launcher, and two real "nodes" on this machine (started
+by hand and by torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from dojo import impl
+from dojo.curriculum import ROOT
+from dojo.testing import run_program
+from dojo.todo import KataTodo, find_todo
+from dojo.world import WorldDeadlock, run_world
+
+KATA = "k06_multi_node"
+ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What torchrun gives rank 3 of 2 nodes x 2 processes (measured), extra variables included.
+TORCHRUN_RANK_3 = {
+    "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+
+
+def _loopback() -> str:
+    names = {name for _, name in socket.if_nameindex()}
+    return "lo" if "lo" in names or "lo0" not in names else "lo0"
+
+
+def _free_port() -> int:
+    # No port is safe on a shared machine: this one is free now, but anything (another test
+    # under xdist, another user) may bind it before rank 0 does. The tests that use it retry
+    # once with a fresh port when the run reports "address already in use".
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _in_use(text: str) -> bool:
+    return "address already in use" in text.lower() or "eaddrinuse" in text.lower()
+
+
+def _raised(call, *args):
+    """``("ok", value)`` or ``("raised", error)``; a todo goes straight through to the test."""
+    try:
+        return "ok", call(*args)
+    except KataTodo:
+        raise
+    except Exception as error:  # noqa: BLE001 - the test reports whatever the learner raised
+        todo = find_todo(error)
+        if todo is not None:
+            raise todo from None
+        return "raised", error
+
+
+# --------------------------------------------------------------------------- step 1
+
+@pytest.mark.parametrize("node, local, rank", [(0, 0, 0), (0, 2, 2), (1, 0, 3), (1, 2, 5)])
+def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
+    env = kata.node_environment(2, node, 3, local, "10.0.0.1", 29500)
+    call = f"node_environment(nnodes=2, node_rank={node}, nproc_per_node=3, local_rank={local}, ...)"
+    assert isinstance(env, dict), f"{call} returned {env!r}, expected a dict of environment variables"
+    missing = [name for name in ENV_NAMES if name not in env]
+    assert not missing, f"{call} left out {missing}: a process needs all of {list(ENV_NAMES)}"
+    not_text = {k: v for k, v in env.items() if not isinstance(v, str)}
+    assert not not_text, (
+        f"{call} gave non-string values {not_text}: environment variables are strings, wrap them in str()"
+    )
+    expected = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3",
+                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    wrong = {k: (env[k], v) for k, v in expected.items() if env[k] != v}
+    assert not wrong, (
+        f"{call}: {', '.join(f'{k}={got!r}, expected {want!r}' for k, (got, want) in wrong.items())}. "
+        f"rank = node_rank * nproc_per_node + local_rank = {node} * 3 + {local}; world size = nnodes * nproc_per_node"
+    )
+
+
+@pytest.mark.parametrize(
+    "nnodes, node_rank, nproc, local, addr, port, names, what",
+    [
+        (2, 2, 2, 0, "10.0.0.1", 29500, r"node.rank", "node rank 2 with 2 nodes (nodes are 0 and 1)"),
+        (2, -1, 2, 0, "10.0.0.1", 29500, r"node.rank", "a negative node rank"),
+        (0, 0, 2, 0, "10.0.0.1", 29500, r"nnodes|nodes", "zero nodes"),
+        (2, 0, 0, 0, "10.0.0.1", 29500, r"nproc|per.node", "zero processes per node"),
+        (2, 0, 2, 2, "10.0.0.1", 29500, r"local", "local rank 2 with 2 processes per node"),
+        (2, 0, 2, 0, " ", 29500, r"addr", "an empty master address"),
+        (2, 0, 2, 0, "10.0.0.1", 0, r"port", "port 0"),
+        (2, 0, 2, 0, "10.0.0.1", 70000, r"port", "port 70000 (ports end at 65535)"),
+    ],
+)
+def test_node_environment_rejects_bad_options(kata, nnodes, node_rank, nproc, local, addr, port, names, what):
+    outcome = _raised(kata.node_environment, nnodes, node_rank, nproc, local, addr, port)
+    call = f"node_environment({nnodes}, {node_rank}, {nproc}, {local}, {addr!r}, {port})"
+    assert outcome[0] == "raised", f"{call} ({what}) returned {outcome[1]!r}: it must raise LaunchConfigError"
+    error = outcome[1]
+    assert isinstance(error, kata.LaunchConfigError), (
+        f"{call} ({what}) raised {type(error).__name__}: {error}; raise the kata's LaunchConfigError"
+    )
+    assert re.search(names, str(error), re.I), (
+        f"{call} ({what}) raised LaunchConfigError({str(error)!r}): the message must name the "
+        f"option that is wrong (matching {names!r}), so the user knows what to fix"
+    )
+
+
+# --------------------------------------------------------------------------- step 2
+
+def test_read_environment_as_torchrun_sets_it(kata):
+    info = kata.read_environment(dict(TORCHRUN_RANK_3))
+    expected = kata.RankInfo(rank=3, local_rank=1, world_size=4, local_world_size=2,
+                             master_addr="10.0.0.1", master_port=29500)
+    assert info == expected, (
+        f"read_environment(torchrun's environment for rank 3) returned {info!r}, expected {expected!r} "
+        "(numbers as int, not str)"
+    )
+    assert info.node_rank == 1
+
+
+def test_read_environment_reads_os_environ_by_default(kata, monkeypatch):
+    for name, value in TORCHRUN_RANK_3.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    info = kata.read_environment()
+    assert (info.rank, info.local_rank) == (2, 0), (
+        f"with RANK=2 and LOCAL_RANK=0 in os.environ, read_environment() returned {info!r}: "
+        "read os.environ when no mapping is given"
+    )
+
+
+def test_node_environment_and_read_environment_agree(kata):
+    for node in range(2):
+        for local in range(3):
+            env = kata.node_environment(2, node, 3, local, "host-a", 29500)
+            info = kata.read_environment(env)
+            assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (node * 3 + local, local, 6, 3), (
+                f"node {node}, local rank {local} of 2 x 3: read_environment(node_environment(...)) gave "
+                f"{info!r}: what one launcher writes, the process must read back unchanged"
+            )
+            assert (info.master_addr, info.master_port) == ("host-a", 29500), f"the master address came back as {info!r}"
+
+
+@pytest.mark.parametrize(
+    "environ, missing",
+    [
+        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]),
+        ({**TORCHRUN_RANK_3, "MASTER_ADDR": ""}, ["MASTER_ADDR"]),
+        ({k: v for k, v in TORCHRUN_RANK_3.items() if k not in ("MASTER_PORT", "WORLD_SIZE")}, ["WORLD_SIZE", "MASTER_PORT"]),
+        ({}, list(ENV_NAMES)),
+    ],
+    ids=["only-master", "empty-addr", "no-port-no-size", "nothing"],
+)
+def test_read_environment_names_every_missing_variable(kata, environ, missing):
+    outcome = _raised(kata.read_environment, dict(environ))
+    assert outcome[0] == "raised", (
+        f"read_environment with {missing} missing returned {outcome[1]!r}: it must raise LaunchConfigError"
+    )
+    error = outcome[1]
+    assert isinstance(error, kata.LaunchConfigError), (
+        f"with {missing} missing, read_environment raised {type(error).__name__}: {error}; check for "
+        "missing variables first and raise the kata's LaunchConfigError"
+    )
+    unnamed = [name for name in missing if not re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", str(error))]
+    assert not unnamed, (
+        f"with {missing} missing, the message {str(error)!r} does not name {unnamed}: name every missing "
+        "variable at once, so the user fixes them in one go"
+    )
+    assert "torchrun" in str(error), (
+        f"the message {str(error)!r} must say how to get these variables set: mention torchrun (and the "
+        "manual launch options)"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, names, what",
+    [
+        ({"WORLD_SIZE": "four"}, ["WORLD_SIZE"], "a world size that is not a number"),
+        ({"RANK": "1.5"}, ["RANK"], "a rank that is not a whole number"),
+        ({"RANK": "-1"}, ["RANK"], "a negative rank"),
+        ({"RANK": "5", "LOCAL_RANK": "1"}, ["RANK", "WORLD_SIZE"], "rank 5 in a world of 4"),
+        ({"WORLD_SIZE": "0"}, ["WORLD_SIZE"], "a world of 0"),
+        ({"LOCAL_RANK": "2", "RANK": "2"}, ["LOCAL_RANK"], "local rank 2 with 2 processes per node"),
+        ({"LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE"], "8 processes per node in a world of 4"),
+        ({"LOCAL_WORLD_SIZE": "3", "RANK": "1"}, ["LOCAL_WORLD_SIZE"], "a world of 4 on nodes of 3"),
+        ({"RANK": "2"}, ["RANK", "LOCAL_RANK"], "rank 2 claiming local rank 1 on nodes of 2 (rank 2 is local rank 0)"),
+        ({"MASTER_PORT": "http"}, ["MASTER_PORT"], "a port that is not a number"),
+        ({"MASTER_PORT": "70000"}, ["MASTER_PORT"], "port 70000 (ports end at 65535)"),
+    ],
+)
+def test_read_environment_rejects_inconsistent_values(kata, change, names, what):
+    environ = {**TORCHRUN_RANK_3, **change}
+    shown = " ".join(f"{k}={v}" for k, v in change.items())
+    outcome = _raised(kata.read_environment, environ)
+    assert outcome[0] == "raised", (
+        f"read_environment with {shown} ({what}) returned {outcome[1]!r}: it must raise LaunchConfigError, "
+        "or this process would wait for the timeout in a world that can never form"
+    )
+    error = outcome[1]
+    assert isinstance(error, kata.LaunchConfigError), (
+        f"read_environment with {shown} ({what}) raised {type(error).__name__}: {error}; raise the kata's "
+        "LaunchConfigError (catch int()'s ValueError and say which variable held what)"
+    )
+    unnamed = [name for name in names if not re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", str(error))]
+    assert not unnamed, (
+        f"read_environment with {shown} ({what}) raised LaunchConfigError({str(error)!r}): the message must "
+        f"name {unnamed}, so the user knows which variable to fix"
+    )
+
+
+# --------------------------------------------------------------------------- step 3
+
+def _join_and_report(rank, world_size, port, backend, device_type):
+    import torch.distributed as dist
+
+    from dojo.impl import load_kata
+
+    for name in ENV_NAMES:  # join_world must use the info it is given, not the environment
+        os.environ.pop(name, None)
+    kata = load_kata(KATA)
+    device = torch.device(device_type) if device_type == "cpu" else torch.device("cuda", 0)
+    info = kata.RankInfo(rank, rank, world_size, world_size, "127.0.0.1", port)
+    try:
+        kata.join_world(info, backend, device, timedelta(seconds=20))
+        if not dist.is_initialized():
+            return {"initialized": False}
+        total = torch.tensor([rank + 1.0], device=device)
+        dist.all_reduce(total)
+        return {"initialized": True, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "backend": dist.get_backend(), "sum": total.item(),
+                "current_device": torch.cuda.current_device() if device.type == "cuda" else None}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_world(world_size, backend="gloo", device_type="cpu"):
+    for attempt in range(2):
+        port = _free_port()
+        try:
+            return run_world(_join_and_report, world_size, port, backend, device_type, init_group=False,
+                             deadline=30, env={"GLOO_SOCKET_IFNAME": _loopback()})
+        except AssertionError as failure:
+            if attempt == 0 and _in_use(str(failure)):
+                continue
+            if "expected, but not set" in str(failure):
+                raise AssertionError(
+                    f"join_world read the environment (env://), but the test gave it only a RankInfo: "
+                    f"use init_method=f\"tcp://{{info.master_addr}}:{{info.master_port}}\" with "
+                    f"rank=info.rank and world_size=info.world_size\n\n{failure}"
+                ) from None
+            raise
+
+
+def test_join_world_joins_at_the_given_address(kata):
+    results = _join_world(2)
+    for rank, result in enumerate(results):
+        assert result["initialized"], f"rank {rank}: after join_world, dist.is_initialized() is False"
+        assert (result["rank"], result["world_size"]) == (rank, 2), (
+            f"rank {rank} joined as rank {result['rank']} of {result['world_size']}: pass "
+            "rank=info.rank and world_size=info.world_size to init_process_group"
+        )
+        assert result["sum"] == 3.0, f"rank {rank}: an all-reduce in the joined world gave {result['sum']}, expected 3.0"
+
+
+def _join_alone(rank, world_size, port):
+    from dojo.impl import load_kata
+
+    if rank != 0:
+        return None  # the peer that never comes
+    kata = load_kata(KATA)
+    info = kata.RankInfo(0, 0, world_size, world_size, "127.0.0.1", port)
+    start = time.monotonic()
+    try:
+        kata.join_world(info, "gloo", torch.device("cpu"), timedelta(seconds=1.5))
+    except KataTodo:
+        raise
+    except Exception as error:  # noqa: BLE001 - any error is the right outcome here
+        return "raised", f"{type(error).__name__}: {error}", time.monotonic() - start
+    return "returned", None, time.monotonic() - start
+
+
+def test_join_world_gives_up_after_its_timeout(kata):
+    try:
+        [outcome, _] = run_world(_join_alone, 2, _free_port(), init_group=False, deadline=30, straggler=8,
+                                 env={"GLOO_SOCKET_IFNAME": _loopback()})
+    except WorldDeadlock as failure:
+        raise AssertionError(
+            "join_world(info, timeout=1.5 s) was still waiting 8 s later for a peer that never came: "
+            f"pass timeout=timeout to init_process_group (the default is 30 minutes)\n\n{failure}"
+        ) from None
+    assert outcome[0] == "raised", (
+        "join_world returned although its only peer never came: it must wait for the whole world"
+    )
+    assert outcome[2] < 6, f"join_world gave up after {outcome[2]:.1f} s, with timeout=1.5 s: pass the timeout on"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_join_world_nccl_on_one_gpu(kata):
+    [result] = _join_world(1, "nccl", "cuda")
+    assert result["backend"] == "nccl" and result["sum"] == 1.0, f"NCCL world of 1 on cuda:0 gave {result}"
+    assert result["current_device"] == 0, "join_world must torch.cuda.set_device(device) for a CUDA device"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_join_world_gloo_on_cuda_with_two_ranks(kata):
+    results = _join_world(2, "gloo", "cuda")
+    assert [r["sum"] for r in results] == [3.0, 3.0], f"gloo with CUDA tensors on 2 ranks gave {results}"
+
+
+# --------------------------------------------------------------------------- step 4
+
+def _sum_on_two_nodes_of_three(rank, world_size):
+    from dojo.impl import load_kata
+
+    kata = load_kata(KATA)
+    info = kata.RankInfo(rank, rank % 3, world_size, 3, "127.0.0.1", 1)
+    total = kata.sum_of_ranks(info, torch.device("cpu"))
+    return total.tolist() if isinstance(total, torch.Tensor) else total
+
+
+def test_sum_of_ranks_over_two_nodes_of_three(kata, world):
+    totals = world.run(_sum_on_two_nodes_of_three, 6)
+    for rank, total in enumerate(totals):
+        if isinstance(total, list):
+            raise AssertionError(f"rank {rank} returned a tensor {total}: return a Python number (.item())")
+        assert isinstance(total, (int, float)), f"rank {rank} returned {total!r}, expected a number"
+        if total == 21:
+            continue
+        if total == rank + 1:
+            why = "that is its own contribution: did every rank call dist.all_reduce on its tensor?"
+        elif total == 15:
+            why = "15 is 0+1+...+5: contribute rank + 1, not rank"
+        elif total == 12:
+            why = "12 is the sum of local_rank + 1: contribute the global rank + 1 (info.rank)"
+        else:
+            why = "every rank contributes rank + 1 and all-reduces with SUM"
+        raise AssertionError(f"rank {rank} returned {total}, expected 1+2+...+6 = 21: {why}")
+
+
+# --------------------------------------------------------------------------- step 5
+
+# A stand-in for a rank process: cheap (no torch), it reports its environment to a file.
+_STAND_IN = r"""
+import json, os, sys, time
+folder, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rank = os.environ.get("RANK", "unset")
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "K06_KEPT")
+with open(os.path.join(folder, f"rank-{rank}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), **{n: os.environ.get(n) for n in names}}, f)
+if mode == "together":  # like init_process_group: wait until every process of the node is up
+    end = time.monotonic() + 10
+    while len([n for n in os.listdir(folder) if n.startswith("rank-")]) < count:
+        if time.monotonic() > end:
+            sys.exit(5)
+        time.sleep(0.02)
+elif mode == "fail":
+    if rank == "3":
+        time.sleep(0.3)
+        sys.exit(7)
+    time.sleep(60)
+elif mode == "sleep":
+    time.sleep(60)
+"""
+
+
+def _launch_stand_ins(_rank, _world_size, folder, mode, nproc, timeout):
+    from dojo.impl import load_kata
+
+    kata = load_kata(KATA)
+    os.environ["K06_KEPT"] = "from the launcher"
+    command = [sys.executable, "-c", _STAND_IN, folder, mode, str(nproc)]
+    start = time.monotonic()
+    try:
+        kata.launch_node(command, 2, 1, nproc, "10.0.0.1", 29500, timeout=timeout)
+        outcome = ("returned", None)
+    except KataTodo:
+        raise
+    except Exception as error:  # noqa: BLE001 - the test judges the error
+        outcome = ("raised", type(error).__name__, str(error))
+    return outcome, time.monotonic() - start
+
+
+def _reports(folder):
+    reports = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            report = json.load(f)
+        reports[report["RANK"]] = report
+    return reports
+
+
+def _still_running(pids):
+    running = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    running.append(pid)
+        except OSError:
+            pass
+    return running
+
+
+def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
+    [(outcome, _)] = run_world(_launch_stand_ins, 1, str(tmp_path), "together", 3, 20.0,
+                               init_group=False, deadline=30)
+    reports = _reports(tmp_path)
+    if outcome[0] == "raised" and len(reports) < 3:
+        raise AssertionError(
+            f"launch_node raised {outcome[1]}: {outcome[2]}\nonly {len(reports)} of the 3 processes "
+            "started: start every process before waiting for any (in a real world each one waits in "
+            "init_process_group for the others)"
+        )
+    assert outcome[0] == "returned", f"launch_node raised {outcome[1]}: {outcome[2]}"
+    assert sorted(reports) == ["3", "4", "5"], (
+        f"node 1 of 2 with 3 processes each started processes with RANK {sorted(reports)}, expected 3, 4, 5"
+    )
+    for rank, report in reports.items():
+        expected = {"LOCAL_RANK": str(int(rank) - 3), "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3",
+                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+        wrong = {k: report[k] for k, v in expected.items() if report[k] != v}
+        assert not wrong, f"the process with RANK={rank} got {wrong}, expected {expected}: use node_environment"
+        assert report["K06_KEPT"] == "from the launcher", (
+            f"the process with RANK={rank} lost the launcher's own environment (PATH, PYTHONPATH, ...): "
+            "pass env={**os.environ, **node_environment(...)}"
+        )
+
+
+def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
+    try:
+        [(outcome, seconds)] = run_world(_launch_stand_ins, 1, str(tmp_path), "fail", 2, None,
+                                         init_group=False, deadline=15)
+    except WorldDeadlock as failure:
+        raise AssertionError(
+            "rank 3 exited with status 7 at once, but launch_node was still waiting 15 s later: watch every "
+            "process (poll() them in a loop) and stop the rest at the first failure"
+        ) from failure
+    assert outcome[0] == "raised", "rank 3 exited with status 7, but launch_node returned: it must raise NodeFailed"
+    assert outcome[1] == "NodeFailed", f"launch_node raised {outcome[1]}: {outcome[2]}; raise the kata's NodeFailed"
+    assert re.search(r"rank 3\b", outcome[2]) and "7" in outcome[2], (
+        f"NodeFailed({outcome[2]!r}) must name rank 3 and its exit status 7"
+    )
+    leftovers = _still_running(r["pid"] for r in _reports(tmp_path).values())
+    assert not leftovers, (
+        f"processes {leftovers} were still running after launch_node raised: stop (terminate, then kill) "
+        "and wait for the others before raising"
+    )
+
+
+def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
+    try:
+        [(outcome, seconds)] = run_world(_launch_stand_ins, 1, str(tmp_path), "sleep", 2, 1.0,
+                                         init_group=False, deadline=15)
+    except WorldDeadlock as failure:
+        raise AssertionError("launch_node(timeout=1.0) was still waiting 15 s later: honour the timeout") from failure
+    assert outcome[0] == "raised" and outcome[1] == "NodeFailed", (
+        f"launch_node(timeout=1.0) with processes that never end gave {outcome}: raise NodeFailed at the timeout"
+    )
+    assert seconds < 8, f"launch_node(timeout=1.0) took {seconds:.1f} s to give up"
+    leftovers = _still_running(r["pid"] for r in _reports(tmp_path).values())
+    assert not leftovers, f"processes {leftovers} were still running after the timeout: stop them all"
+
+
+# --------------------------------------------------------------------------- the program
+
+def test_program_explains_an_incomplete_environment():
+    done = run_program(KATA, timeout=60, env={"RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    assert done.returncode not in (0, 3), f"with only RANK set the program exited with {done.returncode}"
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        assert name in done.stderr, f"with only RANK and MASTER_ADDR set, the error must name {name}:\n{done.stderr}"
+    assert "Traceback" not in done.stderr, f"a bad environment deserves a message, not a traceback:\n{done.stderr}"
+
+
+def test_program_refuses_a_node_rank_beyond_the_nodes():
+    done = run_program(KATA, "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", timeout=60)
+    assert done.returncode == 2 and re.search(r"node.rank", done.stderr), (
+        f"--nnodes 2 --node-rank 2 must stop with a message about the node rank, got exit "
+        f"{done.returncode}:\n{done.stderr}"
+    )
+
+
+_RESULT = re.compile(r"^\[rank (\d+)\] result (\{.*\})$", re.M)
+
+
+def _descendants(pid):
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except OSError:
+                pass
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(process):
+    for pid in _descendants(process.pid) + [process.pid]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    process.wait()
+
+
+def _run_two_nodes(make_command, deadline=90.0):
+    """Start node 0 and node 1 at once on loopback; return each node's (exit status, output)."""
+    for attempt in range(2):
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=_loopback())
+        logs = []
+        nodes = []
+        try:
+            for node in range(2):
+                log = tempfile.TemporaryFile("w+")
+                logs.append(log)
+                nodes.append(subprocess.Popen(
+                    make_command(node, port), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a group of its own: killed whole on failure
+                ))
+            end = time.monotonic() + deadline
+            for process in nodes:
+                try:
+                    process.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    outputs = _read(logs)
+                    raise AssertionError(
+                        f"the two nodes did not finish within {deadline:g} s.\n\n" + _show(outputs)
+                    ) from None
+        finally:
+            for process in nodes:
+                _kill_tree(process)
+        outputs = _read(logs)
+        results = [(process.returncode, text) for process, text in zip(nodes, outputs)]
+        if attempt == 0 and any(code for code, _ in results) and _in_use("".join(outputs)):
+            continue
+        if any(code for code, _ in results):
+            todo = find_todo(AssertionError("\n".join(outputs)))
+            if todo is not None:
+                raise todo
+            raise AssertionError("a node failed.\n\n" + _show(outputs, [code for code, _ in results]))
+        return results
+
+
+def _read(logs):
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    return texts
+
+
+def _show(outputs, codes=None):
+    return "\n\n".join(
+        f"node {n}{'' if codes is None else f' (exit status {codes[n]})'} printed:\n{text.strip()[-3000:]}"
+        for n, text in enumerate(outputs)
+    )
+
+
+def _results_by_node(results):
+    by_node = []
+    for node, (_, text) in enumerate(results):
+        by_node.append({int(rank): json.loads(body) for rank, body in _RESULT.findall(text)})
+    everything = {rank: r for found in by_node for rank, r in found.items()}
+    assert sorted(everything) == [0, 1, 2, 3], (
+        f"2 nodes x 2 processes must report ranks 0-3 once each, got {sorted(everything)}.\n\n"
+        + _show([text for _, text in results])
+    )
+    for rank, result in everything.items():
+        assert result["sum"] == 10.0 and result["world_size"] == 4, (
+            f"rank {rank} reported sum {result['sum']} in a world of {result['world_size']}, expected 10.0 in a world of 4"
+        )
+        assert rank == result["node_rank"] * 2 + result["local_rank"], (
+            f"rank {rank} says it is local rank {result['local_rank']} of node {result['node_rank']}: "
+            "rank = node_rank * nproc_per_node + local_rank"
+        )
+    leftovers = _still_running(r["pid"] for r in everything.values())
+    assert not leftovers, f"rank processes {leftovers} were still running after their node exited"
+    return by_node
+
+
+def test_two_nodes_started_by_hand():
+    def command(node, port):
+        return [sys.executable, "-m", f"{impl.current()}.{KATA}", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "30"]
+
+    by_node = _results_by_node(_run_two_nodes(command))
+    for node, found in enumerate(by_node):
+        assert sorted(found) == [2 * node, 2 * node + 1], (
+            f"the node started with --node-rank {node} ran ranks {sorted(found)}, expected "
+            f"{2 * node} and {2 * node + 1}: rank = node_rank * nproc_per_node + local_rank"
+        )
+
+
+def test_two_nodes_started_by_torchrun():
+    def command(node, port):
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--max-restarts", "0", "-m", f"{impl.current()}.{KATA}", "--timeout", "30"]
+
+    by_node = _results_by_node(_run_two_nodes(command))
+    # The c10d rendezvous numbers the nodes in the order they join, so either torchrun may be node 0.
+    assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], (
+        f"each torchrun must run one node's ranks, got {[sorted(f) for f in by_node]}"
+    )
