@@ -56,7 +56,8 @@ class RankError:
 
 def main(spec: RankSpec, results, lifeline) -> None:
     """Entry point of a rank process (the ``target`` of its ``Process``)."""
-    os.setpgrp()  # own process group: the parent can kill this rank and all it started
+    if hasattr(os, "setpgrp"):  # own process group: the parent can kill this rank and all it started
+        os.setpgrp()
     if spec.capture_output:
         _redirect_output(spec.log_path)
     else:

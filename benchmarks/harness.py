@@ -1,0 +1,77 @@
+"""What one multi-process test costs: the dojo harness (cold and warm) beside mp.spawn per test.
+
+    python benchmarks/harness.py [--world-size 4] [--repeat 5]
+
+Each way runs the same work: a fresh 4-rank gloo world that all-reduces one tensor, then ends.
+All ways run in this one process, one after another, so the ratio holds on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from dojo.world import run_world  # noqa: E402
+
+
+def _all_reduce(rank: int, world_size: int) -> int:
+    value = torch.tensor([rank])
+    dist.all_reduce(value)
+    return int(value)
+
+
+def _spawned_rank(rank: int, world_size: int, port: int) -> None:
+    """What a spawn-per-test harness runs in each rank: import torch (paid by spawn), join, work."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    _all_reduce(rank, world_size)
+    dist.destroy_process_group()
+
+
+def _seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=5, help="warm worlds and spawns to time (median)")
+    args = parser.parse_args(argv)
+    n = args.world_size
+
+    cold = _seconds(lambda: run_world(_all_reduce, n))
+    warm = statistics.median(_seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat))
+    spawned = []
+    for _ in range(args.repeat):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        spawned.append(_seconds(lambda: mp.spawn(_spawned_rank, args=(n, store.port), nprocs=n)))
+        del store
+    spawn = statistics.median(spawned)
+
+    print(f"one {n}-rank world per test (gloo, all_reduce), median of {args.repeat}, {os.cpu_count()} CPU(s):")
+    print(f"  {'way':<34}{'seconds':>9}{'x warm harness':>16}")
+    for name, seconds in (
+        ("dojo harness, warm", warm),
+        ("dojo harness, cold (first world)", cold),
+        ("torch.multiprocessing.spawn", spawn),
+    ):
+        print(f"  {name:<34}{seconds:>9.3f}{seconds / warm:>16.1f}")
+    print(f"spawn per test costs {spawn / warm:.0f}x a warm harness world")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
