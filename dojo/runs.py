@@ -1,0 +1,215 @@
+"""Running one kata's tests for the learner, and reading which step fails first.
+
+The learner sees pytest's own output; the outcomes come back through ``dojo.testlog``. A failing
+test is tied to a step by its "not implemented yet: kNN step S" when it has one, else by the
+kata functions it exercises: a step's functions are those whose stub body raises that step's
+``KataTodo`` (read from the pristine stub), found in the test's source and its failure text.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dojo import curriculum, impl, testlog
+from dojo.todo import _PATTERN as TODO_PATTERN
+
+PYTEST_EXIT_NO_TESTS = 5
+
+
+@dataclass
+class RunResult:
+    kata: curriculum.Kata
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    output: str = ""  # only when captured
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for r in self.records if r["when"] == "call" and r["outcome"] == outcome)
+
+    @property
+    def broken(self) -> list[dict]:
+        """Failures outside a test's body: the file did not import, a fixture failed."""
+        return [r for r in self.records if r["outcome"] == "failed" and r["when"] != "call"]
+
+    def failing_steps(self) -> list[int]:
+        steps_of = step_functions(self.kata)
+        found = set()
+        for record in self.records:
+            if record["outcome"] == "failed":
+                found |= steps_of_failure(self.kata, record, steps_of)
+        return sorted(found)
+
+    def first_failing_step(self) -> int | None:
+        steps = self.failing_steps()
+        return steps[0] if steps else None
+
+    def summary(self) -> dict:
+        return {
+            "passed": self.count("passed"), "failed": self.count("failed") + len(self.broken),
+            "skipped": self.count("skipped"), "step": self.first_failing_step(), "exit": self.returncode,
+        }
+
+    def describe(self) -> str:
+        """One line for the learner: how many tests pass, and what fails first."""
+        k = self.kata
+        if self.passed:
+            skipped = f" ({self.count('skipped')} skipped)" if self.count("skipped") else ""
+            return f"{k.id} passes: all {self.count('passed')} tests{skipped} in {self.seconds:.0f} s."
+        if self.returncode == PYTEST_EXIT_NO_TESTS:
+            return f"{k.id}: pytest found no tests in {', '.join(kata_test_files(k))}."
+        total = self.count("passed") + self.count("failed")
+        line = f"{k.id}: {self.count('passed')} of {total} tests pass"
+        if self.broken:
+            line += f"; {len(self.broken)} could not run (see the errors above: does the file import?)"
+        step = self.first_failing_step()
+        if step is not None:
+            line += f". First failing step: {describe_step(k, step)}"
+        return line + "."
+
+
+def describe_step(kata: curriculum.Kata, number: int) -> str:
+    try:
+        return f"step {number} · {kata.step(number).title}"
+    except KeyError:
+        return f"step {number}"
+
+
+def kata_test_files(kata: curriculum.Kata) -> list[str]:
+    """A kata's tests: ``tests/test_kNN_topic.py`` and any other ``tests/test_kNN_*.py``."""
+    found = {kata.test_file, *(curriculum.ROOT / "tests").glob(f"test_{kata.id}_*.py")}
+    return [str(p.relative_to(curriculum.ROOT)) for p in sorted(found) if p.exists()]
+
+
+def pytest_command(kata: curriculum.Kata, solutions: bool = False) -> list[str]:
+    # -rN: no short summary at the end, the runner's own line says it in fewer words
+    args = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-rN", "-p", "dojo.testlog"]
+    if solutions:
+        args.append("--solutions")
+    return [*args, *kata_test_files(kata)]
+
+
+class Running:
+    """A kata's tests running in the background (``dojo watch`` keeps listening meanwhile)."""
+
+    def __init__(self, kata: curriculum.Kata, solutions: bool = False, capture: bool = False):
+        self.kata, self.started = kata, time.monotonic()
+        handle, self.log = tempfile.mkstemp(prefix="dojo-run-", suffix=".jsonl")
+        os.close(handle)
+        env = {k: v for k, v in os.environ.items() if k != impl.ENV_VAR}  # the learner's katas/
+        env[testlog.ENV_VAR] = self.log
+        self.process = subprocess.Popen(
+            pytest_command(kata, solutions), cwd=curriculum.ROOT, env=env,
+            # its own session: the runner can stop pytest and everything it started, and the
+            # terminal's Ctrl-C reaches the runner, which does that
+            start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None,
+            text=capture,
+        )
+
+    def done(self) -> bool:
+        return self.process.poll() is not None
+
+    def result(self) -> RunResult:
+        output = self.process.communicate()[0] or ""
+        try:
+            with open(self.log, encoding="utf-8") as log:
+                records = [json.loads(line) for line in log if line.strip()]
+        finally:
+            os.unlink(self.log)
+        return RunResult(self.kata, self.process.returncode, records, time.monotonic() - self.started, output)
+
+    def stop(self) -> None:
+        """Interrupt pytest (it tears its worlds down), then kill whatever is left of its group."""
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        if os.path.exists(self.log):
+            os.unlink(self.log)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> RunResult:
+    """Run a kata's tests to the end (Ctrl-C stops them, and everything they started)."""
+    running = Running(kata, solutions, capture)
+    try:
+        running.process.wait()
+    except KeyboardInterrupt:
+        running.stop()
+        raise
+    return running.result()
+
+
+# ------------------------------------------------------------------ which step a failure is about
+
+
+def step_functions(kata: curriculum.Kata) -> dict[str, int]:
+    """Function name -> the step its stub body belongs to (the lowest, if it raises several)."""
+    from dojo.reset import pristine_file  # the shipped stub: the learner's copy lost its todos
+
+    source = pristine_file(kata) if pristine_file(kata).exists() else kata.kata_file
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return {}
+    steps: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Call) and getattr(inner.func, "id", None) == "KataTodo":
+                    values = [a.value for a in inner.args[:2] if isinstance(a, ast.Constant)]
+                    if len(values) == 2 and isinstance(values[1], int):
+                        steps[node.name] = min(values[1], steps.get(node.name, values[1]))
+    return steps
+
+
+def steps_of_failure(kata: curriculum.Kata, record: dict, steps_of: dict[str, int]) -> set[int]:
+    todo = TODO_PATTERN.search(record["text"])
+    if todo and todo.group(1) == kata.id:
+        return {int(todo.group(2))}
+    text = record["text"] + "\n" + _test_source(curriculum.ROOT / record["test"].split("::")[0], record["test"])
+    return {step for name, step in steps_of.items() if re.search(rf"\.{name}\b|\b{name}\(", text)}
+
+
+def _test_source(test_file: Path, nodeid: str) -> str:
+    """The test function's source, and that of the module's helpers it names (one level)."""
+    name = re.sub(r"\[.*\]$", "", nodeid.split("::")[-1])
+    try:
+        text = test_file.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (OSError, SyntaxError):
+        return ""
+    functions = {
+        n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    if name not in functions:
+        return ""
+    own = ast.get_source_segment(text, functions[name]) or ""
+    named = {n.id for n in ast.walk(functions[name]) if isinstance(n, ast.Name)}
+    helpers = [ast.get_source_segment(text, functions[h]) or "" for h in sorted(named) if h in functions and h != name]
+    return "\n".join([own, *helpers])
