@@ -1,0 +1,100 @@
+"""k02 · Joining a process group: init_process_group over env://, a barrier, and destroy.
+
+THE IDEA
+    Processes that know their rank still cannot talk. ``dist.init_process_group`` makes them a
+    *process group*: every rank connects to a rendezvous point, learns where its peers are, and
+    from then on collectives (all_reduce, barrier, ...) work between them.
+
+    With ``env://`` (the default init method, the tutorial's) the rendezvous point is read from
+    the environment: rank 0 opens a small key-value store (a TCPStore) on MASTER_ADDR:MASTER_PORT,
+    and every other rank connects to it.
+
+           rank 0 ── opens the store on MASTER_ADDR:MASTER_PORT
+           rank 1 ──┐
+           rank 2 ──┼── connect to it, exchange addresses, then talk directly (gloo)
+           rank 3 ──┘
+
+    Pass a ``timeout``: gloo's default is 30 minutes, so a peer that never comes would freeze
+    the others for half an hour. Before leaving, a ``dist.barrier()`` makes every rank wait
+    until all of them have finished their work, and ``dist.destroy_process_group()`` releases
+    the group's sockets and threads (forgetting it leaks them, and can abort the process when
+    it exits).
+
+STEPS
+    1. ``set_master``: put MASTER_ADDR and MASTER_PORT in ``os.environ`` (strings); refuse a
+       port outside 1..65535 with a ValueError that says so.
+    2. ``init_process``, first half: ``dist.init_process_group(backend, rank=..., world_size=...,
+       timeout=timedelta(seconds=timeout_s))``, called as ``dist.init_process_group``.
+    3. ``init_process``, second half: run ``fn(rank, world_size)``, then ``dist.barrier()``, and
+       destroy the group in a ``finally`` (also when ``fn`` raised); return fn's result.
+
+WHAT THE TESTS CHECK
+    The environment ``set_master`` writes; 4 ranks that each see their own rank and a world size
+    of 4 on a gloo group made with your timeout; that no rank leaves before the slowest one has
+    finished (the barrier); that the group is gone afterwards, even when fn raised; two worlds
+    side by side on two ports that do not mix; and the program below.
+
+RUN IT
+    python -m katas.k02_init_group --world-size 4      (the tutorial's multiprocess_comm.py;
+    it starts its ranks with your k01 launch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from dojo.console import run_program, say
+from dojo.todo import KataTodo
+
+from .k01_spawn import launch
+
+
+def set_master(addr: str, port: int) -> None:
+    """Point env:// rendezvous at ``addr:port``, where rank 0 will open the store."""
+    # TODO: check the port (an int from 1 to 65535, else ValueError naming it), then set both
+    # variables in os.environ, as strings.
+    raise KataTodo("k02", 1, "set MASTER_ADDR/MASTER_PORT")
+
+
+def init_process(
+    rank: int, world_size: int, fn: Callable[[int, int], Any], backend: str = "gloo", timeout_s: float = 30.0
+) -> Any:
+    """Join the group as ``rank`` of ``world_size``, run ``fn(rank, world_size)``, wait, leave."""
+    # TODO (step 2): dist.init_process_group(backend, rank=..., world_size=...,
+    #                timeout=timedelta(seconds=timeout_s))
+    raise KataTodo("k02", 2, "init_process_group with a timeout")
+    # TODO (step 3): try: result = fn(rank, world_size); dist.barrier(); return result
+    #                finally: dist.destroy_process_group()
+    raise KataTodo("k02", 3, "run fn, barrier, destroy the group")
+
+
+def print_identity(rank: int, world_size: int) -> str:
+    """What each rank of the tutorial's program prints, from the group's point of view."""
+    line = f"world size:{dist.get_world_size()}. I'm rank {dist.get_rank()}."
+    say(rank, line)
+    return line
+
+
+def _rank_entry(rank: int, world_size: int, port: int) -> str:
+    set_master("127.0.0.1", port)
+    return init_process(rank, world_size, print_identity)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="The tutorial's multiprocess_comm.py.")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--master-port", type=int, default=29500)
+    args = parser.parse_args(argv)
+    lines = launch(args.world_size, functools.partial(_rank_entry, port=args.master_port))
+    say(None, f"{len(lines)} ranks joined a gloo group on port {args.master_port} and left it")
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)

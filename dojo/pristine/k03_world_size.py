@@ -1,0 +1,141 @@
+"""k03 · World-size mismatch: too many processes, too few, and errors that say so.
+
+THE IDEA
+    ``world_size`` is a promise: "exactly this many ranks, numbered 0 .. world_size-1, will
+    come". Nothing checks the promise against the processes you really started, and both ways
+    of breaking it fail badly:
+
+    too many (the tutorial's 4 processes, world size 2):
+
+        rank 0  rank 1  | rank 2  rank 3
+        └── world of 2 ─┘ └ no place for them: gloo aborts them with
+                            "[enforce fail at gloo/context.cc] rank < size. 2 vs 2"
+                            (or a connect timeout), a C++ message that names no fix
+
+    too few (world size 4, 2 processes):
+
+        rank 0  rank 1  ... rank 2? rank 3? never come
+        └ both wait in init_process_group for the full timeout (30 minutes by default),
+          then fail with "Timed out ... 2/4 clients joined" or a bare "Wait timeout"
+
+    Your checks turn both into a ``WorldSizeMismatch`` within seconds, saying which rank, how
+    many joined out of how many, and what to change.
+
+    How to count who joined: rank 0 opens the rendezvous store (a TCPStore); every rank adds 1
+    to a counter key in it (``store.add(key, 1)`` is atomic and returns the new total), then
+    polls the total (``store.add(key, 0)``) until it reaches world_size or its own short
+    deadline passes. Only then does it call ``init_process_group`` with that store.
+
+STEPS
+    1. ``check_rank``: a rank outside 0 .. world_size-1 raises WorldSizeMismatch at once.
+    2. ``wait_for_world``: count this rank in, then wait until world_size ranks have, or raise
+       WorldSizeMismatch with "<joined> of <world_size>" after ``join_timeout_s``. Rank 0 owns
+       the store: if it gives up first, the others' next store call fails (a RuntimeError);
+       that is the same mismatch, report it the same way.
+    3. ``join_world``: check_rank; open (rank 0) or reach (others) the TCPStore on MASTER_ADDR/
+       MASTER_PORT with a timeout of ``join_timeout_s``; a rank that cannot reach it raises
+       WorldSizeMismatch too; wait_for_world; then ``dist.init_process_group(backend,
+       store=store, rank=rank, world_size=world_size, timeout=...)``.
+
+WHAT THE TESTS CHECK
+    The tutorial's failure for real (4 processes, world size 2) and its opposite (world size 4,
+    2 processes): each rank that cannot form the world raises your error, naming its rank, the
+    count that joined and the expected world size, within seconds; a world of the right size
+    still forms and all-reduces.
+
+RUN IT
+    python -m katas.k03_world_size             (4 processes, world size 2: fails, as the tutorial's)
+    python -m katas.k03_world_size --fewer     (world size 4, 2 processes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from dojo.console import run_program, say
+from dojo.todo import KataTodo
+
+from .k01_spawn import launch
+
+JOINED_KEY = "k03/joined"
+
+
+class WorldSizeMismatch(RuntimeError):
+    """The processes started do not match world_size; the message says which rank and what to fix."""
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """Refuse a rank that has no place in a world of ``world_size``."""
+    # TODO: if rank is not in 0 .. world_size-1, raise WorldSizeMismatch naming the rank, the
+    # world size, and the fix (start world_size processes, or change world_size).
+    raise KataTodo("k03", 1, "refuse a rank outside the world")
+
+
+def wait_for_world(store, rank: int, world_size: int, join_timeout_s: float) -> None:
+    """Count this rank in, then wait until all ``world_size`` ranks have counted themselves in."""
+    # TODO: joined = store.add(JOINED_KEY, 1); then until joined == world_size: sleep a little,
+    # re-read it with store.add(JOINED_KEY, 0), and once join_timeout_s has passed raise
+    # _too_few(...). A RuntimeError from the store means rank 0 gave up first: raise _too_few too.
+    raise KataTodo("k03", 2, "count who joined, give up after the join timeout")
+
+
+def _too_few(rank: int, joined: int, world_size: int, join_timeout_s: float) -> WorldSizeMismatch:
+    return WorldSizeMismatch(
+        f"rank {rank}: only {joined} of {world_size} ranks joined within {join_timeout_s:g} s: "
+        f"fewer processes were started than world_size says. Start {world_size} processes "
+        f"(ranks 0 to {world_size - 1}), or set world_size={joined}."
+    )
+
+
+def join_world(
+    rank: int, world_size: int, backend: str = "gloo", join_timeout_s: float = 5.0, timeout_s: float = 30.0
+) -> None:
+    """Join the world at MASTER_ADDR:MASTER_PORT, or raise WorldSizeMismatch within seconds."""
+    # TODO:
+    #   1. check_rank(rank, world_size)
+    #   2. store = dist.TCPStore(MASTER_ADDR, int(MASTER_PORT), world_size, is_master=(rank == 0),
+    #          timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False)
+    #      and turn its RuntimeError/TimeoutError into a WorldSizeMismatch ("could not reach rank 0")
+    #   3. wait_for_world(store, rank, world_size, join_timeout_s)
+    #   4. dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    #          timeout=timedelta(seconds=timeout_s))
+    raise KataTodo("k03", 3, "join the world through the checked store")
+
+
+def _demo_rank(rank: int, processes: int, world_size: int, port: int) -> str:
+    """One process of the demo: ``processes`` were started, each believing in ``world_size``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        join_world(rank, world_size, join_timeout_s=3.0)
+    except WorldSizeMismatch as error:
+        say(rank, f"WorldSizeMismatch: {error}")
+        return "mismatch"
+    dist.barrier()
+    dist.destroy_process_group()
+    say(rank, f"joined the world of {world_size}")
+    return "joined"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="The tutorial's multiprocess_comm.py with a wrong world size.")
+    parser.add_argument("--fewer", action="store_true", help="world size 4 with 2 processes (default: 4 processes, world size 2)")
+    parser.add_argument("--master-port", type=int, default=29500)
+    args = parser.parse_args(argv)
+    processes, world_size = (2, 4) if args.fewer else (4, 2)
+    say(None, f"starting {processes} processes that each believe world_size={world_size}")
+    outcomes = launch(processes, functools.partial(_demo_rank, world_size=world_size, port=args.master_port))
+    failed = [rank for rank, outcome in enumerate(outcomes) if outcome == "mismatch"]
+    if failed:
+        say(None, f"rank(s) {', '.join(map(str, failed))} could not form the world: fix the world size")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)

@@ -1,0 +1,360 @@
+"""k06 · Several machines: one world across nodes, started by hand or by torchrun.
+
+THE IDEA
+    The tutorial ends with "run it on several machines". Nothing about the training changes:
+    every process still needs its rank, the world size, and where rank 0 waits for the others.
+    What changes is who starts the processes and how each one learns who it is.
+
+        host A: node 0 (MASTER_ADDR)          host B: node 1
+        local rank  0    1                    local rank  0    1
+        rank        0    1                    rank        2    3
+                    |                                     |
+                    +--- all meet at MASTER_ADDR:MASTER_PORT (rank 0 listens there) ---+
+
+        rank       = node_rank * nproc_per_node + local_rank
+        world size = nnodes * nproc_per_node
+
+    Each host runs a launcher that starts its ``nproc_per_node`` processes and gives each one
+    this environment (torchrun uses exactly these names):
+
+        RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR  MASTER_PORT
+
+    So one script works under both launchers: it reads the environment, checks it, joins the
+    world at ``tcp://MASTER_ADDR:MASTER_PORT`` and runs. LOCAL_RANK picks the GPU on its node
+    (``cuda:LOCAL_RANK``); RANK is the rank in the whole world. A wrong or missing variable
+    must stop the process at once with a message that says what to set: the alternative is
+    every other host waiting for the timeout.
+
+    Launching by hand (this module), on every host, with its own --node-rank:
+        python -m solutions.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
+            --master-addr HOST_A --master-port 29500
+    Launching with torchrun, on every host (the same line on each: with the c10d rendezvous
+    torchrun numbers the nodes itself in the order they join, and ignores --node-rank):
+        torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
+            --rdzv-endpoint HOST_A:29400 -m solutions.k06_multi_node
+
+STEPS
+    1. ``node_environment``: the environment a launcher gives one process: the rank
+       arithmetic above, after checking the launch options (a clear ``LaunchConfigError``).
+    2. ``read_environment``: the other side: read and check those six variables and return a
+       ``RankInfo``; missing, non-numeric or inconsistent values raise ``LaunchConfigError``
+       naming the variables and what to set.
+    3. ``join_world``: pin the GPU (when the device is CUDA), then ``init_process_group`` at
+       ``tcp://MASTER_ADDR:MASTER_PORT`` with the rank, world size and timeout from the info.
+    4. ``sum_of_ranks``: the workload: every rank contributes ``rank + 1``; one all-reduce;
+       every rank returns the total, ``world_size * (world_size + 1) / 2``.
+    5. ``launch_node``: the manual launcher: start this node's processes with their
+       environments, all at once; stop the others at the first failure (or the timeout) and
+       raise ``NodeFailed`` naming the rank and its exit status.
+
+WHAT THE TESTS CHECK
+    The rank arithmetic and every kind of bad option or environment, in-process; a real world
+    joined at the given address; the sum on a 6-rank world laid out as 2 nodes x 3; the
+    launcher's environments, its failure handling and its timeout, with cheap stand-in
+    processes; then the real thing on one machine: two "nodes" started by hand and two started
+    by torchrun on loopback, every rank checking its sum.
+
+RUN IT
+    python -m katas.k06_multi_node --nproc-per-node 4         (one node, four processes)
+    two terminals on one machine:
+    python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-port 29500
+    python -m katas.k06_multi_node --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-port 29500
+    add --train to train kata k05's model across all the ranks after the check.
+"""
+
+from __future__ import annotations
+
+# torch is imported inside the functions that use it: a node's launcher never needs it, and
+# importing it costs every process ~1.5 s.
+import argparse
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from dojo.console import run_program, say
+from dojo.todo import KataTodo
+
+if TYPE_CHECKING:
+    import torch
+
+ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+HOW_TO_START = (
+    "start this script with torchrun (which sets them), or with --nnodes/--node-rank/"
+    "--nproc-per-node/--master-addr/--master-port (which starts each process with them)"
+)
+
+
+class LaunchConfigError(ValueError):
+    """The launch options or a process's environment are incomplete or inconsistent.
+
+    The message says which option or variable is wrong and what to set instead.
+    """
+
+
+class NodeFailed(RuntimeError):
+    """A process this node started failed, or the node ran past its timeout; the message
+    names the rank and how it ended."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is, as its launcher told it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size  # every node runs local_world_size processes
+
+
+def node_environment(
+    nnodes: int, node_rank: int, nproc_per_node: int, local_rank: int, master_addr: str, master_port: int
+) -> dict[str, str]:
+    """The environment for process ``local_rank`` of node ``node_rank`` (all values strings)."""
+    # TODO: first check the options, raising LaunchConfigError with a message that names the
+    #   option and says what to give instead: nnodes >= 1 and nproc_per_node >= 1;
+    #   0 <= node_rank < nnodes; 0 <= local_rank < nproc_per_node; master_addr not blank;
+    #   1 <= master_port <= 65535.
+    # Then return the six variables of ENV_NAMES as strings:
+    #   RANK = node_rank * nproc_per_node + local_rank, WORLD_SIZE = nnodes * nproc_per_node, ...
+    raise KataTodo("k06", 1, "the environment of one process of one node")
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """This process's ``RankInfo`` from its environment (``os.environ`` unless given one)."""
+    env = os.environ if environ is None else environ
+    # TODO: raise LaunchConfigError (never a bare KeyError or ValueError) when
+    #   - any of ENV_NAMES is missing or blank: name every missing one at once, and say how to
+    #     get them set (HOW_TO_START says it);
+    #   - a number is not a whole number (catch int()'s ValueError: "WORLD_SIZE='four' ...");
+    #   - WORLD_SIZE or LOCAL_WORLD_SIZE < 1, RANK or LOCAL_RANK < 0;
+    #   - RANK >= WORLD_SIZE; WORLD_SIZE is not a multiple of LOCAL_WORLD_SIZE;
+    #     LOCAL_RANK >= LOCAL_WORLD_SIZE; RANK % LOCAL_WORLD_SIZE != LOCAL_RANK;
+    #   - MASTER_PORT outside 1-65535.
+    #   Each message names the variables and their values, and what they should be.
+    # Then return RankInfo(rank, local_rank, world_size, local_world_size, master_addr, master_port).
+    raise KataTodo("k06", 2, "read and check the environment")
+
+
+def join_world(
+    info: RankInfo, backend: str = "gloo", device: torch.device | None = None,
+    timeout: timedelta = timedelta(minutes=5),
+) -> None:
+    """Join the world ``info`` describes: every rank meets rank 0 at MASTER_ADDR:MASTER_PORT."""
+    import torch
+    import torch.distributed as dist
+
+    # TODO: 1. on a CUDA device, torch.cuda.set_device(device) first (NCCL needs it).
+    #       2. dist.init_process_group(backend, init_method="tcp://ADDR:PORT" from the info,
+    #          rank=..., world_size=..., timeout=timeout): with the timeout, a host that never
+    #          comes ends in an error instead of a 30-minute wait.
+    raise KataTodo("k06", 3, "join the world at MASTER_ADDR:MASTER_PORT")
+
+
+def sum_of_ranks(info: RankInfo, device: torch.device) -> float:
+    """Every rank contributes ``rank + 1``; every rank returns the total over the world."""
+    import torch
+    import torch.distributed as dist
+
+    # TODO: a tensor holding rank + 1 (a float, on the device), one all_reduce with SUM, and
+    #   return the total as a Python number (.item()).
+    raise KataTodo("k06", 4, "the all-reduce every rank checks")
+
+
+def launch_node(
+    command: Sequence[str], nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str,
+    master_port: int, timeout: float | None = None,
+) -> None:
+    """Run ``command`` once per local rank of this node, each with its environment; wait for all.
+
+    Raises ``NodeFailed`` at the first process that exits with a non-zero status (or when
+    ``timeout`` seconds pass), after stopping the others.
+    """
+    # TODO:
+    #   1. one environment per local rank: {**os.environ, **node_environment(..., local, ...)}
+    #      (keep the launcher's own variables: PATH, PYTHONPATH, ...)
+    #   2. start them all with subprocess.Popen(list(command), env=...), before waiting for any:
+    #      each waits in init_process_group for the others
+    #   3. poll() them in a loop (time.sleep(0.05) between rounds): return when all exited 0;
+    #      at the first non-zero status raise NodeFailed("rank 3 (local rank 1) exited with
+    #      status 7": _how_it_ended(code) words it); at the timeout raise NodeFailed too
+    #   4. in a finally: _stop(processes), so nothing outlives a failure, a timeout or Ctrl-C
+    raise KataTodo("k06", 5, "start this node's processes and watch them")
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        import signal
+
+        return f"was killed by signal {signal.Signals(-code).name} (exit status {code})"
+    return f"exited with status {code}"
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """Ask every running process to stop, then kill what is left; reap them all."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    end = time.monotonic() + 5.0
+    for process in processes:
+        try:
+            process.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# --------------------------------------------------------------------------- the program
+
+def _free_port() -> int:
+    # Only good enough for a job on this one machine: another program may take the port
+    # between this check and rank 0 binding it. A job across hosts agrees on a fixed port.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_this_rank(args: argparse.Namespace) -> None:
+    """What every process of the world does, however it was started."""
+    info = read_environment()  # first: a bad environment stops the process before torch loads
+
+    import torch.distributed as dist
+
+    from dojo.devices import choose_for_this_machine, rank_device
+
+    # Chosen per node: NCCL on cuda:LOCAL_RANK when this node has a GPU per local rank.
+    backend, device_type = choose_for_this_machine(info.local_world_size, args.backend, args.device)
+    os.environ["DOJO_DEVICE"] = device_type  # rank_device() and kata k05's training read it
+    device = rank_device()
+    join_world(info, backend, device, timedelta(seconds=args.timeout))
+    try:
+        total = sum_of_ranks(info, device)
+        expected = info.world_size * (info.world_size + 1) / 2
+        say(info.rank, "result", json.dumps({
+            "rank": info.rank, "local_rank": info.local_rank, "node_rank": info.node_rank, "pid": os.getpid(),
+            "world_size": info.world_size, "local_world_size": info.local_world_size,
+            "host": socket.gethostname(), "backend": backend, "device": str(device),
+            "sum": total, "expected": expected, "ok": total == expected,
+        }))
+        if total != expected:
+            raise RuntimeError(f"rank {info.rank}: the all-reduce gave {total}, expected {expected}")
+        if args.train:
+            _train(info, args.epochs)
+    finally:
+        gc.collect()  # free tensors before the group goes (see the harness findings)
+        dist.destroy_process_group()
+
+
+def _train(info: RankInfo, epochs: int) -> None:
+    import importlib
+
+    try:
+        k05 = importlib.import_module(f"{__package__}.k05_data_parallel")
+    except ModuleNotFoundError as error:
+        raise LaunchConfigError(f"--train needs kata k05 ({__package__}/k05_data_parallel.py): {error}") from None
+    outcome = k05.run_training(info.rank, info.world_size, epochs=epochs)
+    say(info.rank, "trained", json.dumps({
+        "rank": info.rank, "final_loss": outcome["losses"][-1], "accuracy": outcome["accuracy"],
+    }))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dojo.launch import add_launch_arguments
+
+    parser = argparse.ArgumentParser(
+        description="The tutorial's afterword: one world across several machines. Run it on every "
+        "host with the same options and that host's --node-rank, or under torchrun.",
+    )
+    add_launch_arguments(parser)  # --world-size, --backend, --device
+    parser.set_defaults(world_size=None)
+    launch = parser.add_argument_group("manual launch (leave these out under torchrun)")
+    launch.add_argument("--nnodes", type=int, help="how many hosts (default 1)")
+    launch.add_argument("--node-rank", type=int, help="this host's number, 0 on MASTER_ADDR's host (default 0)")
+    launch.add_argument("--nproc-per-node", type=int, help="processes on each host (default: --world-size / --nnodes, or 4)")
+    launch.add_argument("--master-addr", help="rank 0's host, reachable from every host (default $MASTER_ADDR or 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, help="a free port there (default $MASTER_PORT; a free one on a single host)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds ranks wait for each other (default 300)")
+    parser.add_argument("--train", action="store_true", help="then train kata k05's model across all ranks")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs for --train (default 1)")
+    args = parser.parse_args(argv)
+    try:
+        if _started_by_a_launcher(args):
+            run_this_rank(args)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # the group is gone; skip interpreter teardown (see the harness findings)
+        return _launch_this_node(args)
+    except LaunchConfigError as error:
+        print(f"k06: {error}", file=sys.stderr)
+        return 2
+    except NodeFailed as error:
+        print(f"k06: this node failed: {error}", file=sys.stderr)
+        return 1
+
+
+def _started_by_a_launcher(args: argparse.Namespace) -> bool:
+    """A process that has a rank in its environment is a rank; otherwise it launches a node."""
+    per_process = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE") if name in os.environ]
+    if not per_process:
+        return False
+    given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "world_size")
+             if getattr(args, name) is not None]
+    if given:
+        raise LaunchConfigError(
+            f"{' '.join(given)} given, but {per_process[0]} is set, so a launcher already started this "
+            "process: under torchrun, give those options to torchrun; by hand, unset RANK, "
+            "LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE"
+        )
+    return True
+
+
+def _launch_this_node(args: argparse.Namespace) -> int:
+    nnodes = 1 if args.nnodes is None else args.nnodes
+    node_rank = 0 if args.node_rank is None else args.node_rank
+    nproc = args.nproc_per_node
+    if nproc is None:
+        world_size = 4 if args.world_size is None else args.world_size
+        if nnodes < 1 or world_size % nnodes:
+            raise LaunchConfigError(f"--world-size {world_size} does not split evenly over --nnodes {nnodes}: give --nproc-per-node")
+        nproc = world_size // nnodes
+    elif args.world_size is not None and args.world_size != nnodes * nproc:
+        raise LaunchConfigError(
+            f"--world-size {args.world_size}, but --nnodes {nnodes} x --nproc-per-node {nproc} "
+            f"= {nnodes * nproc}: give one or the other"
+        )
+    master_addr = args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    master_port = args.master_port
+    if master_port is None and os.environ.get("MASTER_PORT", "").strip():
+        try:
+            master_port = int(os.environ["MASTER_PORT"])
+        except ValueError:
+            raise LaunchConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number") from None
+    if master_port is None:
+        if nnodes > 1:
+            raise LaunchConfigError("--master-port is needed with several nodes: the same free port on every host")
+        master_port = _free_port()
+    node_environment(nnodes, node_rank, nproc, 0, master_addr, master_port)  # check the options first
+    say(None, f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
+              f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}")
+    command = [sys.executable, "-m", __spec__.name, "--timeout", str(args.timeout)]
+    command += [f"--{name}={value}" for name, value in (("backend", args.backend), ("device", args.device)) if value]
+    command += ["--train", f"--epochs={args.epochs}"] if args.train else []
+    launch_node(command, nnodes, node_rank, nproc, master_addr, master_port)
+    say(None, f"node {node_rank}: all {nproc} processes finished")
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)
