@@ -30,8 +30,9 @@ STEPS
     1. ``check_rank``: a rank outside 0 .. world_size-1 raises WorldSizeMismatch at once.
     2. ``wait_for_world``: count this rank in, then wait until world_size ranks have, or raise
        WorldSizeMismatch with "<joined> of <world_size>" after ``join_timeout_s``. Rank 0 owns
-       the store: if it gives up first, the others' next store call fails (a RuntimeError);
-       that is the same mismatch, report it the same way.
+       the store, so it must leave last: before raising, call the given
+       ``_rank_zero_leaves_last``. If rank 0 is gone anyway (crashed), the next store call
+       raises a RuntimeError: report that as the same mismatch.
     3. ``join_world``: check_rank; open (rank 0) or reach (others) the TCPStore on MASTER_ADDR/
        MASTER_PORT with a timeout of ``join_timeout_s``; a rank that cannot reach it raises
        WorldSizeMismatch too; wait_for_world; then ``dist.init_process_group(backend,
@@ -63,6 +64,7 @@ from dojo.console import run_program, say
 from .k01_spawn import launch
 
 JOINED_KEY = "k03/joined"
+GAVE_UP_KEY = "k03/gave_up"
 
 
 class WorldSizeMismatch(RuntimeError):
@@ -85,12 +87,27 @@ def wait_for_world(store, rank: int, world_size: int, join_timeout_s: float) -> 
     give_up = time.monotonic() + join_timeout_s
     while joined < world_size:
         if time.monotonic() > give_up:
+            _rank_zero_leaves_last(store, rank, joined)
             raise _too_few(rank, joined, world_size, join_timeout_s)
         time.sleep(0.05)
         try:
             joined = store.add(JOINED_KEY, 0)
-        except RuntimeError:  # rank 0 gave up first and closed its store: the same mismatch
+        except RuntimeError:  # rank 0 is gone (it crashed, or gave up first): the same mismatch
             raise _too_few(rank, joined, world_size, join_timeout_s) from None
+
+
+def _rank_zero_leaves_last(store, rank: int, joined: int, grace_s: float = 2.0) -> None:
+    """Before giving up, let rank 0 wait (briefly) until every rank that joined has given up too.
+
+    The store lives in rank 0's process: if rank 0 left first, a peer's next store call would
+    hit a closed socket and print a long C++ warning before your clear error.
+    """
+    store.add(GAVE_UP_KEY, 1)
+    if rank != 0:
+        return
+    end = time.monotonic() + grace_s
+    while store.add(GAVE_UP_KEY, 0) < joined and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _too_few(rank: int, joined: int, world_size: int, join_timeout_s: float) -> WorldSizeMismatch:
