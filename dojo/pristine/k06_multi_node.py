@@ -70,6 +70,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -196,8 +197,6 @@ def launch_node(
 
 def _how_it_ended(code: int) -> str:
     if code < 0:
-        import signal
-
         return f"was killed by signal {signal.Signals(-code).name} (exit status {code})"
     return f"exited with status {code}"
 
@@ -351,6 +350,9 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", __spec__.name, "--timeout", str(args.timeout)]
     command += [f"--{name}={value}" for name, value in (("backend", args.backend), ("device", args.device)) if value]
     command += ["--train", f"--epochs={args.epochs}"] if args.train else []
+    # `kill` (SIGTERM) of this launcher must stop its ranks too, as it does under torchrun:
+    # turned into SystemExit, it runs launch_node's clean-up on its way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     launch_node(command, nnodes, node_rank, nproc, master_addr, master_port)
     say(None, f"node {node_rank}: all {nproc} processes finished")
     return 0
