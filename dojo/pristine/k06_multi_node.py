@@ -5,11 +5,11 @@ THE IDEA
     every process still needs its rank, the world size, and where rank 0 waits for the others.
     What changes is who starts the processes and how each one learns who it is.
 
-        host A: node 0 (MASTER_ADDR)          host B: node 1
+        host A = node 0                       host B = node 1
         local rank  0    1                    local rank  0    1
         rank        0    1                    rank        2    3
-                    |                                     |
-                    +--- all meet at MASTER_ADDR:MASTER_PORT (rank 0 listens there) ---+
+
+        all four connect to MASTER_ADDR:MASTER_PORT, on host A, where rank 0 listens
 
         rank       = node_rank * nproc_per_node + local_rank
         world size = nnodes * nproc_per_node
@@ -26,12 +26,12 @@ THE IDEA
     every other host waiting for the timeout.
 
     Launching by hand (this module), on every host, with its own --node-rank:
-        python -m solutions.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
+        python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
             --master-addr HOST_A --master-port 29500
     Launching with torchrun, on every host (the same line on each: with the c10d rendezvous
     torchrun numbers the nodes itself in the order they join, and ignores --node-rank):
         torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
-            --rdzv-endpoint HOST_A:29400 -m solutions.k06_multi_node
+            --rdzv-endpoint HOST_A:29400 -m katas.k06_multi_node
 
 STEPS
     1. ``node_environment``: the environment a launcher gives one process: the rank
