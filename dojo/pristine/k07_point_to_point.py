@@ -175,23 +175,28 @@ def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ the program
 
+def _say_in_rank_order(rank: int, world_size: int, text: str | None) -> None:
+    """Print ``text`` (None: nothing) once every lower rank has printed its line."""
+    for turn in range(world_size):
+        dist.barrier()
+        if turn == rank and text is not None:
+            say(rank, text)
+
+
 def show(rank: int, world_size: int) -> None:
-    """What each rank of the program does: four exchanges, each printed by the ranks in it."""
+    """What each rank of the program does: four exchanges, each printed in rank order."""
     from dojo.devices import rank_device
 
     device = rank_device()
     received = ping_pong(3, device)
-    if rank < 2:
-        say(rank, f"ping-pong: received {received}")
-    dist.barrier()  # keeps the printed sections apart
+    _say_in_rank_order(rank, world_size, f"ping-pong: received {received}" if rank < 2 else None)
     got = token_ring(100, device)
-    say(rank, f"token ring: {'got the token back as' if rank == 0 else 'received the token as'} {got}")
-    dist.barrier()
+    how = "got the token back as" if rank == 0 else "received the token as"
+    _say_in_rank_order(rank, world_size, f"token ring: {how} {got}")
     mine = torch.full((2,), rank, device=device)
-    say(rank, f"shift right: sent {mine.tolist()}, received {shift_right(mine).tolist()}")
-    dist.barrier()
+    _say_in_rank_order(rank, world_size, f"shift right: sent {mine.tolist()}, received {shift_right(mine).tolist()}")
     strip = torch.arange(3, device=device) + 10 * rank
-    say(rank, f"halo exchange: {strip.tolist()} -> {halo_exchange(strip).tolist()}")
+    _say_in_rank_order(rank, world_size, f"halo exchange: {strip.tolist()} -> {halo_exchange(strip).tolist()}")
 
 
 def main(argv=None) -> int:
