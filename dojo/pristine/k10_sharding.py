@@ -1,0 +1,212 @@
+"""k10 · Sharding the data: the tutorial's DataPartitioner, then DistributedSampler by hand.
+
+THE IDEA
+    Data-parallel ranks hold the same model and must each see a different part of the data,
+    or they compute the same gradients N times. The tutorial shuffles the indices once, with
+    a seed every rank shares, and cuts them into one part per rank:
+
+        10 indices shuffled with seed 1234:   2 8 3 5 6 4 9 0 1 7
+        sizes [0.25] * 4, int(0.25 * 10) = 2 each:
+            rank 0: 2 8   rank 1: 3 5   rank 2: 6 4   rank 3: 9 0      (1 and 7 unused)
+
+    Every rank runs this on its own, so the seed is what makes the parts disjoint: with a seed
+    of its own, each rank would shuffle differently and the parts would overlap. The tutorial
+    gives each rank a batch of ``128 / float(size)``: 42.67 on 3 ranks, which ``DataLoader``
+    refuses. A batch is a whole number of samples, so each rank takes ``128 // 3 = 42``.
+
+    ``torch.utils.data.DistributedSampler`` does the same job for a whole training run: every
+    sample is used, the order changes every epoch, and every rank gets the same number of
+    samples (ranks that run out early would leave the others waiting in an all-reduce):
+
+        1. the order: ``torch.randperm(n)`` from a ``torch.Generator`` seeded with
+           ``seed + epoch`` (``set_epoch(epoch)`` before each epoch), or ``range(n)``
+           without shuffling;
+        2. the size: each rank gets ``ceil(n / N)`` samples. Without ``drop_last`` the order
+           is padded to ``N * ceil(n / N)`` by repeating it from its start (again and again
+           if n is tiny); with ``drop_last`` (and n not a multiple of N) each rank gets
+           ``ceil((n - N) / N)`` and the tail is cut off;
+        3. the shard: rank r takes every N-th index starting at r, ``order[r::N]``.
+
+        10 samples, 4 ranks, no shuffle:  order 0 1 2 3 4 5 6 7 8 9 | 0 1   (2 padded)
+            rank 0: 0 4 8   rank 1: 1 5 9   rank 2: 2 6 0   rank 3: 3 7 1
+        the same with drop_last:          order 0 1 2 3 4 5 6 7 | 8 9     (2 dropped)
+            rank 0: 0 4     rank 1: 1 5     rank 2: 2 6     rank 3: 3 7
+
+STEPS
+    1. ``Partition`` and ``DataPartitioner``: the tutorial's, shuffling with
+       ``random.Random(seed)`` exactly as it does.
+    2. ``per_rank_batch_size``: a whole number of samples per rank.
+    3. ``shard_size`` and ``shard_indices``: DistributedSampler's arithmetic, as functions.
+    4. ``ShardSampler``: a ``Sampler`` with DistributedSampler's arguments and behaviour
+       (``num_replicas`` and ``rank`` default to the process group's), ``__len__`` and
+       ``set_epoch``.
+
+WHAT THE TESTS CHECK
+    The tutorial's partitions (disjoint, seeded, sized ``int(fraction * n)``); whole-number
+    batch sizes; that your sampler gives the same indices, in the same order, as
+    DistributedSampler for every combination of dataset length, world size, rank, shuffle,
+    seed, epoch and drop_last, padding included, with the same ``len()``; that its shards are
+    disjoint and cover the data; and a short data-parallel training run on 2 and 3 ranks fed
+    by your sampler, which must match a reference run fed by DistributedSampler.
+
+RUN IT
+    python -m katas.k10_sharding --world-size 4 --dataset-size 10 [--drop-last] [--no-shuffle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, Sampler
+
+from dojo.console import run_program, say
+from dojo.launch import add_launch_arguments, launch_world
+from dojo.todo import KataTodo
+
+
+class Partition(Dataset):
+    """The samples of ``data`` at positions ``index``, as a data set of their own."""
+
+    def __init__(self, data, index: Sequence[int]):
+        self.data = data
+        self.index = list(index)
+
+    def __len__(self) -> int:
+        # TODO: how many samples this part holds.
+        raise KataTodo("k10", 1, "Partition's length")
+
+    def __getitem__(self, position: int):
+        # TODO: item `position` of this part is item index[position] of the whole data.
+        raise KataTodo("k10", 1, "Partition's items")
+
+
+class DataPartitioner:
+    """The tutorial's partitioner: shuffle the indices with ``seed``, cut one part per size.
+
+    ``sizes`` are fractions of the data (their sum at most 1); part ``i`` holds
+    ``int(sizes[i] * len(data))`` indices. ``partitions`` lists each part's indices.
+    """
+
+    def __init__(self, data, sizes: Sequence[float] = (0.7, 0.2, 0.1), seed: int = 1234):
+        # TODO: reject negative sizes or sizes summing to more than 1 (ValueError). Then, as the
+        # tutorial does: indexes = list(range(len(data))), shuffled by random.Random(seed), and
+        # one part of int(fraction * len(data)) indexes per fraction, taken in order. Keep
+        # data in self.data and the parts (lists of indexes) in self.partitions.
+        raise KataTodo("k10", 1, "shuffle with the seed and cut the parts")
+
+    def use(self, partition: int) -> Partition:
+        """Part number ``partition`` of the data (a rank uses its rank)."""
+        # TODO
+        raise KataTodo("k10", 1, "a Partition of the part's indices")
+
+
+def per_rank_batch_size(global_batch_size: int, world_size: int) -> int:
+    """Each rank's batch when ``world_size`` ranks share a batch of ``global_batch_size``.
+
+    A whole number (``DataLoader`` takes no fractions): ``per_rank_batch_size(128, 3)`` is 42.
+    """
+    # TODO: raise ValueError when a rank would get no sample (or world_size < 1).
+    raise KataTodo("k10", 2, "a whole-number batch per rank")
+
+
+def shard_size(dataset_length: int, num_replicas: int, drop_last: bool = False) -> int:
+    """How many indices each rank gets, as DistributedSampler counts them."""
+    # TODO: the lesson's step 2.
+    raise KataTodo("k10", 3, "how many indices each rank gets")
+
+
+def shard_indices(
+    dataset_length: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
+    epoch: int = 0, drop_last: bool = False,
+) -> list[int]:
+    """The indices rank ``rank`` of ``num_replicas`` gets, in DistributedSampler's order."""
+    # TODO: the order (shuffled or not), padded or cut to shard_size(...) * num_replicas, then
+    # every num_replicas-th index starting at rank.
+    raise KataTodo("k10", 3, "the indices of one rank's shard")
+
+
+class ShardSampler(Sampler[int]):
+    """A sampler that behaves exactly like ``torch.utils.data.DistributedSampler``."""
+
+    def __init__(
+        self, dataset, num_replicas: int | None = None, rank: int | None = None,
+        shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+    ):
+        # TODO: num_replicas and rank default to the process group's (dist.get_world_size(),
+        # dist.get_rank()); a rank outside 0..num_replicas-1 is a ValueError. Keep every
+        # argument, and start at epoch 0.
+        raise KataTodo("k10", 4, "the sampler's arguments")
+
+    def __iter__(self) -> Iterator[int]:
+        # TODO: iterate over this rank's shard for the current epoch.
+        raise KataTodo("k10", 4, "iterate over this rank's shard")
+
+    def __len__(self) -> int:
+        # TODO
+        raise KataTodo("k10", 4, "the number of indices this rank gets")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before each epoch: with shuffle, each epoch gets its own order."""
+        # TODO
+        raise KataTodo("k10", 4, "remember the epoch")
+
+
+# ------------------------------------------------------------------------- the program
+
+def _shards(rank: int, world_size: int, size: int, epochs: int, shuffle: bool, drop_last: bool, seed: int) -> dict:
+    data = list(range(size))  # the indices stand in for samples
+    tutorial = DataPartitioner(data, [1.0 / world_size] * world_size).use(rank)
+    say(rank, f"the tutorial's partition: {[tutorial[i] for i in range(len(tutorial))]}")
+    sampler = ShardSampler(data, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    shards = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+        say(rank, f"epoch {epoch}: ShardSampler gives {len(sampler)} indices {shards[-1]}")
+    return {"partition": list(tutorial.index), "shards": shards}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="How the tutorial and DistributedSampler shard a data set.")
+    add_launch_arguments(parser)
+    parser.add_argument("--dataset-size", type=int, default=10, help="samples in the data set (default 10)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+    parser.add_argument("--drop-last", action="store_true")
+    args = parser.parse_args(argv)
+    if args.dataset_size < 0 or args.epochs < 1:
+        parser.error("--dataset-size must be at least 0 and --epochs at least 1")
+    per_rank = launch_world(
+        _shards, args.world_size, args.dataset_size, args.epochs, args.shuffle, args.drop_last, args.seed,
+        backend=args.backend, device=args.device,
+    )
+    used = sum(len(r["partition"]) for r in per_rank)
+    say(None, f"the tutorial's partitions use {used} of {args.dataset_size} samples, each once")
+    for epoch in range(args.epochs):
+        shards = [r["shards"][epoch] for r in per_rank]
+        torch_shards = [_torch_epoch(args, rank, epoch) for rank in range(args.world_size)]
+        taken = [i for shard in shards for i in shard]
+        repeated = len(taken) - len(set(taken))
+        unused = args.dataset_size - len(set(taken))
+        say(None, f"epoch {epoch}: {len(taken)} indices handed out, {repeated} of them repeated "
+                  f"(padding), {unused} samples unused (dropped); same as DistributedSampler: "
+                  f"{'yes' if shards == torch_shards else 'NO'}")
+    return 0
+
+
+def _torch_epoch(args, rank: int, epoch: int) -> list[int]:
+    sampler = torch.utils.data.DistributedSampler(
+        range(args.dataset_size), args.world_size, rank, args.shuffle, args.seed, args.drop_last,
+    )
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+if __name__ == "__main__":
+    run_program(main)

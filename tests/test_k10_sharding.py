@@ -1,0 +1,364 @@
+"""k10 sharding: the tutorial's DataPartitioner, whole-number batches, DistributedSampler by hand."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from dojo.impl import load_kata
+from dojo.testing import run_program
+
+KATA = "k10_sharding"
+
+# The grid the sampler must match DistributedSampler on: tiny data sets (fewer samples than
+# ranks, so padding repeats the order more than once), lengths around multiples of the world
+# size, and a longer one.
+LENGTHS = (*range(0, 14), 31, 100)
+WORLD_SIZES = (1, 2, 3, 4, 5)
+SETTINGS = list(itertools.product((True, False), (0, 7), (0, 3), (False, True)))  # shuffle, seed, epoch, drop_last
+
+
+def torch_indices(length, num_replicas, rank, shuffle=True, seed=0, epoch=0, drop_last=False):
+    sampler = DistributedSampler(range(length), num_replicas, rank, shuffle, seed, drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def describe(length, num_replicas, rank, shuffle, seed, epoch, drop_last):
+    return (f"{length} samples, num_replicas={num_replicas}, rank={rank}, shuffle={shuffle}, "
+            f"seed={seed}, epoch={epoch}, drop_last={drop_last}")
+
+
+def why_different(got, case):
+    """A hint for the learner from how their index list differs from DistributedSampler's."""
+    length, num_replicas, rank, shuffle, seed, epoch, drop_last = case
+    expected = torch_indices(*case)
+    if len(got) != len(expected):
+        if drop_last:
+            return (f"with drop_last each rank gets ceil((n - N) / N) = {len(expected)} when n is not "
+                    "a multiple of N, else n / N; the tail of the order is cut off")
+        return (f"without drop_last each rank gets ceil(n / N) = {len(expected)}: pad the order to "
+                f"{len(expected) * num_replicas} by repeating it from its start (several times if "
+                "n is smaller than the padding)")
+    if shuffle and epoch and got == torch_indices(length, num_replicas, rank, shuffle, seed, 0, drop_last):
+        return f"that is epoch 0's order: seed the generator with seed + epoch (here {seed} + {epoch})"
+    strided = "rank r takes every N-th index of the order, starting at r: order[r::N]"
+    if not shuffle:
+        return f"without shuffle the order is range(n), padded from its start; {strided}"
+    return (f"the order is torch.randperm(n, generator=g) with g = torch.Generator() and "
+            f"g.manual_seed(seed + epoch), padded from its start; {strided}")
+
+
+# ------------------------------------------------------------------ step 1: the tutorial's partitioner
+
+def tutorial_partitions(length, sizes, seed):
+    rng = random.Random(seed)
+    indexes = list(range(length))
+    rng.shuffle(indexes)
+    parts = []
+    for fraction in sizes:
+        part_len = int(fraction * length)
+        parts.append(indexes[:part_len])
+        indexes = indexes[part_len:]
+    return parts
+
+
+@pytest.mark.parametrize(
+    "length, sizes, seed",
+    [(10, (0.7, 0.2, 0.1), 1234), (10, [0.25] * 4, 1234), (1000, [1 / 3] * 3, 1234), (7, [0.5, 0.5], 5), (0, [1.0], 1)],
+)
+def test_data_partitioner_cuts_as_the_tutorial_does(kata, length, sizes, seed):
+    data = [f"sample {i}" for i in range(length)]
+    partitioner = kata.DataPartitioner(data, sizes, seed)
+    expected = tutorial_partitions(length, sizes, seed)
+    got = [list(p) for p in partitioner.partitions]
+    assert got == expected, (
+        f"DataPartitioner(data of {length}, sizes={list(sizes)}, seed={seed}).partitions is {got}, "
+        f"expected the tutorial's {expected}: shuffle list(range(len(data))) with "
+        "random.Random(seed).shuffle, then cut int(fraction * len(data)) indices per part, in order"
+    )
+    flat = [i for part in got for i in part]
+    assert len(flat) == len(set(flat)), f"the parts {got} share indices: they must be disjoint"
+
+
+def test_default_partitioner_is_the_tutorials(kata):
+    partitioner = kata.DataPartitioner(list(range(20)))
+    expected = tutorial_partitions(20, (0.7, 0.2, 0.1), 1234)
+    assert [list(p) for p in partitioner.partitions] == expected, (
+        "DataPartitioner(data) must default to the tutorial's sizes=[0.7, 0.2, 0.1] and seed=1234"
+    )
+
+
+def test_every_rank_gets_the_same_cut(kata):
+    """Each rank builds its own DataPartitioner: only a shared seed makes the parts disjoint."""
+    data = list(range(50))
+    random.seed(99)  # a partitioner that uses the global random module would depend on this
+    first = kata.DataPartitioner(data, [0.25] * 4).partitions
+    random.seed(11)
+    second = kata.DataPartitioner(data, [0.25] * 4).partitions
+    assert [list(p) for p in first] == [list(p) for p in second], (
+        "two DataPartitioners with the same seed cut the data differently, so ranks would train on "
+        "overlapping parts: shuffle with random.Random(seed), not the global random module"
+    )
+
+
+def test_partition_is_a_view_of_its_indices(kata):
+    data = [f"sample {i}" for i in range(10)]
+    partitioner = kata.DataPartitioner(data, [0.5, 0.5], 3)
+    for number in range(2):
+        part = partitioner.use(number)
+        indices = list(partitioner.partitions[number])
+        assert len(part) == len(indices), (
+            f"len(use({number})) is {len(part)}, but partition {number} has {len(indices)} indices"
+        )
+        got = [part[i] for i in range(len(part))]
+        expected = [data[i] for i in indices]
+        assert got == expected, (
+            f"use({number})[i] gave {got}, expected {expected}: item i of a Partition is "
+            "data[index[i]]"
+        )
+
+
+@pytest.mark.parametrize("sizes", [[0.7, 0.7], [-0.1, 0.5]])
+def test_partitioner_rejects_impossible_sizes(kata, sizes):
+    with pytest.raises(ValueError):
+        kata.DataPartitioner(list(range(10)), sizes)
+
+
+# ------------------------------------------------------------------ step 2: whole-number batches
+
+@pytest.mark.parametrize("global_batch, world_size, expected", [(128, 1, 128), (128, 4, 32), (128, 3, 42), (10, 10, 1)])
+def test_per_rank_batch_size_is_a_whole_number(kata, global_batch, world_size, expected):
+    got = kata.per_rank_batch_size(global_batch, world_size)
+    assert got == expected and isinstance(got, int), (
+        f"per_rank_batch_size({global_batch}, {world_size}) returned {got!r}, expected the int "
+        f"{expected}: DataLoader needs a whole number of samples (the tutorial's 128 / float(3) "
+        "= 42.67 is refused), so round down"
+    )
+
+
+@pytest.mark.parametrize("global_batch, world_size", [(2, 4), (0, 1), (8, 0)])
+def test_per_rank_batch_size_rejects_impossible_shares(kata, global_batch, world_size):
+    with pytest.raises(ValueError):
+        kata.per_rank_batch_size(global_batch, world_size)
+
+
+# ------------------------------------------------------------------ step 3: DistributedSampler's arithmetic
+
+def test_shard_size_matches_distributed_sampler(kata):
+    for length, world, drop_last in itertools.product(LENGTHS, WORLD_SIZES, (False, True)):
+        expected = len(DistributedSampler(range(length), world, 0, drop_last=drop_last))
+        got = kata.shard_size(length, world, drop_last)
+        assert got == expected, (
+            f"shard_size({length}, {world}, drop_last={drop_last}) returned {got!r}, "
+            f"DistributedSampler gives each rank {expected}: "
+            + ("ceil((n - N) / N) when n is not a multiple of N, else n / N" if drop_last
+               else "ceil(n / N), padding included")
+        )
+
+
+def test_shard_indices_match_distributed_sampler(kata):
+    for length, world in itertools.product(LENGTHS, WORLD_SIZES):
+        for shuffle, seed, epoch, drop_last in SETTINGS:
+            for rank in range(world):
+                expected = torch_indices(length, world, rank, shuffle, seed, epoch, drop_last)
+                got = kata.shard_indices(length, world, rank, shuffle, seed, epoch, drop_last)
+                assert list(got) == expected, (
+                    f"shard_indices with {describe(length, world, rank, shuffle, seed, epoch, drop_last)} "
+                    f"returned {list(got)}, DistributedSampler gives {expected}: "
+                    + why_different(list(got), (length, world, rank, shuffle, seed, epoch, drop_last))
+                )
+
+
+# ------------------------------------------------------------------ step 4: the sampler
+
+def test_sampler_matches_distributed_sampler(kata):
+    for length, world in itertools.product(LENGTHS, WORLD_SIZES):
+        dataset = range(length)
+        for shuffle, seed, epoch, drop_last in SETTINGS:
+            for rank in range(world):
+                case = describe(length, world, rank, shuffle, seed, epoch, drop_last)
+                sampler = kata.ShardSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
+                                            seed=seed, drop_last=drop_last)
+                sampler.set_epoch(epoch)
+                expected = torch_indices(length, world, rank, shuffle, seed, epoch, drop_last)
+                got = list(sampler)
+                assert got == expected, (
+                    f"ShardSampler with {case}, after set_epoch({epoch}), gave {got}; "
+                    f"DistributedSampler gives {expected}: "
+                    + why_different(got, (length, world, rank, shuffle, seed, epoch, drop_last))
+                )
+                assert len(sampler) == len(expected), (
+                    f"len(ShardSampler) with {case} is {len(sampler)}, but it yields "
+                    f"{len(expected)} indices, as DistributedSampler does: DataLoader uses len() to "
+                    "count batches"
+                )
+
+
+def test_set_epoch_reshuffles_and_iterating_again_repeats(kata):
+    sampler = kata.ShardSampler(range(40), num_replicas=2, rank=0, shuffle=True, seed=3)
+    first, again = list(sampler), list(sampler)
+    assert first == again, (
+        f"iterating the same epoch twice gave {first} then {again}: the order must depend only on "
+        "seed + epoch (a fresh torch.Generator each time), not on how often it was iterated"
+    )
+    sampler.set_epoch(1)
+    assert list(sampler) != first, (
+        "set_epoch(1) left the order unchanged: seed the generator with seed + epoch, so each "
+        "epoch is shuffled differently"
+    )
+
+
+def test_shards_are_disjoint_and_cover_the_data(kata):
+    for length, world in itertools.product(LENGTHS, WORLD_SIZES):
+        for drop_last in (False, True):
+            shards = [list(kata.ShardSampler(range(length), world, rank, True, 5, drop_last)) for rank in range(world)]
+            taken = [i for shard in shards for i in shard]
+            sizes = {len(s) for s in shards}
+            assert len(sizes) <= 1, (
+                f"with {length} samples on {world} ranks (drop_last={drop_last}) the shards have "
+                f"sizes {[len(s) for s in shards]}: every rank needs as many samples, or the ranks "
+                "with fewer batches leave the others waiting in an all-reduce"
+            )
+            if drop_last:
+                dropped = length - len(set(taken))
+                assert len(taken) == len(set(taken)) and dropped < world, (
+                    f"with drop_last, {length} samples on {world} ranks: shards {shards} must be "
+                    f"disjoint and leave out fewer than {world} samples"
+                )
+            else:
+                assert set(taken) == set(range(length)), (
+                    f"{length} samples on {world} ranks: the shards {shards} leave out "
+                    f"{sorted(set(range(length)) - set(taken))}: without drop_last every sample is used"
+                )
+                padding = len(taken) - length
+                assert padding == world * math.ceil(length / world) - length, (
+                    f"{length} samples on {world} ranks: {padding} indices are repeated, but padding "
+                    f"only fills the last round: {len(taken)} = {world} x ceil({length} / {world})"
+                )
+
+
+@pytest.mark.parametrize("rank, num_replicas", [(4, 4), (-1, 4)])
+def test_sampler_rejects_a_rank_outside_the_world(kata, rank, num_replicas):
+    with pytest.raises(ValueError):
+        kata.ShardSampler(range(10), num_replicas=num_replicas, rank=rank)
+
+
+# ------------------------------------------------------------------ a data-parallel run on your sampler
+
+LENGTH, GLOBAL_BATCH, EPOCHS, SEED = 48, 16, 2, 5
+
+
+def make_dataset():
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(LENGTH, 3, generator=generator)
+    targets = inputs @ torch.tensor([1.0, -2.0, 3.0]) + 0.5
+    return TensorDataset(torch.arange(LENGTH), inputs, targets)
+
+
+def make_model():
+    model = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+    return model
+
+
+def step_gradient(model, inputs, targets):
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs).squeeze(1), targets).backward()
+
+
+def sgd_step(model, lr=0.1):
+    # By hand: creating a torch.optim optimizer first imports torch._dynamo (~2-4 s per process).
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter -= lr * parameter.grad
+
+
+def _train_on_rank(rank, world_size):
+    """Data-parallel SGD fed by the learner's sampler and batch size (num_replicas, rank from the group)."""
+    kata = load_kata(KATA)
+    dataset = make_dataset()
+    sampler = kata.ShardSampler(dataset, shuffle=True, seed=SEED)
+    loader = DataLoader(dataset, batch_size=kata.per_rank_batch_size(GLOBAL_BATCH, world_size), sampler=sampler)
+    model = make_model()
+    seen = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        batches = []
+        for indices, inputs, targets in loader:
+            step_gradient(model, inputs, targets)
+            for parameter in model.parameters():
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= world_size
+            sgd_step(model)
+            batches.append(indices.tolist())
+        seen.append(batches)
+    return seen, [p.detach().clone() for p in model.parameters()]
+
+
+def reference_run(world_size):
+    """The same training, every rank simulated in one process, fed by torch's DistributedSampler."""
+    dataset = make_dataset()
+    batch = GLOBAL_BATCH // world_size
+    model = make_model()
+    seen = [[] for _ in range(world_size)]
+    for epoch in range(EPOCHS):
+        per_rank = [torch_indices(LENGTH, world_size, r, True, SEED, epoch) for r in range(world_size)]
+        batches = [[shard[i:i + batch] for i in range(0, len(shard), batch)] for shard in per_rank]
+        for rank in range(world_size):
+            seen[rank].append(batches[rank])
+        for step in range(len(batches[0])):
+            grads = []
+            for rank in range(world_size):
+                _, inputs, targets = dataset[batches[rank][step]]
+                step_gradient(model, inputs, targets)
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for parameter, *rank_grads in zip(model.parameters(), *grads):
+                parameter.grad = sum(rank_grads) / world_size
+            sgd_step(model)
+    return seen, [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_data_parallel_run_on_your_sampler(world, world_size):
+    results = world.run(_train_on_rank, world_size, deadline=20)
+    expected_seen, expected_params = reference_run(world_size)
+    for epoch in range(EPOCHS):
+        shards = [sorted(i for batch in seen[epoch] for i in batch) for seen, _ in results]
+        taken = [i for shard in shards for i in shard]
+        shared = len(taken) - len(set(taken))
+        assert shared == 0 and len(taken) == LENGTH, (
+            f"epoch {epoch} on {world_size} ranks: the ranks trained on {len(taken)} samples, "
+            f"{len(set(taken))} different ones, of the {LENGTH}; expected each sample once, on "
+            "one rank: every rank needs a shard of its own (does the sampler take num_replicas "
+            "and rank from the process group when they are not given?)"
+        )
+    for rank, (seen, params) in enumerate(results):
+        assert seen == expected_seen[rank], (
+            f"rank {rank} of {world_size} trained on the batches {seen} (per epoch), but "
+            f"DistributedSampler would have fed it {expected_seen[rank]}"
+        )
+        for got, expected in zip(params, expected_params):
+            assert torch.allclose(got, expected, atol=1e-5), (
+                f"rank {rank}'s model after {EPOCHS} epochs is {got.flatten().tolist()}, the reference "
+                f"run's is {expected.flatten().tolist()}"
+            )
+
+
+def test_program_shows_the_shards(kata):
+    """`python -m katas.k10_sharding`: the tutorial's parts and the sampler's shards, per rank."""
+    result = run_program(KATA, "--world-size", "4", "--dataset-size", "10", timeout=90)
+    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    verdicts = [line for line in result.stdout.splitlines() if "same as DistributedSampler" in line]
+    assert len(verdicts) == 2 and all(line.endswith("yes") for line in verdicts), (
+        f"expected two epochs, each the same as DistributedSampler, in:\n{result.stdout}"
+    )
+    assert "12 indices handed out, 2 of them repeated (padding)" in verdicts[0], (
+        f"10 samples on 4 ranks: 12 indices, 2 padded, expected in:\n{verdicts[0]}"
+    )
