@@ -607,6 +607,7 @@ def _results_by_node(results):
     return by_node
 
 
+@pytest.mark.slow  # four rank processes, each importing torch: ~8 s of CPU
 def test_two_nodes_started_by_hand():
     def command(node, port):
         return [sys.executable, "-m", f"{impl.current()}.{KATA}", "--nnodes", "2", "--node-rank", str(node),
@@ -620,6 +621,7 @@ def test_two_nodes_started_by_hand():
         )
 
 
+@pytest.mark.slow  # two agents and four ranks, each importing torch: ~11 s of CPU
 def test_two_nodes_started_by_torchrun():
     def command(node, port):
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
