@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     devcheck_.add_argument("-n", "--workers", default="2", help="pytest-xdist workers (default 2)")
     devcheck_.add_argument("--kata", action="append", help="check only this kata (repeatable)")
     devcheck_.add_argument("--only", action="append", choices=("consistency", "solutions", "stubs"), help="run only this part (repeatable)")
+    devcheck_.add_argument("-k", dest="select", metavar="EXPR", help="only the tests matching this pytest -k expression")
     dev.add_parser("readme", help="rewrite README.md's kata table from dojo/curriculum.toml")
     dev.add_parser("pristine", help="copy the shipped stubs in katas/ to dojo/pristine/ (what `dojo reset` restores)")
     return parser
@@ -152,7 +153,7 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
             katas = devcheck.resolve(args.kata)
         except KeyError as error:
             raise _Usage(error.args[0]) from None
-        return devcheck.check(args.repeat, args.workers, katas, args.only)
+        return devcheck.check(args.repeat, args.workers, katas, args.only, args.select)
     if args.dev_command == "readme":
         devcheck.write_readme_table()
         print("README.md's kata table rewritten from dojo/curriculum.toml")

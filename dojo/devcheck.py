@@ -11,7 +11,7 @@
 
 ``--repeat N`` runs 2 and 3 N times (the flake hunt). ``--kata kNN`` (repeatable) restricts every
 part to those katas (the README table and unlisted files are checked only in a full run);
-``--only PART`` runs some parts only.
+``--only PART`` runs some parts only; ``-k EXPR`` passes pytest's test selection on.
 """
 
 from __future__ import annotations
@@ -142,11 +142,17 @@ def resolve(names: list[str] | None) -> list[curriculum.Kata] | None:
     return [curriculum.find(name) for name in names] if names else None
 
 
-def check(repeat: int = 1, workers: str = "2", katas: list[curriculum.Kata] | None = None, only: list[str] | None = None) -> int:
+def check(
+    repeat: int = 1, workers: str = "2", katas: list[curriculum.Kata] | None = None, only: list[str] | None = None,
+    select: str | None = None,
+) -> int:
     start = time.monotonic()
     parts = only or list(PARTS)
     chosen = list(curriculum.katas()) if katas is None else katas
     scope = "" if katas is None else f" (only {', '.join(k.id for k in katas)})"
+    if select:
+        scope += f" (tests matching -k {select!r})"
+    pytest_select = ("-k", select) if select else ()
     ok = True
     if "consistency" in parts:
         problems = consistency_problems(katas)
@@ -160,11 +166,11 @@ def check(repeat: int = 1, workers: str = "2", katas: list[curriculum.Kata] | No
     for round_ in range(1, repeat + 1):
         suffix = f" (round {round_} of {repeat})" if repeat > 1 else ""
         if "solutions" in parts and (katas is None or kata_tests):
-            ok &= _pytest(f"every solution passes{scope}{suffix}", "--solutions", "-n", workers, "-q", *solution_tests)
+            ok &= _pytest(f"every solution passes{scope}{suffix}", "--solutions", "-n", workers, "-q", *pytest_select, *solution_tests)
         if "stubs" in parts and kata_tests:
             ok &= _pytest(
                 f"every stub fails with 'not implemented yet'{scope}{suffix}", "--expect-todo", "-n", workers, "-q",
-                f"--timeout={STUB_TEST_TIMEOUT_S}", *kata_tests,
+                f"--timeout={STUB_TEST_TIMEOUT_S}", *pytest_select, *kata_tests,
             )
     print(f"\n{'PASSED' if ok else 'FAILED'}: dev check{scope} in {time.monotonic() - start:.0f} s")
     return 0 if ok else 1

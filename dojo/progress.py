@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,7 +60,7 @@ def load() -> State:
         # A damaged file must not lock the learner out: keep it for inspection, start afresh.
         broken = STATE_FILE.with_suffix(".broken.json")
         os.replace(STATE_FILE, broken)
-        print(f"dojo: {STATE_FILE.name} was damaged; kept as {broken}, starting with no progress")
+        print(f"dojo: {STATE_FILE.name} was damaged; kept as {broken}, starting with no progress", file=sys.stderr)
         return State()
 
 
