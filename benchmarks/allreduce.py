@@ -123,7 +123,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=7,
                         help="repetitions at least, per size and all-reduce; the median is shown (default 7)")
     args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--sizes: {error}")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.backend is None and args.device is None:
