@@ -1,0 +1,246 @@
+"""k05 · Data-parallel training by hand.
+
+THE IDEA
+    Every rank holds a full replica of the model and trains it on its own part of the data.
+    After each backward pass the ranks average their gradients (k04), so every replica takes
+    the very same step and the replicas stay identical, while each rank only did 1/N of the
+    work. One step, on 4 ranks with a global batch of 64:
+
+        rank 0   images  0-15 -> forward, loss, backward -> g0 --+
+        rank 1   images 16-31 -> forward, loss, backward -> g1 --+-> all-reduce, / 4 -> mean g
+        rank 2   images 32-47 -> forward, loss, backward -> g2 --+   (on every rank)
+        rank 3   images 48-63 -> forward, loss, backward -> g3 --+
+                 then every rank: optimizer.step() with the same mean g -> same new weights
+
+    The mean of the four mean-losses' gradients is the gradient of the mean loss over all 64
+    images: N ranks with averaged gradients compute exactly what one process computes on the
+    whole batch (for a model without BatchNorm: see below).
+
+    Two things the tutorial forgot:
+
+    - identical start: replicas that start from different random weights never agree; every
+      rank takes rank 0's weights (``dist.broadcast(tensor, src=0)`` of every parameter and
+      buffer). The same seed on every rank also works, but only if every rank builds the
+      model in exactly the same way: the broadcast is what makes it certain;
+    - a shard per rank: the tutorial gives every rank the whole data set, so four ranks do the
+      same work four times. Here rank r trains on its own disjoint slice; every rank gets the
+      same number of samples (the few left over are dropped), because a rank with one batch
+      more would wait for ever in its last all-reduce.
+
+        training set (1438 digits)   [ rank 0: 359 | rank 1: 359 | rank 2: 359 | rank 3: 359 ] + 2 dropped
+
+    The BatchNorm caveat: BatchNorm normalises with the statistics of the batch it sees, and
+    each rank sees only its own 16 images, so its gradients are not those of one process on all
+    64, and its running statistics (buffers, not parameters: no gradient averages them) drift
+    apart from the other ranks'. Before evaluating, copy rank 0's buffers to every rank
+    (``broadcast_buffers``; DistributedDataParallel broadcasts buffers at every forward), or use
+    ``nn.SyncBatchNorm``, which computes the statistics over all ranks.
+
+    Only rank 0 prints progress: N ranks printing the same lines is noise.
+
+STEPS
+    1. ``broadcast_buffers``: broadcast every buffer from rank 0 (parameters untouched);
+       ``make_replicas_identical``: broadcast every parameter from rank 0, and the buffers.
+    2. ``shard_indices``: rank r's disjoint share of ``range(num_samples)``, ``num_samples //
+       world_size`` indices each; ``ValueError`` for a rank outside the world or fewer samples
+       than ranks.
+    3. ``train_step``: forward, cross-entropy loss, zero_grad, backward, ``average_gradients``
+       (from your k04), step; return this rank's loss as a float.
+    4. ``run_training``: the tutorial's loop. The data, model and optimizer are set up for you;
+       make the replicas identical, load this rank's shard (``Subset``, a ``DataLoader`` with
+       ``batch_size // world_size`` per rank, ``shuffle=True``, ``drop_last=True``), train
+       ``epochs`` epochs with ``train_step``, let rank 0 alone show progress, and after each
+       epoch broadcast the buffers and measure held-out accuracy.
+
+WHAT THE TESTS CHECK
+    Replicas built differently become rank 0's (parameters and BatchNorm buffers; buffers alone
+    with ``broadcast_buffers``); shards are disjoint, equal and cover the data; ``train_step``
+    on 4 ranks of 2 images gives the same weights as one process on 8 (no BatchNorm);
+    ``run_training`` on 2 ranks for one epoch ends with identical replicas, a falling loss and
+    at least 85 % held-out accuracy on the digits; the program prints progress from rank 0 only
+    and saves its loss curve.
+
+RUN IT
+    python -m katas.k05_data_parallel --world-size 4 --epochs 3     (saves k05_loss_curve.png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from dojo import data as datasets
+from dojo.console import run_program, say
+from dojo.devices import rank_device
+from dojo.launch import add_launch_arguments, launch_world
+from dojo.models import ConvNet, accuracy
+from dojo.todo import KataTodo
+
+from .k04_allreduce import average_gradients
+
+MOMENTUM = 0.9
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Give this rank's model rank 0's buffers (BatchNorm's running statistics), parameters untouched."""
+    # TODO: under torch.no_grad(), dist.broadcast(buffer, src=0) for every buffer in
+    # model.buffers(); every rank, rank 0 included, calls it.
+    raise KataTodo("k05", 1, "give every replica rank 0's buffers")
+
+
+def make_replicas_identical(model: nn.Module) -> None:
+    """Give this rank's model rank 0's parameters and buffers (every rank must call it)."""
+    # TODO: the same for every parameter in model.parameters(), then broadcast_buffers(model).
+    raise KataTodo("k05", 1, "give every replica rank 0's weights")
+
+
+def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s disjoint share of ``range(num_samples)``: ``num_samples // world_size`` indices."""
+    # TODO: ValueError when rank is not in 0..world_size-1 or num_samples < world_size. Then
+    # per_rank = num_samples // world_size (equal shards: the few left over are dropped), and
+    # rank r takes its own block of per_rank indices.
+    raise KataTodo("k05", 2, "this rank's shard of the data")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+               labels: torch.Tensor) -> float:
+    """One data-parallel step on this rank's part of the batch; returns this rank's loss."""
+    # TODO: the tutorial's step: loss = F.cross_entropy(model(images), labels); zero the old
+    # gradients; loss.backward(); average_gradients(model) (your k04); optimizer.step();
+    # return loss.item().
+    raise KataTodo("k05", 3, "one data-parallel training step")
+
+
+def run_training(
+    rank: int, world_size: int, epochs: int = 1, batch_size: int = 64, lr: float = 0.01,
+    seed: int = 0, data: str = "digits", data_root: str | None = None, download: bool = False,
+    log_every: int = 10, show_progress: bool = True, limit: int | None = None,
+) -> dict:
+    """Train the ConvNet data-parallel inside an initialised process group (this rank's part).
+
+    ``batch_size`` is the global batch: each rank takes ``batch_size // world_size`` of it;
+    ``limit`` trains on the first ``limit`` training images only (a quick run).
+    Returns ``{"losses": [this rank's loss at every step], "epoch_losses": [...],
+    "accuracies": [held-out accuracy after each epoch], "accuracy": the last one,
+    "shard": [the training indices this rank used], "state_dict": {name: CPU tensor}}``.
+    """
+    device = rank_device()
+    per_rank_batch = _per_rank_batch(batch_size, world_size)
+    train_set = datasets.load(data, "train", data_root, download)
+    test_set = datasets.load(data, "test", data_root, download)
+    if limit is not None:
+        train_set = Subset(train_set, range(min(limit, len(train_set))))
+    torch.manual_seed(seed)
+    model = ConvNet().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+
+    # TODO:
+    #   1. make_replicas_identical(model): every rank starts from rank 0's weights
+    #   2. shard = shard_indices(len(train_set), rank, world_size); loader = DataLoader(
+    #      Subset(train_set, shard), batch_size=per_rank_batch, shuffle=True, drop_last=True,
+    #      generator=torch.Generator().manual_seed(seed * 1000 + rank)); _check_steps(len(loader), ...)
+    #   3. for each epoch: model.train(); for each (images, labels) of the loader: move them to
+    #      device, losses.append(train_step(...)); on rank 0 only (and if show_progress):
+    #      show_step(rank, epoch, epochs, step, len(loader), loss, log_every)
+    #   4. after each epoch: broadcast_buffers(model) (BatchNorm's statistics differ per rank),
+    #      accuracies.append(accuracy(model, test_set, device=device)), the epoch's mean loss;
+    #      on rank 0 only: show_epoch(...)
+    #   5. return {"losses", "epoch_losses", "accuracies", "accuracy" (the last), "shard",
+    #      "state_dict": {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}}
+    raise KataTodo("k05", 4, "the training loop")
+
+
+# --------------------------------------------------------------------------- plumbing
+
+def _per_rank_batch(batch_size: int, world_size: int) -> int:
+    if batch_size < world_size or batch_size % world_size:
+        raise ValueError(
+            f"a global batch of {batch_size} does not split evenly over {world_size} ranks: use a "
+            f"multiple of {world_size}"
+        )
+    return batch_size // world_size
+
+
+def _check_steps(steps: int, shard_size: int, per_rank_batch: int) -> None:
+    if steps == 0:
+        raise ValueError(
+            f"a shard of {shard_size} samples holds no full batch of {per_rank_batch}: use a "
+            "smaller batch or fewer ranks"
+        )
+
+
+def show_step(rank: int, epoch: int, epochs: int, step: int, steps: int, loss: float, every: int) -> None:
+    """A progress bar: redrawn in place on a terminal, a line every ``every`` steps otherwise."""
+    done = round(20 * step / steps)
+    text = f"epoch {epoch}/{epochs} [{'#' * done}{'.' * (20 - done)}] {step}/{steps} loss {loss:.3f}"
+    if sys.stdout.isatty():
+        sys.stdout.write(f"\r[rank {rank}] {text}" + ("\n" if step == steps else ""))
+        sys.stdout.flush()
+    elif step % every == 0 or step == steps:
+        say(rank, text)
+
+
+def show_epoch(rank: int, epoch: int, epochs: int, loss: float, held_out_accuracy: float) -> None:
+    say(rank, f"epoch {epoch}/{epochs}: mean loss {loss:.3f}, held-out accuracy {held_out_accuracy:.1%}")
+
+
+def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(range(1, len(losses) + 1), losses)
+    axes.set(xlabel="step", ylabel="rank 0's training loss", title=f"data-parallel ConvNet, {world_size} ranks")
+    axes.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="The tutorial's multiprocess_training.py, done right.")
+    add_launch_arguments(parser)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="the global batch, split over the ranks")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines (no terminal)")
+    parser.add_argument("--limit", type=int, default=None, help="train on the first N training images only")
+    parser.add_argument("--plot", type=Path, default=Path("k05_loss_curve.png"), help="where to save the loss curve")
+    parser.add_argument("--no-plot", action="store_true")
+    datasets.add_data_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error("--epochs must be at least 1")
+    try:  # a bad batch split, data path or limit fails here, before any rank starts
+        per_rank_batch = _per_rank_batch(args.batch_size, args.world_size)
+        train_size = len(datasets.load(args.data, "train", args.data_root, args.download))
+        shard_size = min(train_size, args.limit or train_size) // args.world_size
+        _check_steps(shard_size // per_rank_batch, shard_size, per_rank_batch)
+    except ValueError as error:
+        parser.error(str(error))
+    say(None, f"training on {args.data} with {args.world_size} ranks, {args.batch_size // args.world_size} images each per step")
+    results = launch_world(
+        run_training, args.world_size, args.epochs, args.batch_size, args.lr, args.seed, args.data,
+        args.data_root, args.download, args.log_every, True, args.limit, backend=args.backend,
+        device=args.device,
+    )
+    final = results[0]
+    say(None, f"held-out accuracy {final['accuracy']:.1%} after {args.epochs} epoch(s)")
+    if not args.no_plot:
+        say(None, f"loss curve saved to {save_loss_curve(final['losses'], args.world_size, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)
