@@ -148,12 +148,21 @@ def test_shift_right(world_size):
         )
 
 
+def _settle(rank, world_size):
+    dist.barrier()
+
+
 def test_naive_shift_deadlocks_where_yours_does_not():
     """The proof that test_shift_right can catch a deadlocking shift: the naive one is caught."""
     world_size = 3
     _run(_shift, world_size, "yours", hint=_SHIFT_DEADLOCK_HINT)
+    # How long a world takes to start and join its group right now (slow on a busy machine): the
+    # naive shift gets three times that to reach its sends and stick there.
+    start = time.monotonic()
+    run_world(_settle, world_size)
+    took = time.monotonic() - start
     try:
-        run_world(_shift, world_size, "naive", deadline=2.5)
+        run_world(_shift, world_size, "naive", deadline=1.0 + 3 * took)
     except WorldDeadlock as report:
         text = str(report)
         assert report.stuck == list(range(world_size)) and text.count("dist.send(tensor") == world_size, (
@@ -169,7 +178,7 @@ def test_naive_shift_deadlocks_where_yours_does_not():
 # ------------------------------------------------------------------------------ step 4
 
 _SENDER_DELAY_S = 0.3  # the message leaves this long after the receiver has started working
-_WAIT_FOR_WORK_S = 3.0
+_WAIT_FOR_WORK_S = 5.0
 
 
 def _receive_while_working(rank, world_size, flag_path):

@@ -221,6 +221,7 @@ def test_all_to_all(world_size):
 # ------------------------------------------------------------------------------ step 6
 
 _LATE_S = 0.3  # rank 0 arrives this late, so a rank that does not wait finds no file
+_WAIT_FOR_PEERS_S = 5.0
 
 
 def _prepare_once(rank, world_size, path):
@@ -230,8 +231,14 @@ def _prepare_once(rank, world_size, path):
         calls.append(rank)
         return "prepared by rank 0" if rank == 0 else f"prepared by rank {rank}, which should not prepare"
 
-    if rank == 0:
+    arrived = [f"{path}.rank{r}-arrived" for r in range(1, world_size)]
+    if rank == 0:  # late for certain: only after every other rank has arrived, and then some
+        give_up = time.monotonic() + _WAIT_FOR_PEERS_S
+        while not all(map(os.path.exists, arrived)) and time.monotonic() < give_up:
+            time.sleep(0.01)
         time.sleep(_LATE_S)
+    else:
+        open(arrived[rank - 1], "w").close()
     try:
         text = load_kata(KATA).prepare_once(path, prepare)
     except FileNotFoundError:
