@@ -24,8 +24,8 @@ THE IDEA
         rank 2: send -> 3 ...                              ...
         rank 3: send -> 0 ...waits for rank 0 to recv      rank 0 is in send: a cycle
 
-    (Some backends buffer *small* messages, so the naive shift may seem to work in a quick
-    test and then hang on real tensors; gloo here waits for the receiver whatever the size.)
+    (Some transports buffer *small* messages, MPI's "eager" sends for one, so the naive shift
+    can pass a quick test and hang on real tensors; gloo waits for the receiver at any size.)
     Ways out: even ranks send first while odd ranks receive first (an order that always has a
     receiver ready), or the non-blocking calls. ``dist.isend`` and ``dist.irecv`` return at
     once with a request; ``request.wait()`` blocks until that message is done. Post both, then
@@ -62,7 +62,7 @@ STEPS
 
 WHAT THE TESTS CHECK
     Exact values on every rank for worlds of 2, 3 and 4 ranks. ``shift_right`` moves 8 MB
-    per rank, too much for any backend to buffer, so a shift that can deadlock does, and the
+    per rank, more than a transport buffers, so a shift that can deadlock does, and the
     test proves it by running the naive "send, then recv" shift next to yours: the naive one
     must end as the harness's deadlock report, yours must finish. ``receive_while_working``
     faces a sender that starts only once your work has begun and then dawdles for 0.3 s, so
