@@ -332,12 +332,14 @@ def test_program_prints_every_rank_before_and_after(kata):
         f"`python -m {KATA} --world-size 4` exited with status {done.returncode}\n"
         f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     )
-    for rank in range(4):
-        before = f"[rank {rank}] before all_reduce: tensor([{rank}])"
-        after = f"[rank {rank}] after  all_reduce(SUM): tensor([6])"
-        assert before in done.stdout and after in done.stdout, (
-            f"the program's output lacks rank {rank}'s lines {before!r} and {after!r}:\n{done.stdout}"
-        )
+    expected = [f"[rank {rank}] before all_reduce: tensor([{rank}])" for rank in range(4)]
+    expected += [f"[rank {rank}] after  all_reduce(SUM): tensor([6])" for rank in range(4)]
+    shown = [line for line in done.stdout.splitlines() if line.startswith("[rank ")]
+    assert shown == expected, (
+        "the program should print every rank's tensor before, then after, in rank order:\n"
+        + "\n".join(expected) + f"\nbut it printed:\n{done.stdout}"
+    )
+    assert "[main] every rank holds [6] after the all-reduce" in done.stdout, done.stdout
 
 
 # --------------------------------------------------------------------------- CUDA

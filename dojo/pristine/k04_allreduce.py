@@ -96,9 +96,17 @@ def show_allreduce(rank: int, world_size: int, op: str = "sum") -> list:
     else:
         before = torch.tensor([rank], device=rank_device())
         after = all_reduce_with(before.clone(), op)
-    say(rank, f"before all_reduce: {before}")
-    say(rank, f"after  all_reduce({op.upper()}): {after}")
+    say_in_rank_order(rank, world_size, f"before all_reduce: {before}")
+    say_in_rank_order(rank, world_size, f"after  all_reduce({op.upper()}): {after}")
     return after.tolist()
+
+
+def say_in_rank_order(rank: int, world_size: int, text: str) -> None:
+    """Print one line per rank, rank 0 first: each rank waits for its turn at a barrier."""
+    for turn in range(world_size):
+        if turn == rank:
+            say(rank, text)
+        dist.barrier()
 
 
 def main(argv=None) -> int:
