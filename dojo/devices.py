@@ -64,10 +64,20 @@ def choose_for_this_machine(world_size: int, backend: str | None = None, device:
 def rank_device():
     """Inside a rank: ``cuda:LOCAL_RANK`` when its world runs on CUDA, else the CPU.
 
+    With fewer GPUs than ranks (gloo can share a GPU; NCCL cannot) ranks share GPUs round-robin.
+
     The launcher and the test harness say which through ``DOJO_DEVICE`` (``cuda`` or ``cpu``).
     """
     import torch
 
     if os.environ.get("DOJO_DEVICE", "cpu") == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", gpu_of(int(os.environ.get("LOCAL_RANK", "0"))))
     return torch.device("cpu")
+
+
+def gpu_of(local_rank: int) -> int:
+    """The GPU a local rank uses: its own with one GPU per rank; shared round-robin (gloo only)
+    when there are fewer GPUs than ranks."""
+    import torch
+
+    return local_rank % max(1, torch.cuda.device_count())

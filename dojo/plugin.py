@@ -81,15 +81,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def _todo_report(todo) -> str:
     """One line for the todo, where to write it, and the step's first (gentlest) hint."""
-    lines = [str(todo)]
     try:
         kata = curriculum.find(todo.kata)
-        lines.append(f"  -> write step {todo.step} in katas/{kata.module}.py (its lesson explains it)")
-        hints = kata.step(todo.step).hints
-        if hints:
-            lines.append(f"  hint: {hints[0]}  (more: dojo hint {todo.kata})")
     except KeyError:
-        lines.append(f"  -> write {todo.kata} step {todo.step} in katas/")
+        return f"{todo}\n  -> write {todo.kata} step {todo.step} in katas/"
+    lines = [str(todo), f"  -> write step {todo.step} in katas/{kata.module}.py (its lesson explains it)"]
+    hints = next((s.hints for s in kata.steps if s.number == todo.step), ())
+    if hints:
+        lines.append(f"  hint: {hints[0]}  (more: dojo hint {todo.kata})")
     return "\n".join(lines)
 
 

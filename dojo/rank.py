@@ -111,7 +111,9 @@ def _init_group(spec: RankSpec, dist) -> None:
     if os.environ.get("DOJO_DEVICE") == "cuda":
         import torch
 
-        torch.cuda.set_device(spec.rank)  # one GPU per rank: cuda:LOCAL_RANK (one node here)
+        from dojo.devices import gpu_of
+
+        torch.cuda.set_device(gpu_of(spec.rank))  # cuda:LOCAL_RANK (all ranks on one node here)
     timeout = timedelta(seconds=spec.group_timeout_s)
     # The parent owns the store (bound to port 0, never closed): no port can collide.
     store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)
