@@ -31,8 +31,10 @@ def choose_backend(
     if device is not None and device not in DEVICES:
         raise DeviceChoiceError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     enough_gpus = gpu_count >= world_size >= 1
-    if device is None:
-        device = "cuda" if enough_gpus and backend != "gloo" else "cpu"
+    if device is None and backend == "nccl":
+        device = "cuda" if gpu_count else "cpu"
+    elif device is None:
+        device = "cuda" if enough_gpus and backend is None else "cpu"
     if device == "cuda" and gpu_count == 0:
         raise DeviceChoiceError("--device cuda, but torch sees no GPU here: use --device cpu")
     if backend is None:
