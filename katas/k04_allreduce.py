@@ -114,9 +114,13 @@ def main(argv=None) -> int:
     add_launch_arguments(parser)
     parser.add_argument("--op", choices=OPS, default="sum", help="the reduce op (default: sum)")
     args = parser.parse_args(argv)
-    results = launch_world(show_allreduce, args.world_size, args.op, backend=args.backend, device=args.device)
-    say(None, f"every rank holds {results[0]} after the all-reduce" if all(r == results[0] for r in results)
-        else f"the ranks disagree after the all-reduce: {results}")
+    results = launch_world(
+        show_allreduce, args.world_size, args.op, backend=args.backend, device=args.device
+    )
+    if all(result == results[0] for result in results):
+        say(None, f"every rank holds {results[0]} after the all-reduce")
+    else:
+        say(None, f"the ranks disagree after the all-reduce: {results}")
     return 0
 
 

@@ -27,7 +27,7 @@ THE IDEA
       same number of samples (the few left over are dropped), because a rank with one batch
       more would wait for ever in its last all-reduce.
 
-        training set (1438 digits)   [ rank 0: 359 | rank 1: 359 | rank 2: 359 | rank 3: 359 ] + 2 dropped
+        1438 training digits:  [ rank 0: 359 | rank 1: 359 | rank 2: 359 | rank 3: 359 ] + 2 left
 
     The BatchNorm caveat: BatchNorm normalises with the statistics of the batch it sees, and
     each rank sees only its own 16 images, so its gradients are not those of one process on all
@@ -89,7 +89,7 @@ MOMENTUM = 0.9
 
 
 def broadcast_buffers(model: nn.Module) -> None:
-    """Give this rank's model rank 0's buffers (BatchNorm's running statistics), parameters untouched."""
+    """Give this rank's model rank 0's buffers (BatchNorm's running statistics), nothing else."""
     # TODO: under torch.no_grad(), dist.broadcast(buffer, src=0) for every buffer in
     # model.buffers(); every rank, rank 0 included, calls it.
     raise KataTodo("k05", 1, "give every replica rank 0's buffers")
@@ -102,7 +102,7 @@ def make_replicas_identical(model: nn.Module) -> None:
 
 
 def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
-    """Rank ``rank``'s disjoint share of ``range(num_samples)``: ``num_samples // world_size`` indices."""
+    """Rank ``rank``'s own ``num_samples // world_size`` indices of ``range(num_samples)``."""
     # TODO: ValueError when rank is not in 0..world_size-1 or num_samples < world_size. Then
     # per_rank = num_samples // world_size (equal shards: the few left over are dropped), and
     # rank r takes its own block of per_rank indices.
@@ -145,7 +145,8 @@ def run_training(
     #   1. make_replicas_identical(model): every rank starts from rank 0's weights
     #   2. shard = shard_indices(len(train_set), rank, world_size); loader = DataLoader(
     #      Subset(train_set, shard), batch_size=per_rank_batch, shuffle=True, drop_last=True,
-    #      generator=torch.Generator().manual_seed(seed * 1000 + rank)); _check_steps(len(loader), ...)
+    #      generator=torch.Generator().manual_seed(seed * 1000 + rank));
+    #      _check_steps(len(loader), len(shard), per_rank_batch)
     #   3. for each epoch: model.train(); for each (images, labels) of the loader: move them to
     #      device, losses.append(train_step(...)); on rank 0 only (and if show_progress):
     #      show_step(rank, epoch, epochs, step, len(loader), loss, log_every)
@@ -176,10 +177,12 @@ def _check_steps(steps: int, shard_size: int, per_rank_batch: int) -> None:
         )
 
 
-def show_step(rank: int, epoch: int, epochs: int, step: int, steps: int, loss: float, every: int) -> None:
+def show_step(rank: int, epoch: int, epochs: int, step: int, steps: int, loss: float,
+              every: int) -> None:
     """A progress bar: redrawn in place on a terminal, a line every ``every`` steps otherwise."""
     done = round(20 * step / steps)
-    text = f"epoch {epoch}/{epochs} [{'#' * done}{'.' * (20 - done)}] {step}/{steps} loss {loss:.3f}"
+    bar = "#" * done + "." * (20 - done)
+    text = f"epoch {epoch}/{epochs} [{bar}] {step}/{steps} loss {loss:.3f}"
     if sys.stdout.isatty():
         sys.stdout.write(f"\r[rank {rank}] {text}" + ("\n" if step == steps else ""))
         sys.stdout.flush()
@@ -188,7 +191,8 @@ def show_step(rank: int, epoch: int, epochs: int, step: int, steps: int, loss: f
 
 
 def show_epoch(rank: int, epoch: int, epochs: int, loss: float, held_out_accuracy: float) -> None:
-    say(rank, f"epoch {epoch}/{epochs}: mean loss {loss:.3f}, held-out accuracy {held_out_accuracy:.1%}")
+    say(rank, f"epoch {epoch}/{epochs}: mean loss {loss:.3f}, "
+              f"held-out accuracy {held_out_accuracy:.1%}")
 
 
 def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
@@ -199,7 +203,8 @@ def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
 
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(range(1, len(losses) + 1), losses)
-    axes.set(xlabel="step", ylabel="rank 0's training loss", title=f"data-parallel ConvNet, {world_size} ranks")
+    axes.set(xlabel="step", ylabel="rank 0's training loss",
+             title=f"data-parallel ConvNet, {world_size} ranks")
     axes.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100, bbox_inches="tight")
@@ -208,15 +213,21 @@ def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="The tutorial's multiprocess_training.py, done right.")
+    parser = argparse.ArgumentParser(
+        description="The tutorial's multiprocess_training.py, done right."
+    )
     add_launch_arguments(parser)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="the global batch, split over the ranks")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="the global batch, split over the ranks")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines (no terminal)")
-    parser.add_argument("--limit", type=int, default=None, help="train on the first N training images only")
-    parser.add_argument("--plot", type=Path, default=Path("k05_loss_curve.png"), help="where to save the loss curve")
+    parser.add_argument("--log-every", type=int, default=10,
+                        help="steps between progress lines (when not on a terminal)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="train on the first N training images only (a quick run)")
+    parser.add_argument("--plot", type=Path, default=Path("k05_loss_curve.png"),
+                        help="where to save the loss curve (default: ./k05_loss_curve.png)")
     parser.add_argument("--no-plot", action="store_true")
     datasets.add_data_arguments(parser)
     args = parser.parse_args(argv)
@@ -229,7 +240,8 @@ def main(argv=None) -> int:
         _check_steps(shard_size // per_rank_batch, shard_size, per_rank_batch)
     except ValueError as error:
         parser.error(str(error))
-    say(None, f"training on {args.data} with {args.world_size} ranks, {args.batch_size // args.world_size} images each per step")
+    say(None, f"training on {args.data} with {args.world_size} ranks, "
+              f"{per_rank_batch} images each per step")
     results = launch_world(
         run_training, args.world_size, args.epochs, args.batch_size, args.lr, args.seed, args.data,
         args.data_root, args.download, args.log_every, True, args.limit, backend=args.backend,
@@ -238,7 +250,8 @@ def main(argv=None) -> int:
     final = results[0]
     say(None, f"held-out accuracy {final['accuracy']:.1%} after {args.epochs} epoch(s)")
     if not args.no_plot:
-        say(None, f"loss curve saved to {save_loss_curve(final['losses'], args.world_size, args.plot)}")
+        path = save_loss_curve(final["losses"], args.world_size, args.plot.resolve())
+        say(None, f"loss curve saved to {path}")
     return 0
 
 
