@@ -125,7 +125,8 @@ def run_training(
 ) -> dict:
     """Train the ConvNet data-parallel inside an initialised process group (this rank's part).
 
-    ``batch_size`` is the global batch: each rank takes ``batch_size // world_size`` of it;
+    ``batch_size`` is the global batch: each rank takes ``batch_size // world_size`` of it
+    (rounded down);
     ``limit`` trains on the first ``limit`` training images only (a quick run).
     Returns ``{"losses": [this rank's loss at every step], "epoch_losses": [...],
     "accuracies": [held-out accuracy after each epoch], "accuracy": the last one,
@@ -161,10 +162,11 @@ def run_training(
 # --------------------------------------------------------------------------- plumbing
 
 def _per_rank_batch(batch_size: int, world_size: int) -> int:
-    if batch_size < world_size or batch_size % world_size:
+    """Each rank's part of the global batch (rounded down: 64 over 3 ranks is 21 each)."""
+    if batch_size < world_size:
         raise ValueError(
-            f"a global batch of {batch_size} does not split evenly over {world_size} ranks: use a "
-            f"multiple of {world_size}"
+            f"a global batch of {batch_size} cannot give each of {world_size} ranks an image: use "
+            f"--batch-size {world_size} or more"
         )
     return batch_size // world_size
 
