@@ -117,10 +117,15 @@ def status(state: State, kata: curriculum.Kata, now: curriculum.Kata | None) -> 
 
 
 def fingerprint(kata: curriculum.Kata) -> str:
-    """What a kata's outcome depends on: every kata file (later katas reuse earlier ones), its
-    tests, and the dojo's code. Unchanged fingerprint, unchanged outcome."""
+    """What a kata's outcome depends on: its file and those of the katas before it (a kata may
+    reuse an earlier one's code, never a later one's), its tests and the tests' helpers, and the
+    dojo's code. Unchanged fingerprint, unchanged outcome; work on a later kata leaves it alone."""
+    from dojo.runs import kata_test_files
+
     root = curriculum.ROOT
-    paths = sorted((root / "katas").glob("*.py")) + [kata.test_file, root / "conftest.py"]
+    paths = [p for p in sorted((root / "katas").glob("*.py")) if p.stem <= kata.module]
+    paths += [root / p for p in kata_test_files(kata)] + [root / "conftest.py"]
+    paths += [p for p in sorted((root / "tests").glob("*.py")) if not p.name.startswith("test_")]
     paths += sorted((root / "dojo").glob("*.py"))
     digest = hashlib.sha256()
     for path in paths:

@@ -125,7 +125,9 @@ class Running:
         return self.process.poll() is not None
 
     def result(self) -> RunResult:
+        """Wait for the end (reading the output as it comes, if captured) and read the outcomes."""
         output = self.process.communicate()[0] or ""
+        _signal_group(self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM))  # anything it left
         try:
             with open(self.log, encoding="utf-8") as log:
                 records = [json.loads(line) for line in log if line.strip()]
@@ -141,13 +143,16 @@ class Running:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        _signal_group(self.process.pid, signal.SIGKILL)
+        _signal_group(self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM))
         self.process.wait()
         if os.path.exists(self.log):
             os.unlink(self.log)
 
 
 def _signal_group(pid: int, sig: int) -> None:
+    if not hasattr(os, "killpg"):  # pragma: no cover - Windows: no process groups; end the tree
+        subprocess.call(["taskkill", "/F", "/T", "/PID", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -158,11 +163,10 @@ def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = Fal
     """Run a kata's tests to the end (Ctrl-C stops them, and everything they started)."""
     running = Running(kata, solutions, capture)
     try:
-        running.process.wait()
+        return running.result()
     except KeyboardInterrupt:
         running.stop()
         raise
-    return running.result()
 
 
 # ------------------------------------------------------------------ which step a failure is about

@@ -41,17 +41,36 @@ def learner_copy(tmp_path: Path) -> Path:
     return root
 
 
-def add_stand_in_kata(root: Path) -> tuple[str, str]:
-    """The curriculum's second kata, as a one-line stand-in: ``VALUE = 0``, solved by ``VALUE = 1``."""
+def add_stand_in_kata(root: Path, value: int = 0) -> tuple[str, str]:
+    """The curriculum's second kata as a one-line stand-in: ``VALUE = 0``, solved by ``VALUE = 1``;
+    ``VALUE = 2`` makes its test hang, as a learner's deadlock would (for the runner's clean-up)."""
     second = curriculum.katas()[1]
-    (root / "katas" / f"{second.module}.py").write_text('"""A stand-in kata."""\nVALUE = 0\n')
+    stub = f'"""A stand-in kata."""\nVALUE = {value}\n'
+    (root / "katas" / f"{second.module}.py").write_text(stub)
     (root / "tests" / f"test_{second.module}.py").write_text(
+        "import time\n\n\n"
         "def test_value():\n"
         f"    from katas.{second.module} import VALUE\n"
+        "    if VALUE == 2:\n"
+        "        open('stand-in-hangs', 'w').close()  # tells the runner's tests it hangs now\n"
+        "        time.sleep(300)\n"
         "    assert VALUE == 1, f'VALUE is {VALUE}, expected 1'\n"
     )
-    (root / "dojo" / "pristine" / f"{second.module}.py").write_text('"""A stand-in kata."""\nVALUE = 0\n')
+    (root / "dojo" / "pristine" / f"{second.module}.py").write_text(stub)
     return second.id, second.module
+
+
+def wait_for_hang(root: Path, seconds: float = 60) -> None:
+    """Wait until the stand-in's test has started hanging (it leaves a mark), and clear the mark."""
+    mark, end = root / "stand-in-hangs", time.monotonic() + seconds
+    while not mark.exists():
+        assert time.monotonic() < end, "the stand-in's test never started"
+        time.sleep(0.05)
+    mark.unlink()
+
+
+def set_value(root: Path, module: str, value: int) -> None:
+    (root / "katas" / f"{module}.py").write_text(f'"""A stand-in kata."""\nVALUE = {value}\n')
 
 
 def learner_env(**extra: str) -> dict[str, str]:
@@ -195,7 +214,7 @@ def test_dojo_shows_the_current_kata_and_next_moves_on_only_once_it_passes(tmp_p
     assert stay.returncode == 1 and "does not pass yet, so you stay on it" in stay.stdout, stay.stdout
     assert listing(root)[second]["status"] == "current"
 
-    (root / "katas" / f"{module}.py").write_text("VALUE = 1\n")
+    set_value(root, module, 1)
     moved = dojo(root, "next")
     assert moved.returncode == 0, moved.stdout + moved.stderr
     katas = listing(root)
