@@ -8,12 +8,10 @@ through these same checks and proves each one fails with a message that names it
 from __future__ import annotations
 
 import importlib
-import os
 from collections import OrderedDict
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dojo.impl import load_kata
@@ -356,13 +354,10 @@ def _needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
 
 
-def _on_cuda(rank, world_size, share_gpus=False):
-    if share_gpus:
-        # gloo lets ranks share a GPU: rank r uses GPU r % count. The harness would pin rank r to
-        # cuda:r, so this world runs without DOJO_DEVICE and the rank sets it up itself.
-        os.environ["DOJO_DEVICE"] = "cuda"
-        os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
-    torch.cuda.set_device(_device())  # what a real program does before any CUDA work
+def _on_cuda(rank, world_size):
+    # What a real program does before any CUDA work (the harness has done it too). With fewer
+    # GPUs than ranks, gloo lets ranks share them: rank_device() hands them out round-robin.
+    torch.cuda.set_device(_device())
     kata = load_kata(KATA)
     before, after = kata.tutorial_allreduce(rank, world_size)
     model = _model().to(_device())
@@ -394,5 +389,5 @@ def test_nccl_world_of_one(kata):
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
     _needs_gpus(1)
-    results = run_world(_on_cuda, 2, True, backend="gloo", deadline=60)
+    results = run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
     _check_on_cuda(results, 2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
@@ -339,11 +338,8 @@ def _needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
 
 
-def _train_on_cuda(rank, world_size, share_gpus=False):
-    if share_gpus:
-        # gloo lets ranks share a GPU: rank r uses GPU r % count (the harness would pin cuda:r).
-        os.environ["DOJO_DEVICE"] = "cuda"
-        os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
+def _train_on_cuda(rank, world_size):
+    # With fewer GPUs than ranks, gloo lets ranks share them (rank_device() hands them out).
     torch.cuda.set_device(_device())
     result = load_kata(KATA).run_training(rank, world_size, epochs=1, batch_size=BATCH, show_progress=False)
     result["cuda_bytes"] = torch.cuda.max_memory_allocated()
@@ -362,10 +358,14 @@ def _check_cuda_training(results):
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
     _needs_gpus(1)
-    _check_cuda_training(run_world(_train_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120))
+    _check_cuda_training(
+        run_world(_train_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120)
+    )
 
 
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
     _needs_gpus(1)
-    _check_cuda_training(run_world(_train_on_cuda, 2, True, backend="gloo", deadline=120))
+    _check_cuda_training(
+        run_world(_train_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=120)
+    )
