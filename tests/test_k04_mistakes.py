@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dojo import impl
+from dojo.world import RankFailed
 from tests.test_k04_allreduce import check_average_gradients, check_reduce_ops, check_tutorial_allreduce
 
 CHECKS = {"demo": check_tutorial_allreduce, "ops": check_reduce_ops, "average": check_average_gradients}
@@ -70,4 +71,9 @@ def test_mistake_fails_with_a_message_that_names_it(mistake, check, arguments, s
 
 @pytest.mark.parametrize("answer, check, arguments", RIGHT_ANSWERS, ids=[f"{a[0]}-{i}" for i, a in enumerate(RIGHT_ANSWERS)])
 def test_right_answer_written_another_way_passes(answer, check, arguments):
-    CHECKS[check](impl=f"tests.mistakes_k04:{answer}", **arguments)
+    try:
+        CHECKS[check](impl=f"tests.mistakes_k04:{answer}", **arguments)
+    except RankFailed as failure:
+        if answer == "with_avg_op" and "AVG" in str(failure):  # gloo gained ReduceOp.AVG late
+            pytest.skip(f"this torch's gloo has no ReduceOp.AVG: {str(failure).splitlines()[0]}")
+        raise
