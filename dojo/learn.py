@@ -58,6 +58,10 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
     result = runs.run_kata(kata, solutions=solutions, capture=capture)
     if not solutions:
         progress.record_run(kata, result.passed, result.summary(), progress.fingerprint(kata))
+    if capture and result.broken:  # pytest itself may have said why (a conftest, an option)
+        print(result.output, end="")
+    digest = result.digest()
+    print(("\n" + digest) if digest else "", flush=True)
     print(paint(result.describe(), "green" if result.passed else "red"), flush=True)
     return result
 
@@ -119,7 +123,6 @@ def verify(fresh: bool = False, solutions: bool = False) -> int:
             continue
         result = check(kata, solutions=solutions, capture=True)
         if not result.passed:
-            print(result.output, end="")
             print(paint(f"\n{kata.id} · {kata.title} does not pass yet: it is the first pending kata.", "red"))
             return 1
     later = [k.id for k in curriculum.katas() if not progress.available(k)]

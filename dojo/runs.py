@@ -64,22 +64,72 @@ class RunResult:
             "skipped": self.count("skipped"), "step": self.first_failing_step(), "exit": self.returncode,
         }
 
+    def digest(self, shown: int = 6) -> str:
+        """The failures, for a learner: the first real one in full (where, and the message), one
+        line for each other, and the steps not written yet counted, not repeated."""
+        real, todos = [], {}
+        for record in self.records:
+            if record["outcome"] != "failed":
+                continue
+            todo = TODO_PATTERN.search(record["text"])
+            if todo and record["when"] == "call":
+                todos.setdefault((int(todo.group(2)), todo.group(3) or ""), []).append(record)
+            else:
+                real.append(record)
+        lines = []
+        if real:
+            first = real[0]
+            lines.append(f"FAILED {_name(first)}" + (f" ({first['when']})" if first["when"] != "call" else ""))
+            lines += ["  " + line for line in first["text"].rstrip().splitlines()]
+            groups: dict[str, list[str]] = {}
+            for record in real[1:]:
+                groups.setdefault(_message(record["text"]), []).append(_name(record))
+            for message, names in list(groups.items())[:shown]:
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                if message == _message(first["text"]):
+                    lines.append(f"FAILED {names[0]}{more}: the same error")
+                else:
+                    lines.append(f"FAILED {names[0]}{more}: {message}")
+            if len(groups) > shown:
+                lines.append("... and more failing tests with other errors")
+        if todos:
+            lines.append("not implemented yet:")
+            for (step, what), found in sorted(todos.items()):
+                label = f"step {step}" + (f" ({what})" if what else "")
+                lines.append(f"  {label}: {len(found)} test{'s' if len(found) > 1 else ''}")
+        if real or todos:
+            lines.append(f"(every failure in full: python -m pytest {' '.join(kata_test_files(self.kata))})")
+        return "\n".join(lines)
+
     def describe(self) -> str:
         """One line for the learner: how many tests pass, and what fails first."""
         k = self.kata
         if self.passed:
-            skipped = f" ({self.count('skipped')} skipped)" if self.count("skipped") else ""
-            return f"{k.id} passes: all {self.count('passed')} tests{skipped} in {self.seconds:.0f} s."
+            skipped = len({r["test"] for r in self.records if r["outcome"] == "skipped"})
+            return f"{k.id} passes: all {self.count('passed')} tests" + (f" ({skipped} skipped)" if skipped else "") + f" in {self.seconds:.0f} s."
         if self.returncode == PYTEST_EXIT_NO_TESTS:
             return f"{k.id}: pytest found no tests in {', '.join(kata_test_files(k))}."
-        total = self.count("passed") + self.count("failed")
-        line = f"{k.id}: {self.count('passed')} of {total} tests pass"
+        skipped = {r["test"] for r in self.records if r["outcome"] == "skipped"}
+        total = len({r["test"] for r in self.records if r["when"] != "collect"} - skipped)
+        line = f"{k.id}: {self.count('passed')} of {total} tests pass" + (f" ({len(skipped)} skipped)" if skipped else "")
         if self.broken:
-            line += f"; {len(self.broken)} could not run (see the errors above: does the file import?)"
+            line += f"; {len(self.broken)} could not start (the error above: does katas/{k.module}.py import?)"
         step = self.first_failing_step()
-        if step is not None:
+        if step is not None and not self.broken:
             line += f". First failing step: {describe_step(k, step)}"
         return line + "."
+
+
+def _name(record: dict) -> str:
+    return record["test"].split("::", 1)[-1]
+
+
+def _message(text: str) -> str:
+    """The first line of the error message in a short traceback (pytest marks it with ``E``)."""
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()[:160]
+    return (text.strip().splitlines() or [""])[-1][:160]
 
 
 def describe_step(kata: curriculum.Kata, number: int) -> str:
@@ -96,8 +146,8 @@ def kata_test_files(kata: curriculum.Kata) -> list[str]:
 
 
 def pytest_command(kata: curriculum.Kata, solutions: bool = False) -> list[str]:
-    # -rN: no short summary at the end, the runner's own line says it in fewer words
-    args = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-rN", "-p", "dojo.testlog"]
+    # pytest shows a line of progress; the runner then shows a digest of the failures it logged
+    args = [sys.executable, "-m", "pytest", "-q", "--tb=no", "-rN", "-p", "dojo.testlog"]
     if solutions:
         args.append("--solutions")
     return [*args, *kata_test_files(kata)]

@@ -1,6 +1,9 @@
 """A pytest plugin for the runner (``pytest -p dojo.testlog``): each test's outcome, one JSON line
 per report, in the file named by ``DOJO_TEST_LOG``. The runner reads the outcomes from there
-instead of parsing pytest's output, which the learner sees unchanged.
+instead of parsing pytest's output, and shows the learner a digest of them.
+
+A failure's text is its short traceback (where it failed, and the message), whatever ``--tb``
+says, so the runner can keep pytest's own output to a line of progress.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import os
 import pytest
 
 ENV_VAR = "DOJO_TEST_LOG"
-_TEXT_LIMIT = 4000  # enough to find the step a failure is about
+_TEXT_LIMIT = 6000  # a failure's tail: the message, and enough to find the step it is about
 
 
 def _write(record: dict) -> None:
@@ -21,13 +24,25 @@ def _write(record: dict) -> None:
             log.write(json.dumps(record) + "\n")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and report.failed:
+        try:  # as --tb=short shows it, pytest's own frames cut away (a private but old API)
+            report.dojo_text = str(item._repr_failure_py(call.excinfo, style="short"))
+        except Exception:  # noqa: BLE001 - the text is a convenience; the outcome is what counts
+            report.dojo_text = call.excinfo.exconly()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # The call phase decides a test; setup and teardown matter only when they go wrong.
     if report.when == "call" or not report.passed:
-        _write({
-            "test": report.nodeid, "when": report.when, "outcome": report.outcome,
-            "text": report.longreprtext[-_TEXT_LIMIT:] if report.failed else "",
-        })
+        text = ""
+        if report.failed:
+            # A string is the dojo plugin's own report (a todo): short already, and final.
+            text = report.longrepr if isinstance(report.longrepr, str) else getattr(report, "dojo_text", report.longreprtext)
+        _write({"test": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text[-_TEXT_LIMIT:]})
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -126,7 +126,9 @@ class Watcher:
         result, self.running = self.running.result(), None
         progress.record_run(self.kata, result.passed, result.summary(), progress.fingerprint(self.kata))
         self.last = result
-        print("\n" + paint(result.describe(), "green" if result.passed else "red"))
+        digest = result.digest()
+        print(("\n" + digest) if digest else "")
+        print(paint(result.describe(), "green" if result.passed else "red"))
         if result.passed:
             upcoming = progress.following(progress.load(), self.kata)
             after = f"[n] next: {upcoming.id} · {upcoming.title}" if upcoming else "every kata written so far passes"
