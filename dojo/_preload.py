@@ -10,6 +10,8 @@ import torch.distributed  # noqa: F401
 import torch.multiprocessing  # noqa: F401
 
 torch.testing.assert_close(torch.zeros(2), torch.zeros(2))
+# A process's first optimizer imports ~900 modules (torch._dynamo among them): ~0.7 s per rank.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()
 
 # Objects created by the imports above live as long as the process: freezing them keeps every
 # rank's gc.collect() (part of its teardown) fast, and copy-on-write pages untouched.
