@@ -53,8 +53,8 @@ def show_list(as_json: bool = False) -> int:
 def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> runs.RunResult:
     """Run one kata's tests; record the outcome (not for ``--solutions``, which tests the reference)."""
     where = "solutions/" if solutions else "katas/"
-    print(paint(f"\n{kata.id} · {kata.title}", "bold") + f": testing {where}{kata.module}.py", flush=True)
-    print("$ python " + " ".join(runs.pytest_command(kata, solutions)[1:]), flush=True)
+    tests = " ".join(runs.kata_test_files(kata))
+    print(paint(f"\n{kata.id} · {kata.title}", "bold") + f": testing {where}{kata.module}.py with {tests}", flush=True)
     result = runs.run_kata(kata, solutions=solutions, capture=capture)
     if not solutions:
         progress.record_run(kata, result.passed, result.summary(), progress.fingerprint(kata))

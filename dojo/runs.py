@@ -73,7 +73,7 @@ class RunResult:
                 continue
             todo = TODO_PATTERN.search(record["text"])
             if todo and record["when"] == "call":
-                todos.setdefault((int(todo.group(2)), todo.group(3) or ""), []).append(record)
+                todos.setdefault(int(todo.group(2)), []).append(record)
             else:
                 real.append(record)
         lines = []
@@ -94,9 +94,8 @@ class RunResult:
                 lines.append("... and more failing tests with other errors")
         if todos:
             lines.append("not implemented yet:")
-            for (step, what), found in sorted(todos.items()):
-                label = f"step {step}" + (f" ({what})" if what else "")
-                lines.append(f"  {label}: {len(found)} test{'s' if len(found) > 1 else ''}")
+            for step, found in sorted(todos.items()):
+                lines.append(f"  {describe_step(self.kata, step)}: {len(found)} test{'s' if len(found) > 1 else ''}")
         if real or todos:
             lines.append(f"(every failure in full: python -m pytest {' '.join(kata_test_files(self.kata))})")
         return "\n".join(lines)
