@@ -1,14 +1,13 @@
-"""Running one kata's tests for the learner, and reading which step fails first.
+"""Running one kata's tests for the learner, and telling them what happened.
 
-The learner sees pytest's own output; the outcomes come back through ``dojo.testlog``. A failing
-test is tied to a step by its "not implemented yet: kNN step S" when it has one, else by the
-kata functions it exercises: a step's functions are those whose stub body raises that step's
-``KataTodo`` (read from the pristine stub), found in the test's source and its failure text.
+pytest prints a line of progress; the outcomes come back through ``dojo.testlog``, and the
+runner turns them into a digest: the first real failure in full, one line for each other one,
+the steps not written yet, and the first failing step (``dojo.steps``).
 """
 
 from __future__ import annotations
 
-import ast
+import functools
 import json
 import os
 import re
@@ -18,10 +17,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from dojo import curriculum, impl, testlog
-from dojo.todo import _PATTERN as TODO_PATTERN
+from dojo.steps import TODO_PATTERN, step_functions, steps_of_failure
 
 PYTEST_EXIT_NO_TESTS = 5
 
@@ -46,6 +44,7 @@ class RunResult:
         """Failures outside a test's body: the file did not import, a fixture failed."""
         return [r for r in self.records if r["outcome"] == "failed" and r["when"] != "call"]
 
+    @functools.cached_property
     def failing_steps(self) -> list[int]:
         steps_of = step_functions(self.kata)
         found = set()
@@ -55,8 +54,7 @@ class RunResult:
         return sorted(found)
 
     def first_failing_step(self) -> int | None:
-        steps = self.failing_steps()
-        return steps[0] if steps else None
+        return self.failing_steps[0] if self.failing_steps else None
 
     def summary(self) -> dict:
         return {
@@ -216,53 +214,3 @@ def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = Fal
     except KeyboardInterrupt:
         running.stop()
         raise
-
-
-# ------------------------------------------------------------------ which step a failure is about
-
-
-def step_functions(kata: curriculum.Kata) -> dict[str, int]:
-    """Function name -> the step its stub body belongs to (the lowest, if it raises several)."""
-    from dojo.reset import pristine_file  # the shipped stub: the learner's copy lost its todos
-
-    source = pristine_file(kata) if pristine_file(kata).exists() else kata.kata_file
-    try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return {}
-    steps: dict[str, int] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for inner in ast.walk(node):
-                if isinstance(inner, ast.Call) and getattr(inner.func, "id", None) == "KataTodo":
-                    values = [a.value for a in inner.args[:2] if isinstance(a, ast.Constant)]
-                    if len(values) == 2 and isinstance(values[1], int):
-                        steps[node.name] = min(values[1], steps.get(node.name, values[1]))
-    return steps
-
-
-def steps_of_failure(kata: curriculum.Kata, record: dict, steps_of: dict[str, int]) -> set[int]:
-    todo = TODO_PATTERN.search(record["text"])
-    if todo and todo.group(1) == kata.id:
-        return {int(todo.group(2))}
-    text = record["text"] + "\n" + _test_source(curriculum.ROOT / record["test"].split("::")[0], record["test"])
-    return {step for name, step in steps_of.items() if re.search(rf"\.{name}\b|\b{name}\(", text)}
-
-
-def _test_source(test_file: Path, nodeid: str) -> str:
-    """The test function's source, and that of the module's helpers it names (one level)."""
-    name = re.sub(r"\[.*\]$", "", nodeid.split("::")[-1])
-    try:
-        text = test_file.read_text(encoding="utf-8")
-        tree = ast.parse(text)
-    except (OSError, SyntaxError):
-        return ""
-    functions = {
-        n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
-    if name not in functions:
-        return ""
-    own = ast.get_source_segment(text, functions[name]) or ""
-    named = {n.id for n in ast.walk(functions[name]) if isinstance(n, ast.Name)}
-    helpers = [ast.get_source_segment(text, functions[h]) or "" for h in sorted(named) if h in functions and h != name]
-    return "\n".join([own, *helpers])
