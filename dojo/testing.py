@@ -93,7 +93,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def is_port_clash(error: BaseException) -> bool:
-    """Whether ``error`` is the rare race ``free_port`` can lose (retry with a new port)."""
+def is_port_clash(error: BaseException | str) -> bool:
+    """Whether ``error`` (or a program's output) is the rare race ``free_port`` can lose."""
     text = str(error).lower()
     return "address already in use" in text or "eaddrinuse" in text
+
+
+def with_free_port(run):
+    """``run(port)`` with a free port; once more with a new port if the first was taken meanwhile."""
+    try:
+        return run(free_port())
+    except AssertionError as error:
+        if not is_port_clash(error):
+            raise
+        return run(free_port())
+
+
+def refusal(call) -> str | None:
+    """None if ``call()`` raised ValueError (bad input refused), else what it did instead.
+
+    A ``KataTodo`` goes straight through, so an unwritten step still reads as one.
+    """
+    from dojo.todo import KataTodo
+
+    try:
+        value = call()
+    except ValueError:
+        return None
+    except KataTodo:
+        raise
+    except Exception as error:  # noqa: BLE001 - report what a learner's code did instead
+        return f"raised {type(error).__name__}: {error}"
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return f"returned {value!r}"
+
+
+def require_gpus(count: int) -> None:
+    """Skip the test (or the rank, which skips the test) unless ``count`` CUDA GPUs are present."""
+    import pytest
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < count:
+        pytest.skip(f"needs {count} CUDA GPU(s), found {found}")

@@ -9,20 +9,10 @@ import torch
 import torch.distributed as dist
 
 from dojo.impl import load_kata
-from dojo.testing import free_port, is_port_clash, run_program
+from dojo.testing import free_port, run_program, with_free_port
 from dojo.world import run_world
 
 KATA = "k02_init_group"
-
-
-def _with_free_port(run):
-    """Run ``run(port)``; once more with a new port if the first was taken meanwhile."""
-    try:
-        return run(free_port())
-    except AssertionError as error:
-        if not is_port_clash(error):
-            raise
-        return run(free_port())
 
 
 def test_set_master_writes_the_environment(kata, monkeypatch):
@@ -69,7 +59,7 @@ def _join(rank, world_size, port):
 
 
 def test_four_ranks_join_with_their_rank_a_world_of_four_and_a_timeout(kata):
-    results = _with_free_port(lambda port: run_world(_join, 4, port, init_group=False))
+    results = with_free_port(lambda port: run_world(_join, 4, port, init_group=False))
     for rank, result in enumerate(results):
         assert len(result["calls"]) == 1, (
             f"rank {rank} called dist.init_process_group {len(result['calls'])} times, expected once "
@@ -107,7 +97,7 @@ def _timed_join(rank, world_size, port):
 
 
 def test_barrier_keeps_every_rank_until_the_slowest_has_finished(kata):
-    results = _with_free_port(lambda port: run_world(_timed_join, 3, port, init_group=False))
+    results = with_free_port(lambda port: run_world(_timed_join, 3, port, init_group=False))
     slowest_done = results[0][0]
     for rank, (_, left) in enumerate(results[1:], start=1):
         assert left >= slowest_done, (
@@ -131,7 +121,7 @@ def _join_failing(rank, world_size, port):
 
 
 def test_group_is_destroyed_even_when_fn_raises(kata):
-    results = _with_free_port(lambda port: run_world(_join_failing, 2, port, init_group=False))
+    results = with_free_port(lambda port: run_world(_join_failing, 2, port, init_group=False))
     for rank, result in enumerate(results):
         assert result["raised"], f"fn raised ValueError on rank {rank}, but init_process swallowed it"
         assert not result["still_initialized"], (
@@ -153,7 +143,7 @@ def _two_worlds(rank, world_size, port_a, port_b):
 
 
 def test_two_worlds_side_by_side_do_not_interfere(kata):
-    results = _with_free_port(lambda a: run_world(_two_worlds, 4, a, free_port(), init_group=False))
+    results = with_free_port(lambda a: run_world(_two_worlds, 4, a, free_port(), init_group=False))
     assert results == [3, 3, 3, 3], (
         f"two worlds of 2 on two ports each summed (its rank + 1) and got {results}, expected 3 in "
         "each: a world must only meet the ranks that share its MASTER_PORT"
@@ -161,7 +151,7 @@ def test_two_worlds_side_by_side_do_not_interfere(kata):
 
 
 def test_program_prints_every_rank_from_the_group(kata):
-    result = _with_free_port(lambda port: run_program(KATA, "--world-size", "4", "--master-port", str(port), timeout=90))
+    result = with_free_port(lambda port: run_program(KATA, "--world-size", "4", "--master-port", str(port), timeout=90))
     assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."

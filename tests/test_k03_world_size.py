@@ -9,22 +9,13 @@ import torch
 import torch.distributed as dist
 
 from dojo.impl import load_kata
-from dojo.testing import free_port, is_port_clash, run_program
+from dojo.testing import run_program, with_free_port
 from dojo.world import run_world
 
 KATA = "k03_world_size"
 JOIN_TIMEOUT_S = 2.0
 # Harness deadline: generous next to the 2 s join timeout, far below gloo's 30 minutes.
 DEADLINE_S = 20.0
-
-
-def _with_free_port(run):
-    try:
-        return run(free_port())
-    except AssertionError as error:
-        if not is_port_clash(error):
-            raise
-        return run(free_port())
 
 
 @pytest.mark.parametrize("rank, world_size", [(2, 2), (3, 2), (-1, 4), (7, 4)])
@@ -80,7 +71,7 @@ def _check_mismatch(rank, result, must_mention):
 
 def test_too_many_processes_the_tutorials_failure(kata):
     """4 processes, world size 2: ranks 0 and 1 form the world; ranks 2 and 3 are refused."""
-    results = _with_free_port(lambda port: run_world(_join, 4, 2, port, init_group=False, deadline=DEADLINE_S))
+    results = with_free_port(lambda port: run_world(_join, 4, 2, port, init_group=False, deadline=DEADLINE_S))
     for rank in (0, 1):
         assert results[rank]["outcome"] == "joined", (
             f"rank {rank} belongs to the world of 2 but did not join it: {results[rank].get('message')}"
@@ -92,20 +83,20 @@ def test_too_many_processes_the_tutorials_failure(kata):
 
 def test_too_few_processes_fails_fast_instead_of_hanging(kata):
     """World size 4 but 2 processes: both ranks give up within seconds, saying 2 of 4 joined."""
-    results = _with_free_port(lambda port: run_world(_join, 2, 4, port, init_group=False, deadline=DEADLINE_S))
+    results = with_free_port(lambda port: run_world(_join, 2, 4, port, init_group=False, deadline=DEADLINE_S))
     for rank in (0, 1):
         _check_mismatch(rank, results[rank], [rf"\brank {rank}\b", r"\b2 of 4\b"])
 
 
 def test_the_right_world_size_still_forms(kata):
-    results = _with_free_port(lambda port: run_world(_join, 3, 3, port, init_group=False, deadline=DEADLINE_S))
+    results = with_free_port(lambda port: run_world(_join, 3, 3, port, init_group=False, deadline=DEADLINE_S))
     for rank, result in enumerate(results):
         assert result["outcome"] == "joined", f"rank {rank} of a correct world of 3 did not join: {result.get('message')}"
         assert result["sum"] == 3, f"rank {rank}: the world of 3 all-reduced to {result['sum']}, expected 3"
 
 
 def test_program_fails_like_the_tutorial_with_a_clear_error(kata):
-    result = _with_free_port(lambda port: run_program(KATA, "--master-port", str(port), timeout=90))
+    result = with_free_port(lambda port: run_program(KATA, "--master-port", str(port), timeout=90))
     assert result.returncode != 0, "4 processes with world size 2 must make the program fail (non-zero exit)"
     for rank in (2, 3):
         assert re.search(rf"\[rank {rank}\] WorldSizeMismatch: .*rank {rank}", result.stdout), (
@@ -114,6 +105,6 @@ def test_program_fails_like_the_tutorial_with_a_clear_error(kata):
 
 
 def test_program_with_fewer_processes_fails_within_seconds(kata):
-    result = _with_free_port(lambda port: run_program(KATA, "--fewer", "--master-port", str(port), timeout=90))
+    result = with_free_port(lambda port: run_program(KATA, "--fewer", "--master-port", str(port), timeout=90))
     assert result.returncode != 0, "world size 4 with 2 processes must make the program fail"
     assert "2 of 4" in result.stdout, f"expected '2 of 4' in the output:\n{result.stdout}\n{result.stderr}"

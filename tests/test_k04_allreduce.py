@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dojo.impl import load_kata
-from dojo.testing import run_program
+from dojo.testing import require_gpus, run_program
 from dojo.todo import KataTodo
 from dojo.world import run_world
 
@@ -348,12 +348,6 @@ def _device() -> torch.device:
     return rank_device()
 
 
-def _needs_gpus(count: int) -> None:
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < count:
-        pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
-
-
 def _on_cuda(rank, world_size):
     # What a real program does before any CUDA work (the harness has done it too). With fewer
     # GPUs than ranks, gloo lets ranks share them: rank_device() hands them out round-robin.
@@ -381,13 +375,13 @@ def _check_on_cuda(results, world_size):
 
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    _needs_gpus(1)
+    require_gpus(1)
     results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
     _check_on_cuda(results, 1)
 
 
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    _needs_gpus(1)
+    require_gpus(1)
     results = run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
     _check_on_cuda(results, 2)

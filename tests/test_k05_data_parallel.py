@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dojo import data
 from dojo.impl import load_kata
 from dojo.models import ConvNet
-from dojo.testing import run_program
+from dojo.testing import require_gpus, run_program
 from dojo.world import run_world
 
 KATA = "k05_data_parallel"
@@ -332,12 +332,6 @@ def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
 
 # --------------------------------------------------------------------------- CUDA
 
-def _needs_gpus(count: int) -> None:
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < count:
-        pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
-
-
 def _train_on_cuda(rank, world_size):
     # With fewer GPUs than ranks, gloo lets ranks share them (rank_device() hands them out).
     torch.cuda.set_device(_device())
@@ -357,7 +351,7 @@ def _check_cuda_training(results):
 
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    _needs_gpus(1)
+    require_gpus(1)
     _check_cuda_training(
         run_world(_train_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120)
     )
@@ -365,7 +359,7 @@ def test_nccl_world_of_one(kata):
 
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    _needs_gpus(1)
+    require_gpus(1)
     _check_cuda_training(
         run_world(_train_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=120)
     )

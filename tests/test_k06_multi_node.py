@@ -20,7 +20,7 @@ import torch
 
 from dojo import impl
 from dojo.curriculum import ROOT
-from dojo.testing import run_program
+from dojo.testing import free_port, is_port_clash, run_program
 from dojo.todo import KataTodo, find_todo
 from dojo.world import WorldDeadlock, run_world
 
@@ -37,19 +37,6 @@ TORCHRUN_RANK_3 = {
 def _loopback() -> str:
     names = {name for _, name in socket.if_nameindex()}
     return "lo" if "lo" in names or "lo0" not in names else "lo0"
-
-
-def _free_port() -> int:
-    # No port is safe on a shared machine: this one is free now, but anything (another test
-    # under xdist, another user) may bind it before rank 0 does. The tests that use it retry
-    # once with a fresh port when the run reports "address already in use".
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _in_use(text: str) -> bool:
-    return "address already in use" in text.lower() or "eaddrinuse" in text.lower()
 
 
 def _raised(call, *args):
@@ -246,12 +233,12 @@ def _join_and_report(rank, world_size, port, backend, device_type):
 
 def _join_world(world_size, backend="gloo", device_type="cpu"):
     for attempt in range(2):
-        port = _free_port()
+        port = free_port()
         try:
             return run_world(_join_and_report, world_size, port, backend, device_type, init_group=False,
                              deadline=30, env={"GLOO_SOCKET_IFNAME": _loopback()})
         except AssertionError as failure:
-            if attempt == 0 and _in_use(str(failure)):
+            if attempt == 0 and is_port_clash(str(failure)):
                 continue
             if "expected, but not set" in str(failure):
                 raise AssertionError(
@@ -292,7 +279,7 @@ def _join_alone(rank, world_size, port):
 
 def test_join_world_gives_up_after_its_timeout(kata):
     try:
-        [outcome, _] = run_world(_join_alone, 2, _free_port(), init_group=False, deadline=30, straggler=8,
+        [outcome, _] = run_world(_join_alone, 2, free_port(), init_group=False, deadline=30, straggler=8,
                                  env={"GLOO_SOCKET_IFNAME": _loopback()})
     except WorldDeadlock as failure:
         raise AssertionError(
@@ -532,7 +519,7 @@ def _kill_tree(process):
 def _run_two_nodes(make_command, deadline=90.0):
     """Start node 0 and node 1 at once on loopback; return each node's (exit status, output)."""
     for attempt in range(2):
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=_loopback())
         logs = []
@@ -559,7 +546,7 @@ def _run_two_nodes(make_command, deadline=90.0):
                 _kill_tree(process)
         outputs = _read(logs)
         results = [(process.returncode, text) for process, text in zip(nodes, outputs)]
-        if attempt == 0 and any(code for code, _ in results) and _in_use("".join(outputs)):
+        if attempt == 0 and any(code for code, _ in results) and is_port_clash("".join(outputs)):
             continue
         if any(code for code, _ in results):
             todo = find_todo(AssertionError("\n".join(outputs)))

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dojo.impl import load_kata
-from dojo.testing import run_program
+from dojo.testing import refusal, run_program
 from dojo.todo import KataTodo
 from dojo.world import WorldDeadlock, run_world
 
@@ -26,19 +26,6 @@ def _run(fn, world_size, *args, hint="", deadline=DEADLINE_S):
             raise
         report = str(deadlock)
     pytest.fail(f"{hint}\n\n{report}", pytrace=False)  # outside `except`: the report once
-
-
-def _refusal(call):
-    """None if ``call()`` raised ValueError, else what it did instead (KataTodo goes through)."""
-    try:
-        value = call()
-    except ValueError:
-        return None
-    except KataTodo:
-        raise
-    except Exception as error:  # noqa: BLE001 - report what a learner's code did instead
-        return f"raised {type(error).__name__}: {error}"
-    return f"returned {value!r}"
 
 
 # ------------------------------------------------------------------------------ step 1
@@ -277,19 +264,19 @@ def _bad_arguments(rank, world_size):
     kata = load_kata(KATA)
     kata.ping_pong(1)  # the functions work ...
     return {  # ... and refuse what cannot work
-        "ping_pong(0)": _refusal(lambda: kata.ping_pong(0)),
-        "halo_exchange(empty strip)": _refusal(lambda: kata.halo_exchange(torch.zeros(0))),
-        "halo_exchange(2-D strip)": _refusal(lambda: kata.halo_exchange(torch.zeros(2, 2))),
+        "ping_pong(0)": refusal(lambda: kata.ping_pong(0)),
+        "halo_exchange(empty strip)": refusal(lambda: kata.halo_exchange(torch.zeros(0))),
+        "halo_exchange(2-D strip)": refusal(lambda: kata.halo_exchange(torch.zeros(2, 2))),
     }
 
 
 def _world_of_one(rank, world_size):
     kata = load_kata(KATA)
     return {
-        "ping_pong": _refusal(lambda: kata.ping_pong(1)),
-        "token_ring": _refusal(lambda: kata.token_ring(0)),
-        "shift_right": _refusal(lambda: kata.shift_right(torch.zeros(1))),
-        "halo_exchange": _refusal(lambda: kata.halo_exchange(torch.zeros(3))),
+        "ping_pong": refusal(lambda: kata.ping_pong(1)),
+        "token_ring": refusal(lambda: kata.token_ring(0)),
+        "shift_right": refusal(lambda: kata.shift_right(torch.zeros(1))),
+        "halo_exchange": refusal(lambda: kata.halo_exchange(torch.zeros(3))),
     }
 
 

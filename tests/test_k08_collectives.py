@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dojo.impl import load_kata
-from dojo.testing import run_program
+from dojo.testing import refusal, run_program
 from dojo.todo import KataTodo
 from dojo.world import WorldDeadlock, run_world
 
@@ -32,19 +32,6 @@ def _run(fn, world_size, *args, hint=""):
 def _listed(value):
     """A returned tensor as a list (None stays None), so ranks send back plain values."""
     return value.tolist() if isinstance(value, torch.Tensor) else value
-
-
-def _refusal(call):
-    """None if ``call()`` raised ValueError, else what it did instead (KataTodo goes through)."""
-    try:
-        value = call()
-    except ValueError:
-        return None
-    except KataTodo:
-        raise
-    except Exception as error:  # noqa: BLE001 - report what a learner's code did instead
-        return f"raised {type(error).__name__}: {error}"
-    return f"returned {_listed(value)!r}"
 
 
 def _check(results, call, expected, why):
@@ -71,8 +58,8 @@ def _broadcast_and_reduce(rank, world_size):
         "reduce_to(dst=0)": _listed(kata.reduce_to(torch.tensor([rank + 1, 100]), 0)),
         f"reduce_to(dst={last})": _listed(kata.reduce_to(torch.tensor([rank + 1, 100]), last)),
         "bad": {
-            f"broadcast_from(src={world_size})": _refusal(lambda: kata.broadcast_from(mine(), world_size)),
-            "reduce_to(dst=-1)": _refusal(lambda: kata.reduce_to(mine(), -1)),
+            f"broadcast_from(src={world_size})": refusal(lambda: kata.broadcast_from(mine(), world_size)),
+            "reduce_to(dst=-1)": refusal(lambda: kata.reduce_to(mine(), -1)),
         },
     }
 
@@ -100,7 +87,7 @@ def _all_reduce_ops(rank, world_size):
         "sum": _listed(kata.all_reduce_with(torch.tensor([rank + 1, -rank]), "sum")),
         "max": _listed(kata.all_reduce_with(torch.tensor([(rank * 7) % 5, -rank]), "max")),
         "avg": _listed(kata.all_reduce_with(torch.tensor([2.0 * rank, 6.0]), "avg")),
-        "bad": {"all_reduce_with(t, 'median')": _refusal(lambda: kata.all_reduce_with(torch.ones(1), "median"))},
+        "bad": {"all_reduce_with(t, 'median')": refusal(lambda: kata.all_reduce_with(torch.ones(1), "median"))},
     }
 
 
@@ -137,8 +124,8 @@ def _scatter_and_gather(rank, world_size):
     for dst in (0, last):
         out[f"gather_rows(dst={dst})"] = _listed(kata.gather_rows(torch.tensor([rank, rank * rank]), dst))
     out["bad"] = {
-        "scatter_rows(table=None) on src": _refusal(lambda: kata.scatter_rows(None, rank, torch.zeros(3))),
-        "scatter_rows(a table with one row too many) on src": _refusal(
+        "scatter_rows(table=None) on src": refusal(lambda: kata.scatter_rows(None, rank, torch.zeros(3))),
+        "scatter_rows(a table with one row too many) on src": refusal(
             lambda: kata.scatter_rows(_table(world_size + 1), rank, torch.zeros(3))),
     }
     return out
@@ -178,7 +165,7 @@ def _gather_and_reduce_scatter(rank, world_size):
         "all_gather_rows": _listed(kata.all_gather_rows(torch.tensor([rank, 10 + rank]))),
         "reduce_scatter_rows": _listed(summed),
         "all_gather_rows(reduce_scatter_rows(table))": _listed(kata.all_gather_rows(summed)),
-        "bad": {"reduce_scatter_rows(a table with one row too few)": _refusal(
+        "bad": {"reduce_scatter_rows(a table with one row too few)": refusal(
             lambda: kata.reduce_scatter_rows(_pieces(rank, world_size - 1)))},
     }
 
@@ -204,7 +191,7 @@ def _all_to_all(rank, world_size):
     table = torch.tensor([[10 * rank + j, rank] for j in range(world_size)])
     return {
         "all_to_all_rows": _listed(kata.all_to_all_rows(table)),
-        "bad": {"all_to_all_rows(a table with one row too many)": _refusal(
+        "bad": {"all_to_all_rows(a table with one row too many)": refusal(
             lambda: kata.all_to_all_rows(torch.zeros(world_size + 1, 2)))},
     }
 
@@ -278,7 +265,7 @@ def _groups(rank, world_size):
         out[f"group_sum(members={members})"] = _listed(kata.group_sum(torch.tensor([rank + 1, 1]), members))
     out["parity_sums"] = _listed(kata.parity_sums(torch.tensor([rank + 1, 1])))
     out["bad"] = {
-        f"group_sum(members={bad})": _refusal(lambda bad=bad: kata.group_sum(torch.ones(1), bad))
+        f"group_sum(members={bad})": refusal(lambda bad=bad: kata.group_sum(torch.ones(1), bad))
         for bad in ([], [0, 0], [world_size])
     }
     return out
