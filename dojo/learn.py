@@ -38,7 +38,7 @@ def listing(state: progress.State) -> list[dict]:
         {
             "id": k.id, "module": k.module, "part": k.part, "title": k.title, "teaches": k.teaches,
             "status": progress.status(state, k, now), "done": state.is_done(k), "steps": len(k.steps),
-            "file": f"katas/{k.module}.py", "tests": f"tests/test_{k.module}.py",
+            "file": f"katas/{k.module}.py", "tests": runs.kata_test_files(k) or [f"tests/test_{k.module}.py"],
         }
         for k in curriculum.katas()
     ]
@@ -123,7 +123,8 @@ def verify(fresh: bool = False, solutions: bool = False) -> int:
             continue
         result = check(kata, solutions=solutions, capture=True)
         if not result.passed:
-            print(paint(f"\n{kata.id} · {kata.title} does not pass yet: it is the first pending kata.", "red"))
+            why = "its reference solution fails" if solutions else "does not pass yet: it is the first pending kata"
+            print(paint(f"\n{kata.id} · {kata.title} {why}.", "red"))
             return 1
     later = [k.id for k in curriculum.katas() if not progress.available(k)]
     print(paint("\nEvery kata passes" + (f" (not written yet: {', '.join(later)})." if later else "."), "green"))

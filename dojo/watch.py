@@ -168,11 +168,12 @@ class Watcher:
             print(f"\n{self.kata.id} passes: no hint needed. [n] moves on.")
             return
         step = self.last.first_failing_step()
+        if step is None and self.kata.steps:
+            step, why = self.kata.steps[0].number, "no step could be told apart, so step 1"
+        else:
+            why = "the first failing step"
         print()
-        hints.show(
-            self.kata, step or self.kata.steps[0].number if self.kata.steps else None,
-            why="the first failing step" if step else "no step could be told apart, so step 1", again="[h] again",
-        )
+        hints.show(self.kata, step, why=why, again="[h] again")
 
     def next(self) -> None:
         if not (self.last and self.last.passed):
