@@ -282,9 +282,10 @@ def doctor(as_json: bool = False) -> int:
         print(json.dumps([asdict(f) for f in findings], indent=2))
         return 1 if failed else 0
     style = {"ok": ("green",), "note": ("yellow",), "FAIL": ("bold", "red")}
+    width = max(60, min(shutil.get_terminal_size().columns, 110))
     for finding in findings:
         lead = f"  {finding.status:<5} {finding.topic}: "
-        body = textwrap.fill(finding.text, width=100, initial_indent=" " * len(lead), subsequent_indent=" " * len(lead))
+        body = textwrap.fill(finding.text, width=width, initial_indent=" " * len(lead), subsequent_indent="        ")
         print(paint(lead, *style[finding.status]) + body.lstrip())
     if failed:
         print(paint(f"\n{len(failed)} thing(s) above will not work: {', '.join(f.topic for f in failed)}.", "red"))
