@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: learn test clean-venv
+.PHONY: learn test watch clean-venv
 
 learn: $(STAMP)
 	@$(BIN)/python -m dojo
@@ -24,3 +24,6 @@ $(STAMP): pyproject.toml
 
 clean-venv:
 	rm -rf $(VENV)
+
+watch: $(STAMP)
+	@$(BIN)/python -m dojo watch

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dojo import curriculum
 from dojo.reset import pristine_file
-from dojo.todo import _PATTERN as TODO_PATTERN  # "not implemented yet: k02 step 1 (...)"
+from dojo.todo import TODO_PATTERN  # "not implemented yet: k02 step 1 (...)"
 
 
 def step_functions(kata: curriculum.Kata) -> dict[str, int]:

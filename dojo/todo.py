@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-_PATTERN = re.compile(r"not implemented yet: (k\d\d) step (\d+)(?: \(([^)\n]*)\))?")
+# What a KataTodo says, wherever its text ends up (a rank's traceback, a program's stderr).
+TODO_PATTERN = re.compile(r"not implemented yet: (k\d\d) step (\d+)(?: \(([^)\n]*)\))?")
 
 
 class KataTodo(Exception):
@@ -35,7 +36,7 @@ def find_todo(error: BaseException | None) -> KataTodo | None:
         seen.add(id(error))
         if isinstance(error, KataTodo):
             return error
-        match = _PATTERN.search(str(error))
+        match = TODO_PATTERN.search(str(error))
         if match:
             return KataTodo(match.group(1), int(match.group(2)), match.group(3) or "")
         error = error.__cause__ or error.__context__
