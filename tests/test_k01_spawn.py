@@ -1,6 +1,7 @@
 """k01 spawn: the rank arithmetic, and a launcher that spawns, collects and joins."""
 
 import os
+import queue
 
 import pytest
 
@@ -42,6 +43,39 @@ def test_tutorial_layout_has_world_size_six(kata):
 def test_greet(kata):
     assert kata.greet(2, 4) == "world size:4. I'm rank 2.", (
         f"greet(2, 4) returned {kata.greet(2, 4)!r}, expected the tutorial's \"world size:4. I'm rank 2.\""
+    )
+
+
+def _answer(rank, world_size):
+    return f"{rank} of {world_size}"
+
+
+def _refuse(rank, world_size):
+    raise ValueError(f"rank {rank} refuses")
+
+
+def test_run_rank_reports_the_answer_with_its_rank(kata):
+    answers = queue.Queue()
+    kata.run_rank(_answer, 2, 4, answers)
+    got = answers.get_nowait() if not answers.empty() else None
+    assert got == (2, "ok", "2 of 4"), (
+        f"run_rank(fn, rank=2, world_size=4, answers) put {got!r} on the queue, expected "
+        "(2, 'ok', fn(2, 4)): the launcher needs the rank to put answers back in order"
+    )
+
+
+def test_run_rank_reports_an_error_instead_of_raising(kata):
+    answers = queue.Queue()
+    try:
+        kata.run_rank(_refuse, 1, 3, answers)
+    except ValueError:
+        pytest.fail("run_rank let fn's ValueError escape: catch it and put (rank, 'error', traceback) on the queue")
+    got = answers.get_nowait() if not answers.empty() else None
+    assert got is not None and got[:2] == (1, "error"), (
+        f"when fn raised, run_rank put {got!r} on the queue, expected (1, 'error', traceback_text)"
+    )
+    assert "ValueError: rank 1 refuses" in got[2] and "Traceback" in got[2], (
+        f"the error text should be the full traceback (traceback.format_exc()), got {got[2]!r}"
     )
 
 
