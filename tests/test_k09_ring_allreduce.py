@@ -405,6 +405,7 @@ def test_program_shows_both_rings(kata):
     assert "same bits: yes" in ring_line, f"the optimal ring must agree bitwise on every rank:\n{ring_line}"
 
 
+@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
 def test_benchmark_runs_on_your_ring():
     """`python -m benchmarks.allreduce` (what `dojo bench allreduce` runs), cut down to one size."""
     command = [sys.executable, "-m", "benchmarks.allreduce", "--impl", impl.current(),
