@@ -14,13 +14,16 @@ from dojo.curriculum import ROOT
 from dojo.todo import find_todo
 
 
-def run_program(kata_module: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m <impl>.<kata_module> *args`` with a deadline; nothing it starts survives it.
+def run_program(module: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m <impl>.<module> *args`` with a deadline; nothing it starts survives it.
+
+    ``module`` is a kata (``"k04_allreduce"``, run from the implementation under test) or a
+    dotted module name run as it is (``"benchmarks.allreduce"``).
 
     Raises the program's ``KataTodo`` when it stopped at a step not written yet, and fails the
     test when it runs past ``timeout`` or leaves processes running after it exits.
     """
-    command = [sys.executable, "-m", f"{impl.current()}.{kata_module}", *args]
+    command = [sys.executable, "-m", module if "." in module else f"{impl.current()}.{module}", *args]
     shown = " ".join(command[2:])
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

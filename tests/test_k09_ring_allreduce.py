@@ -7,10 +7,6 @@ to build all-reduce from point-to-point calls alone.
 
 import contextlib
 import functools
-import os
-import signal
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -19,11 +15,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from dojo import impl
-from dojo.console import EXIT_TODO
-from dojo.curriculum import ROOT
 from dojo.impl import load_kata
 from dojo.testing import run_program
-from dojo.todo import find_todo
 
 KATA = "k09_ring_allreduce"
 DEADLINE_S = 10.0  # a ring that deadlocks ends as a stuck-rank report, not a hang
@@ -408,19 +401,9 @@ def test_program_shows_both_rings(kata):
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
 def test_benchmark_runs_on_your_ring():
     """`python -m benchmarks.allreduce` (what `dojo bench allreduce` runs), cut down to one size."""
-    command = [sys.executable, "-m", "benchmarks.allreduce", "--impl", impl.current(),
-               "--world-size", "2", "--sizes", "1M", "--repeat", "1"]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)  # its own group, to kill it whole
-    try:
-        out, err = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        raise AssertionError(f"the benchmark did not finish within 90 s:\n{out}\n{err}") from None
-    todo = find_todo(AssertionError(err))
-    if process.returncode == EXIT_TODO and todo is not None:
-        raise todo
-    assert process.returncode == 0, f"the benchmark failed (exit {process.returncode}):\n{out}\n{err}"
+    result = run_program("benchmarks.allreduce", "--impl", impl.current(), "--world-size", "2",
+                         "--sizes", "1M", "--repeat", "1", timeout=90)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if line.startswith("[main]     1 MB |")]
     assert len(rows) == 1 and "WRONG" not in rows[0], f"expected one correct 1 MB row in:\n{out}"
