@@ -253,10 +253,7 @@ def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
            f"rank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
     if output:
         text += f"\n\n{output}"
-    failure = RankFailed(text, error.rank, original)
-    if original is not None:
-        failure.__cause__ = None
-    return failure
+    return RankFailed(text, error.rank, original)
 
 
 def _crashed(rank: _Rank, ranks: list[_Rank]) -> RankCrashed:
