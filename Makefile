@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
 clean-venv:
@@ -32,6 +32,6 @@ watch: $(STAMP)
 flake-hunt: $(STAMP)
 	@for i in 1 2 3 4 5 6 7 8 9 10; do \
 	  echo "=== round $$i of 10"; \
-	  $(BIN)/python -m pytest --solutions -n 2 -q tests/test_harness.py tests/test_k01_spawn.py \
+	  $(BIN)/python -m pytest --solutions -n 2 -q dojo/tests/test_harness.py tests/test_k01_spawn.py \
 	    tests/test_k02_init_group.py tests/test_k03_world_size.py || exit 1; \
 	done

@@ -40,14 +40,18 @@ def parse_size(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4K, 16M or 4096") from None
     if number < 4 or number % 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes are float32 tensors, a positive multiple of 4 bytes")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: sizes are float32 tensors, a positive multiple of 4 bytes"
+        )
     return number
 
 
 def human(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" or nbytes >= 100 else f"{nbytes:.3g} {unit}"
+            return (
+                f"{nbytes:.0f} {unit}" if unit == "B" or nbytes >= 100 else f"{nbytes:.3g} {unit}"
+            )
         nbytes /= 1024
     raise AssertionError("unreachable")
 
@@ -78,11 +82,15 @@ def _synchronize(tensor: torch.Tensor) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
-def _bench_rank(rank: int, world_size: int, impl_name: str, sizes: list[int], at_least: int) -> list[dict]:
+def _bench_rank(
+    rank: int, world_size: int, impl_name: str, sizes: list[int], at_least: int
+) -> list[dict]:
     ring = importlib.import_module(f"{impl_name}.k09_ring_allreduce").ring_allreduce
     rows = []
     for nbytes in sizes:
-        original = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank)).to(rank_device())
+        original = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank)).to(
+            rank_device()
+        )
         buffer = torch.empty_like(original)
         ops = {"ring": ring, "library": dist.all_reduce}
         results = {}
@@ -94,7 +102,11 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, sizes: list[int], at
         for _ in range(repetitions(nbytes, at_least)):
             for name, op in ops.items():  # alternate, so noise hits both alike
                 times[name].append(_timed(op, buffer, original))
-        row = {"bytes": nbytes, "correct": correct, **{n: statistics.median(t) for n, t in times.items()}}
+        row = {
+            "bytes": nbytes,
+            "correct": correct,
+            **{n: statistics.median(t) for n, t in times.items()},
+        }
         if rank == 0:
             say(None, _format_row(row))
         rows.append(row)
@@ -102,26 +114,41 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, sizes: list[int], at
 
 
 def _header(library: str) -> str:
-    return (f"{'size':>8} | {'ring time':>10} {'ring algbw':>12} | {library + ' time':>10} "
-            f"{library + ' algbw':>12} | {library + '/ring':>9}")
+    return (
+        f"{'size':>8} | {'ring time':>10} {'ring algbw':>12} | {library + ' time':>10} "
+        f"{library + ' algbw':>12} | {library + '/ring':>9}"
+    )
 
 
 def _format_row(row: dict) -> str:
     size, ring, library = row["bytes"], row["ring"], row["library"]
-    text = (f"{human(size):>8} | {ring * 1e3:>7.2f} ms {human(size / ring) + '/s':>12} | "
-            f"{library * 1e3:>7.2f} ms {human(size / library) + '/s':>12} | {library / ring:>8.2f}x")
+    text = (
+        f"{human(size):>8} | {ring * 1e3:>7.2f} ms {human(size / ring) + '/s':>12} | "
+        f"{library * 1e3:>7.2f} ms {human(size / library) + '/s':>12} | {library / ring:>8.2f}x"
+    )
     return text if row["correct"] else text + "  WRONG SUM"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_launch_arguments(parser)
-    parser.add_argument("--impl", choices=impl.PACKAGES, default=impl.current(),
-                        help="whose ring: katas (yours) or solutions (default: $DOJO_IMPL, else katas)")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES,
-                        help=f"comma-separated tensor sizes in bytes, K or M (default {DEFAULT_SIZES})")
-    parser.add_argument("--repeat", type=int, default=7,
-                        help="repetitions at least, per size and all-reduce; the median is shown (default 7)")
+    parser.add_argument(
+        "--impl",
+        choices=impl.PACKAGES,
+        default=impl.current(),
+        help="whose ring: katas (yours) or solutions (default: $DOJO_IMPL, else katas)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated tensor sizes in bytes, K or M (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=7,
+        help="repetitions at least, per size and all-reduce; the median is shown (default 7)",
+    )
     args = parser.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -133,13 +160,21 @@ def main(argv=None) -> int:
         backend, device = "gloo", "cpu"  # the comparison the kata is about, GPUs or not
     else:
         backend, device = choose_for_this_machine(args.world_size, args.backend, args.device)
-    say(None, f"{args.impl}.k09_ring_allreduce.ring_allreduce against dist.all_reduce, {args.world_size} ranks, "
-              f"{backend} on {device}, float32, median of at least {args.repeat} runs")
+    say(
+        None,
+        f"{args.impl}.k09_ring_allreduce.ring_allreduce against dist.all_reduce, {args.world_size} ranks, "
+        f"{backend} on {device}, float32, median of at least {args.repeat} runs",
+    )
     say(None, _header(backend))
-    rows = launch_world(_bench_rank, args.world_size, args.impl, sizes, args.repeat, backend=backend, device=device)[0]
+    rows = launch_world(
+        _bench_rank, args.world_size, args.impl, sizes, args.repeat, backend=backend, device=device
+    )[0]
     wrong = [human(r["bytes"]) for r in rows if not r["correct"]]
     if wrong:
-        say(None, f"the ring's sum differs from dist.all_reduce's at {', '.join(wrong)}: see k09's tests")
+        say(
+            None,
+            f"the ring's sum differs from dist.all_reduce's at {', '.join(wrong)}: see k09's tests",
+        )
         return 1
     return 0
 

@@ -17,11 +17,11 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from dojo.world import run_world  # noqa: E402
+from dojo.world import run_world
 
 
 def _all_reduce(rank: int, world_size: int) -> int:
@@ -48,20 +48,27 @@ def _seconds(run) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=5, help="warm worlds and spawns to time (median)")
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="warm worlds and spawns to time (median)"
+    )
     args = parser.parse_args(argv)
     n = args.world_size
 
     cold = _seconds(lambda: run_world(_all_reduce, n))
-    warm = statistics.median(_seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat))
+    warm = statistics.median(
+        _seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat)
+    )
     spawned = []
     for _ in range(args.repeat):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        spawned.append(_seconds(lambda: mp.spawn(_spawned_rank, args=(n, store.port), nprocs=n)))
+        port = store.port
+        spawned.append(_seconds(lambda: mp.spawn(_spawned_rank, args=(n, port), nprocs=n)))  # noqa: B023
         del store
     spawn = statistics.median(spawned)
 
-    print(f"one {n}-rank world per test (gloo, all_reduce), median of {args.repeat}, {os.cpu_count()} CPU(s):")
+    print(
+        f"one {n}-rank world per test (gloo, all_reduce), median of {args.repeat}, {os.cpu_count()} CPU(s):"
+    )
     print(f"  {'way':<34}{'seconds':>9}{'x warm harness':>16}")
     for name, seconds in (
         ("dojo harness, warm", warm),

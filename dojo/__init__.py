@@ -1,1 +1,26 @@
-"""The dojo: tooling a learner never edits (rank harness, pytest plugin, curriculum, data)."""
+"""The dojo: the tooling a learner never edits. Two halves, and who may import what.
+
+The kata API (``katas/`` and ``solutions/`` import only these; ``dojo dev check`` keeps it so):
+    todo       KataTodo, the "not implemented yet" a stub raises
+    console    a kata program's output (``say``) and exit (``run_program``)
+    launch     a program's ranks: ``launch_world`` and its command-line options
+    devices    which backend and device a world runs on
+    data       the offline digits (and MNIST) for the training katas
+    models     the tutorial's ConvNet and the small models the tests share
+
+The test API (``tests/`` and the tooling use these too):
+    world      the rank harness: ``run_world`` (rank.py is what each rank process runs)
+    testing    running a kata's program, free ports, GPU skips, bad-input probes
+    calls      what a rank asked of torch.distributed, recorded (to count and order calls)
+    impl       katas or solutions under test (and a catalogue's swaps)
+    plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)
+    curriculum every kata's steps, hints and files (its data: ``curriculum/*.toml``)
+
+The runner (``dojo/runner/``: the ``dojo`` command; nothing outside it imports it but
+``__main__`` and the tooling's tests): cli, learn, watch, progress, runs, steps, hints, reset,
+solution, doctor, term, bench, testlog, and the maintainers' gate devcheck (with consistency
+and imports).
+
+Maintainers only: ``mistakes/`` (each kata's mistakes catalogue, run against its spec),
+``tests/`` (the tooling's own tests), ``pristine/`` (the shipped stubs, for ``dojo reset``).
+"""

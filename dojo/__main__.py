@@ -1,4 +1,4 @@
-from dojo.cli import main
+from dojo.runner.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

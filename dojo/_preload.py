@@ -6,8 +6,8 @@ sympy (~1 s more); paying both here makes a new 4-rank world cost a fraction of 
 
 import pytest  # noqa: F401  (test modules, which ranks import, all need it)
 import torch
-import torch.distributed  # noqa: F401
-import torch.multiprocessing  # noqa: F401
+import torch.distributed
+import torch.multiprocessing
 
 torch.testing.assert_close(torch.zeros(2), torch.zeros(2))
 # A process's first optimizer imports ~900 modules (torch._dynamo among them): ~0.7 s per rank.

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
+from dojo.impl import apply_substitutions
 from dojo.todo import find_todo
 
 EXIT_TODO = 3  # the program ran into a step the learner has not written yet
@@ -26,12 +27,15 @@ def say(rank: int | None, *parts: object) -> None:
     os.write(sys.stdout.fileno(), data.encode())
 
 
-def run_program(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> None:
+def run_program(
+    main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None
+) -> None:
     """Run a kata's ``main`` as a program and exit with its status.
 
     A step that is not written yet ends the program with one line that says which, not a
     traceback; Ctrl-C ends it quietly (the launcher has already stopped its processes).
     """
+    apply_substitutions(sys.modules.get(main.__module__))  # maintainers' mistakes catalogues only
     try:
         code = main(argv)
     except Exception as error:  # a todo may come back from a rank inside another error

@@ -30,7 +30,10 @@ HELD_OUT_FRACTION = 0.2
 SPLIT_SEED = 0  # fixed, never a parameter: every rank must cut the data the same way
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 MNIST_FILES = (
-    "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
 )
 
 
@@ -73,7 +76,9 @@ def mnist(root, split: str = "train", download: bool = False) -> Dataset:
         )
     root = Path(root).expanduser()
     if root.exists() and not root.is_dir():
-        raise DataError(f"--data-root {root} is a file; it must be a folder (the one that holds MNIST/raw/)")
+        raise DataError(
+            f"--data-root {root} is a file; it must be a folder (the one that holds MNIST/raw/)"
+        )
     if not download:
         if not root.is_dir():
             raise DataError(
@@ -91,14 +96,22 @@ def mnist(root, split: str = "train", download: bool = False) -> Dataset:
     try:
         from torchvision import datasets, transforms  # ~2 s to import: only when MNIST is asked for
     except ImportError:
-        raise DataError("MNIST needs torchvision: pip install torchvision (or use --data digits)") from None
-    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+        raise DataError(
+            "MNIST needs torchvision: pip install torchvision (or use --data digits)"
+        ) from None
+    transform = transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]
+    )
     try:
-        return datasets.MNIST(str(root), train=split == "train", download=download, transform=transform)
+        return datasets.MNIST(
+            str(root), train=split == "train", download=download, transform=transform
+        )
     except RuntimeError as error:
         if not download:
-            raise DataError(f"the MNIST files under {root} could not be read ({error}): remove them and "
-                            "add --download to fetch them again") from None
+            raise DataError(
+                f"the MNIST files under {root} could not be read ({error}): remove them and "
+                "add --download to fetch them again"
+            ) from None
         raise DataError(
             f"could not download MNIST into {root} ({error}). Is this machine offline? Copy the "
             f"files {', '.join(MNIST_FILES)} into {root / 'MNIST' / 'raw'} by hand, or use the "
@@ -108,10 +121,18 @@ def mnist(root, split: str = "train", download: bool = False) -> Dataset:
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """``--data``, ``--data-root`` and ``--download`` for a program that trains; see ``from_arguments``."""
-    parser.add_argument("--data", choices=NAMES, default="digits",
-                        help="digits: scikit-learn's handwritten digits, offline (default); mnist: torchvision's")
-    parser.add_argument("--data-root", default=None, help="for --data mnist: the folder that holds MNIST/raw/")
-    parser.add_argument("--download", action="store_true", help="for --data mnist: fetch it (needs internet)")
+    parser.add_argument(
+        "--data",
+        choices=NAMES,
+        default="digits",
+        help="digits: scikit-learn's handwritten digits, offline (default); mnist: torchvision's",
+    )
+    parser.add_argument(
+        "--data-root", default=None, help="for --data mnist: the folder that holds MNIST/raw/"
+    )
+    parser.add_argument(
+        "--download", action="store_true", help="for --data mnist: fetch it (needs internet)"
+    )
 
 
 def from_arguments(args: argparse.Namespace, split: str = "train") -> Dataset:
@@ -120,6 +141,7 @@ def from_arguments(args: argparse.Namespace, split: str = "train") -> Dataset:
 
 
 # --------------------------------------------------------------------------- the digits
+
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
@@ -136,10 +158,13 @@ def _digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     rows = _digits_rows()
     pixels = rows[:, :-1].reshape(-1, 1, 8, 8) / 16.0
     labels = rows[:, -1].long()
-    images = torch.nn.functional.interpolate(pixels, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear",
-                                             align_corners=False)
-    train = images[_digits_order(len(labels))[round(len(labels) * HELD_OUT_FRACTION):]]
-    images = (images - train.mean()) / train.std()  # training statistics only: the test set stays unseen
+    images = torch.nn.functional.interpolate(
+        pixels, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", align_corners=False
+    )
+    train = images[_digits_order(len(labels))[round(len(labels) * HELD_OUT_FRACTION) :]]
+    images = (
+        images - train.mean()
+    ) / train.std()  # training statistics only: the test set stays unseen
     images.requires_grad_(False)
     return images.contiguous(), labels
 

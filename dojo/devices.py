@@ -17,7 +17,10 @@ class DeviceChoiceError(ValueError):
 
 
 def choose_backend(
-    world_size: int, gpu_count: int, backend: str | None = None, device: str | None = None,
+    world_size: int,
+    gpu_count: int,
+    backend: str | None = None,
+    device: str | None = None,
     nccl_available: bool = True,
 ) -> tuple[str, str]:
     """``(backend, device)`` for ``world_size`` ranks on a machine with ``gpu_count`` GPUs.
@@ -54,13 +57,17 @@ def choose_backend(
     return backend, device
 
 
-def choose_for_this_machine(world_size: int, backend: str | None = None, device: str | None = None) -> tuple[str, str]:
+def choose_for_this_machine(
+    world_size: int, backend: str | None = None, device: str | None = None
+) -> tuple[str, str]:
     """``choose_backend`` with this machine's GPU count and NCCL support."""
     import torch
     import torch.distributed as dist
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return choose_backend(world_size, gpus, backend, device, nccl_available=dist.is_nccl_available())
+    return choose_backend(
+        world_size, gpus, backend, device, nccl_available=dist.is_nccl_available()
+    )
 
 
 def rank_device():

@@ -2,15 +2,25 @@
 
 ``pytest --solutions`` sets ``DOJO_IMPL=solutions``; rank processes and other tools read the same
 variable, so one switch reaches everything.
+
+Maintainers' mistakes catalogues (``dojo/mistakes/``) go one step further: ``DOJO_SUBSTITUTE``
+swaps single functions of a kata module for a mistaken (or differently written) version, in the
+test process, in every rank and in a kata's program alike, so the learner's own spec can be run
+against a known mistake.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import sys
 from types import ModuleType
 
 ENV_VAR = "DOJO_IMPL"
+SUBSTITUTE_VAR = (
+    "DOJO_SUBSTITUTE"  # JSON: {"k04_allreduce": {"average_gradients": "module:function"}}
+)
 PACKAGES = ("katas", "solutions")
 
 
@@ -18,10 +28,40 @@ def current() -> str:
     """``katas`` (the default) or ``solutions``."""
     name = os.environ.get(ENV_VAR, "katas") or "katas"
     if name not in PACKAGES:
-        raise ValueError(f"{ENV_VAR}={name!r} is not one of {', '.join(PACKAGES)}; unset it or fix it")
+        raise ValueError(
+            f"{ENV_VAR}={name!r} is not one of {', '.join(PACKAGES)}; unset it or fix it"
+        )
     return name
 
 
 def load_kata(name: str) -> ModuleType:
     """Import kata ``name`` (for example ``"k04_allreduce"``) from the implementation under test."""
-    return importlib.import_module(f"{current()}.{name}")
+    module = importlib.import_module(f"{current()}.{name}")
+    apply_substitutions(module)
+    return module
+
+
+def kata_name_of(module: ModuleType | None) -> str | None:
+    """``"k04_allreduce"`` for ``katas.k04_allreduce`` or ``solutions.k04_allreduce`` (also when it
+    runs as ``__main__``, a program), else None."""
+    spec = getattr(module, "__spec__", None)
+    package, _, name = (spec.name if spec else getattr(module, "__name__", "")).rpartition(".")
+    return name if package in PACKAGES else None
+
+
+def substitutions() -> dict[str, dict[str, str]]:
+    return json.loads(os.environ.get(SUBSTITUTE_VAR) or "{}")
+
+
+def resolve(target: str):
+    """``"package.module:attribute"`` -> the attribute."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def apply_substitutions(module: ModuleType | None = None) -> None:
+    """Swap the functions ``DOJO_SUBSTITUTE`` names in ``module`` (default: the running program)."""
+    module = module if module is not None else sys.modules.get("__main__")
+    table = substitutions().get(kata_name_of(module) or "", {})
+    for attribute, target in table.items():
+        setattr(module, attribute, resolve(target))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from dojo.devices import DEVICES, BACKENDS, choose_for_this_machine
+from dojo.devices import BACKENDS, DEVICES, choose_for_this_machine
 from dojo.world import WorldFailure, run_world
 
 
@@ -21,17 +22,30 @@ class LaunchFailed(RuntimeError):
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 4) -> None:
-    parser.add_argument("--world-size", type=int, default=world_size, help=f"how many ranks (default {world_size})")
     parser.add_argument(
-        "--backend", choices=BACKENDS, default=None,
+        "--world-size", type=int, default=world_size, help=f"how many ranks (default {world_size})"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
         help="default: nccl when there is one GPU per rank, else gloo",
     )
-    parser.add_argument("--device", choices=DEVICES, default=None, help="default: cuda when there is one GPU per rank, else cpu")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="default: cuda when there is one GPU per rank, else cpu",
+    )
 
 
 def launch_world(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-    device: str | None = None, **kwargs: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    device: str | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks in a fresh process group.
 
@@ -44,8 +58,16 @@ def launch_world(
     threads = max(1, (os.cpu_count() or 1) // world_size)
     try:
         return run_world(
-            fn, world_size, *args, deadline=None, straggler=None, backend=backend,
-            env={"DOJO_DEVICE": device}, capture_output=False, threads=threads, **kwargs,
+            fn,
+            world_size,
+            *args,
+            deadline=None,
+            straggler=None,
+            backend=backend,
+            env={"DOJO_DEVICE": device},
+            capture_output=False,
+            threads=threads,
+            **kwargs,
         )
     except WorldFailure as failure:
         raise LaunchFailed(str(failure)) from None

@@ -23,11 +23,13 @@ from dojo.world import run_world
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("dojo", "torch-dist-katas")
     group.addoption(
-        "--solutions", action="store_true",
+        "--solutions",
+        action="store_true",
         help="test the reference solutions/ instead of your katas/ (same as DOJO_IMPL=solutions)",
     )
     group.addoption(
-        "--expect-todo", action="store_true",
+        "--expect-todo",
+        action="store_true",
         help="maintainers: pass only the tests that fail with 'not implemented yet' (proves the stubs fail)",
     )
 
@@ -50,7 +52,9 @@ def kata(request: pytest.FixtureRequest):
     """The module under test for this test file: katas.kNN_x, or solutions.kNN_x with --solutions."""
     match = _KATA_FILE.search(os.path.basename(str(request.node.path)))
     if not match:
-        raise RuntimeError(f"the kata fixture works in tests/test_kNN_topic.py files, not in {request.node.path}")
+        raise RuntimeError(
+            f"the kata fixture works in tests/test_kNN_topic.py files, not in {request.node.path}"
+        )
     return impl.load_kata(match.group(1))
 
 
@@ -85,7 +89,10 @@ def _todo_report(todo) -> str:
         kata = curriculum.find(todo.kata)
     except KeyError:
         return f"{todo}\n  -> write {todo.kata} step {todo.step} in katas/"
-    lines = [str(todo), f"  -> write step {todo.step} in katas/{kata.module}.py (its lesson explains it)"]
+    lines = [
+        str(todo),
+        f"  -> write step {todo.step} in katas/{kata.module}.py (its lesson explains it)",
+    ]
     hints = next((s.hints for s in kata.steps if s.number == todo.step), ())
     if hints:
         lines.append(f"  hint: {hints[0]}  (more: dojo hint {todo.kata})")

@@ -15,9 +15,10 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 # Ways a rank ends, as exit codes the parent can tell apart from a crash.
 EXIT_OK = 0
@@ -56,7 +57,9 @@ class RankError:
 
 def main(spec: RankSpec, results, lifeline) -> None:
     """Entry point of a rank process (the ``target`` of its ``Process``)."""
-    if hasattr(os, "setpgrp"):  # own process group: the parent can kill this rank and all it started
+    if hasattr(
+        os, "setpgrp"
+    ):  # own process group: the parent can kill this rank and all it started
         os.setpgrp()
     if spec.capture_output:
         _redirect_output(spec.log_path)
@@ -65,6 +68,9 @@ def main(spec: RankSpec, results, lifeline) -> None:
     released = threading.Event()
     threading.Thread(target=_watch_parent, args=(lifeline, released), daemon=True).start()
     os.environ.update(spec.env)
+    from dojo.impl import apply_substitutions
+
+    apply_substitutions()  # a program's own functions, when a mistakes catalogue swaps them
 
     import torch
     import torch.distributed as dist
@@ -76,7 +82,7 @@ def main(spec: RankSpec, results, lifeline) -> None:
         value = spec.fn(spec.rank, spec.world_size, *spec.args, **spec.kwargs)
         message = ("ok", pickle.dumps(value))
         del value
-    except BaseException as error:  # noqa: BLE001 - every error travels to the parent
+    except BaseException as error:
         message = ("error", _pickle_error(spec.rank, error))
     results.send(message)
     released.wait()
@@ -106,7 +112,11 @@ def _watch_parent(lifeline, released: threading.Event) -> None:
 
 def _init_group(spec: RankSpec, dist) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    for name, value in (("RANK", spec.rank), ("WORLD_SIZE", spec.world_size), ("LOCAL_RANK", spec.rank)):
+    for name, value in (
+        ("RANK", spec.rank),
+        ("WORLD_SIZE", spec.world_size),
+        ("LOCAL_RANK", spec.rank),
+    ):
         os.environ[name] = str(value)
     if os.environ.get("DOJO_DEVICE") == "cuda":
         import torch
@@ -135,7 +145,7 @@ def _pickle_error(rank: int, error: BaseException) -> RankError:
     try:
         pickle.loads(pickle.dumps(error))
         payload = error
-    except Exception:  # noqa: BLE001 - an exception that cannot travel goes as text
+    except Exception:
         payload = None
     error.__traceback__ = None
     return RankError(rank, type(error).__name__, str(error), text, payload)
@@ -153,7 +163,7 @@ def _end(dist) -> None:
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the result is already with the parent
+    except BaseException:
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

@@ -14,7 +14,9 @@ from dojo.curriculum import ROOT
 from dojo.todo import find_todo
 
 
-def run_program(module: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_program(
+    module: str, *args: str, timeout: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """``python -m <impl>.<module> *args`` with a deadline; nothing it starts survives it.
 
     ``module`` is a kata (``"k04_allreduce"``, run from the implementation under test) or a
@@ -23,10 +25,19 @@ def run_program(module: str, *args: str, timeout: float = 120, env: dict | None 
     Raises the program's ``KataTodo`` when it stopped at a step not written yet, and fails the
     test when it runs past ``timeout`` or leaves processes running after it exits.
     """
-    command = [sys.executable, "-m", module if "." in module else f"{impl.current()}.{module}", *args]
+    command = [
+        sys.executable,
+        "-m",
+        module if "." in module else f"{impl.current()}.{module}",
+        *args,
+    ]
     shown = " ".join(command[2:])
     process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,  # its own session: every process it starts can be found and killed
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
@@ -125,7 +136,7 @@ def refusal(call) -> str | None:
         return None
     except KataTodo:
         raise
-    except Exception as error:  # noqa: BLE001 - report what a learner's code did instead
+    except Exception as error:
         return f"raised {type(error).__name__}: {error}"
     if hasattr(value, "tolist"):
         value = value.tolist()

@@ -27,10 +27,12 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
+from dojo import impl
 from dojo import rank as _rank
 from dojo.todo import KataTodo
 
@@ -112,12 +114,19 @@ def run_world(
         for number in range(world_size):
             ranks.append(
                 _start_rank(
-                    context, fn, args, kwargs, number, world_size, world_id, log_dir,
+                    context,
+                    fn,
+                    args,
+                    kwargs,
+                    number,
+                    world_size,
+                    world_id,
+                    log_dir,
                     store_port=_store_port() if init_group else None,
                     backend=backend,
                     # The harness's deadline must fire before the group's own timeout does.
                     group_timeout_s=(deadline or 1800.0) + 30.0,
-                    env={**(env or {}), "DOJO_IMPL": os.environ.get("DOJO_IMPL", "katas")},
+                    env={**(env or {}), **_implementation_env()},
                     capture_output=capture_output,
                     threads=threads,
                 )
@@ -161,6 +170,14 @@ def _store_port() -> int:
         return _store.port
 
 
+def _implementation_env() -> dict[str, str]:
+    """What says which implementation ranks run: katas or solutions, and a catalogue's swaps."""
+    env = {impl.ENV_VAR: os.environ.get(impl.ENV_VAR, "katas")}
+    if os.environ.get(impl.SUBSTITUTE_VAR):
+        env[impl.SUBSTITUTE_VAR] = os.environ[impl.SUBSTITUTE_VAR]
+    return env
+
+
 def _check_importable(fn: Callable[..., Any]) -> None:
     qualname = getattr(fn, "__qualname__", "")
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -170,7 +187,9 @@ def _check_importable(fn: Callable[..., Any]) -> None:
         )
 
 
-def _start_rank(context, fn, args, kwargs, number, world_size, world_id, log_dir, **options) -> _Rank:
+def _start_rank(
+    context, fn, args, kwargs, number, world_size, world_id, log_dir, **options
+) -> _Rank:
     log_path = os.path.join(log_dir, f"rank{number}.log")
     spec = _rank.RankSpec(fn, args, kwargs, number, world_size, world_id, log_path, **options)
     results_parent, results_child = context.Pipe(duplex=False)
@@ -178,7 +197,9 @@ def _start_rank(context, fn, args, kwargs, number, world_size, world_id, log_dir
     process = context.Process(
         # Not a daemon: a rank may start processes of its own (katas 01-03 do). The harness
         # kills every rank itself, and each rank dies with its parent.
-        target=_rank.main, args=(spec, results_child, lifeline_child), name=f"dojo-rank{number}"
+        target=_rank.main,
+        args=(spec, results_child, lifeline_child),
+        name=f"dojo-rank{number}",
     )
     process.start()
     results_child.close()
@@ -187,6 +208,7 @@ def _start_rank(context, fn, args, kwargs, number, world_size, world_id, log_dir
 
 
 # --------------------------------------------------------------------------- watching ranks
+
 
 def _collect(ranks: list[_Rank], deadline: float | None, straggler: float | None) -> None:
     """Wait for every rank's outcome; raise on the first error, crash or missed deadline."""
@@ -239,6 +261,7 @@ def _load_result(rank: _Rank) -> Any:
 
 # --------------------------------------------------------------------------- reports
 
+
 def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
     _kill(ranks)
     original = error.error
@@ -249,8 +272,10 @@ def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
 
         return pytest.skip.Exception(f"rank {error.rank}: {error.message}")
     output = _tail(ranks[error.rank].log_path, header=f"rank {error.rank}'s output")
-    text = f"rank {error.rank} raised {error.type_name}: {error.message}\n\n" \
-           f"rank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
+    text = (
+        f"rank {error.rank} raised {error.type_name}: {error.message}\n\n"
+        f"rank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
+    )
     if output:
         text += f"\n\n{output}"
     return RankFailed(text, error.rank, original)
@@ -269,7 +294,7 @@ def _crashed(rank: _Rank, ranks: list[_Rank]) -> RankCrashed:
     if "bootstrapping phase" in output:
         text += (
             "\nIt failed while starting: the main module starts processes when it is imported. "
-            "Put that code under `if __name__ == \"__main__\":`."
+            'Put that code under `if __name__ == "__main__":`.'
         )
     if dump:
         text += f"\n\nwhere it crashed (most recent call last):\n{format_stack_dump(dump)}"
@@ -287,7 +312,9 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _deadlock(ranks: list[_Rank], stuck: list[_Rank], seconds: float, straggler: bool) -> WorldDeadlock:
+def _deadlock(
+    ranks: list[_Rank], stuck: list[_Rank], seconds: float, straggler: bool
+) -> WorldDeadlock:
     stacks = _dump_stacks(stuck)
     numbers = [r.number for r in stuck]
     finished = [r.number for r in ranks if r.outcome is not None]
@@ -334,7 +361,11 @@ def _dump_stacks(stuck: list[_Rank]) -> list[tuple[int, str]]:
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_HIDDEN = (os.sep + "multiprocessing" + os.sep, os.sep + "dojo" + os.sep + "rank.py", "threading.py")
+_HIDDEN = (
+    os.sep + "multiprocessing" + os.sep,
+    os.sep + "dojo" + os.sep + "rank.py",
+    "threading.py",
+)
 
 
 def _is_rank_main(frame: re.Match) -> bool:
@@ -347,7 +378,9 @@ def format_stack_dump(text: str) -> str:
     Harness frames are hidden, and a run of frames inside torch shrinks to the innermost one:
     the learner needs "my line, waiting in all_reduce", not torch's plumbing.
     """
-    threads = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", text, flags=re.M)
+    threads = re.split(
+        r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", text, flags=re.M
+    )
     for block in threads[1:]:
         frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
         if not any(_is_rank_main(m) for m in frames):
@@ -360,7 +393,9 @@ def format_stack_dump(text: str) -> str:
                 shown[-1] = frame  # keep only the innermost torch frame of a run
                 continue
             shown.append(frame)
-        return "\n".join(_format_frame(m) for m in shown) or "  (no Python frames outside the harness)"
+        return (
+            "\n".join(_format_frame(m) for m in shown) or "  (no Python frames outside the harness)"
+        )
     return "  (no stack: the rank did not answer the request for one)"
 
 
@@ -375,6 +410,7 @@ def _format_frame(frame: re.Match) -> str:
 
 
 # --------------------------------------------------------------------------- output and cleanup
+
 
 def _kill(ranks: list[_Rank]) -> None:
     """Kill every rank and everything it started; never raises."""

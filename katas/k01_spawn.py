@@ -45,7 +45,8 @@ from __future__ import annotations
 import argparse
 import queue
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

@@ -109,8 +109,9 @@ def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
     raise KataTodo("k05", 2, "this rank's shard of the data")
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-               labels: torch.Tensor) -> float:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor
+) -> float:
     """One data-parallel step on this rank's part of the batch; returns this rank's loss."""
     # TODO: the tutorial's step: loss = F.cross_entropy(model(images), labels); zero the old
     # gradients; loss.backward(); average_gradients(model) (your k04); optimizer.step();
@@ -119,9 +120,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch
 
 
 def run_training(
-    rank: int, world_size: int, epochs: int = 1, batch_size: int = 64, lr: float = 0.01,
-    seed: int = 0, data: str = "digits", data_root: str | None = None, download: bool = False,
-    log_every: int = 10, show_progress: bool = True, limit: int | None = None,
+    rank: int,
+    world_size: int,
+    epochs: int = 1,
+    batch_size: int = 64,
+    lr: float = 0.01,
+    seed: int = 0,
+    data: str = "digits",
+    data_root: str | None = None,
+    download: bool = False,
+    log_every: int = 10,
+    show_progress: bool = True,
+    limit: int | None = None,
 ) -> dict:
     """Train the ConvNet data-parallel inside an initialised process group (this rank's part).
 
@@ -161,6 +171,7 @@ def run_training(
 
 # --------------------------------------------------------------------------- plumbing
 
+
 def _per_rank_batch(batch_size: int, world_size: int) -> int:
     """Each rank's part of the global batch (rounded down: 64 over 3 ranks is 21 each)."""
     if batch_size < world_size:
@@ -179,8 +190,9 @@ def _check_steps(steps: int, shard_size: int, per_rank_batch: int) -> None:
         )
 
 
-def show_step(rank: int, epoch: int, epochs: int, step: int, steps: int, loss: float,
-              every: int) -> None:
+def show_step(
+    rank: int, epoch: int, epochs: int, step: int, steps: int, loss: float, every: int
+) -> None:
     """A progress bar: redrawn in place on a terminal, a line every ``every`` steps otherwise."""
     done = round(20 * step / steps)
     bar = "#" * done + "." * (20 - done)
@@ -193,8 +205,10 @@ def show_step(rank: int, epoch: int, epochs: int, step: int, steps: int, loss: f
 
 
 def show_epoch(rank: int, epoch: int, epochs: int, loss: float, held_out_accuracy: float) -> None:
-    say(rank, f"epoch {epoch}/{epochs}: mean loss {loss:.3f}, "
-              f"held-out accuracy {held_out_accuracy:.1%}")
+    say(
+        rank,
+        f"epoch {epoch}/{epochs}: mean loss {loss:.3f}, held-out accuracy {held_out_accuracy:.1%}",
+    )
 
 
 def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
@@ -205,8 +219,11 @@ def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
 
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(range(1, len(losses) + 1), losses)
-    axes.set(xlabel="step", ylabel="rank 0's training loss",
-             title=f"data-parallel ConvNet, {world_size} ranks")
+    axes.set(
+        xlabel="step",
+        ylabel="rank 0's training loss",
+        title=f"data-parallel ConvNet, {world_size} ranks",
+    )
     axes.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100, bbox_inches="tight")
@@ -220,16 +237,29 @@ def main(argv=None) -> int:
     )
     add_launch_arguments(parser)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="the global batch, split over the ranks")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="the global batch, split over the ranks"
+    )
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10,
-                        help="steps between progress lines (when not on a terminal)")
-    parser.add_argument("--limit", type=int, default=None,
-                        help="train on the first N training images only (a quick run)")
-    parser.add_argument("--plot", type=Path, default=Path("k05_loss_curve.png"),
-                        help="where to save the loss curve (default: ./k05_loss_curve.png)")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="steps between progress lines (when not on a terminal)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="train on the first N training images only (a quick run)",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("k05_loss_curve.png"),
+        help="where to save the loss curve (default: ./k05_loss_curve.png)",
+    )
     parser.add_argument("--no-plot", action="store_true")
     datasets.add_data_arguments(parser)
     args = parser.parse_args(argv)
@@ -242,11 +272,25 @@ def main(argv=None) -> int:
         _check_steps(shard_size // per_rank_batch, shard_size, per_rank_batch)
     except ValueError as error:
         parser.error(str(error))
-    say(None, f"training on {args.data} with {args.world_size} ranks, "
-              f"{per_rank_batch} images each per step")
+    say(
+        None,
+        f"training on {args.data} with {args.world_size} ranks, "
+        f"{per_rank_batch} images each per step",
+    )
     results = launch_world(
-        run_training, args.world_size, args.epochs, args.batch_size, args.lr, args.seed, args.data,
-        args.data_root, args.download, args.log_every, True, args.limit, backend=args.backend,
+        run_training,
+        args.world_size,
+        args.epochs,
+        args.batch_size,
+        args.lr,
+        args.seed,
+        args.data,
+        args.data_root,
+        args.download,
+        args.log_every,
+        True,
+        args.limit,
+        backend=args.backend,
         device=args.device,
     )
     final = results[0]

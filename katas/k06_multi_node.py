@@ -75,9 +75,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from dojo.console import run_program, say
 from dojo.todo import KataTodo
@@ -121,7 +122,12 @@ class RankInfo:
 
 
 def node_environment(
-    nnodes: int, node_rank: int, nproc_per_node: int, local_rank: int, master_addr: str, master_port: int
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    local_rank: int,
+    master_addr: str,
+    master_port: int,
 ) -> dict[str, str]:
     """The environment for process ``local_rank`` of node ``node_rank`` (all values strings)."""
     # TODO: first check the options, raising LaunchConfigError with a message that names the
@@ -150,7 +156,9 @@ def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
 
 
 def join_world(
-    info: RankInfo, backend: str = "gloo", device: torch.device | None = None,
+    info: RankInfo,
+    backend: str = "gloo",
+    device: torch.device | None = None,
     timeout: timedelta = timedelta(minutes=5),
 ) -> None:
     """Join the world ``info`` describes: every rank meets rank 0 at MASTER_ADDR:MASTER_PORT."""
@@ -175,8 +183,13 @@ def sum_of_ranks(info: RankInfo, device: torch.device) -> float:
 
 
 def launch_node(
-    command: Sequence[str], nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str,
-    master_port: int, timeout: float | None = None,
+    command: Sequence[str],
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    master_addr: str,
+    master_port: int,
+    timeout: float | None = None,
 ) -> None:
     """Run ``command`` once per local rank of this node, each with its environment; wait for all.
 
@@ -217,6 +230,7 @@ def _stop(processes: list[subprocess.Popen]) -> None:
 
 # --------------------------------------------------------------------------- the program
 
+
 def _free_port() -> int:
     # Only good enough for a job on this one machine: another program may take the port
     # between this check and rank 0 binding it. A job across hosts agrees on a fixed port.
@@ -241,14 +255,30 @@ def run_this_rank(args: argparse.Namespace) -> None:
     try:
         total = sum_of_ranks(info, device)
         expected = info.world_size * (info.world_size + 1) / 2
-        say(info.rank, "result", json.dumps({
-            "rank": info.rank, "local_rank": info.local_rank, "node_rank": info.node_rank, "pid": os.getpid(),
-            "world_size": info.world_size, "local_world_size": info.local_world_size,
-            "host": socket.gethostname(), "backend": backend, "device": str(device),
-            "sum": total, "expected": expected, "ok": total == expected,
-        }))
+        say(
+            info.rank,
+            "result",
+            json.dumps(
+                {
+                    "rank": info.rank,
+                    "local_rank": info.local_rank,
+                    "node_rank": info.node_rank,
+                    "pid": os.getpid(),
+                    "world_size": info.world_size,
+                    "local_world_size": info.local_world_size,
+                    "host": socket.gethostname(),
+                    "backend": backend,
+                    "device": str(device),
+                    "sum": total,
+                    "expected": expected,
+                    "ok": total == expected,
+                }
+            ),
+        )
         if total != expected:
-            raise RuntimeError(f"rank {info.rank}: the all-reduce gave {total}, expected {expected}")
+            raise RuntimeError(
+                f"rank {info.rank}: the all-reduce gave {total}, expected {expected}"
+            )
         if args.train:
             _train(info, args.epochs)
     finally:
@@ -262,11 +292,21 @@ def _train(info: RankInfo, epochs: int) -> None:
     try:
         k05 = importlib.import_module(f"{__package__}.k05_data_parallel")
     except ModuleNotFoundError as error:
-        raise LaunchConfigError(f"--train needs kata k05 ({__package__}/k05_data_parallel.py): {error}") from None
+        raise LaunchConfigError(
+            f"--train needs kata k05 ({__package__}/k05_data_parallel.py): {error}"
+        ) from None
     outcome = k05.run_training(info.rank, info.world_size, epochs=epochs)
-    say(info.rank, "trained", json.dumps({
-        "rank": info.rank, "final_loss": outcome["losses"][-1], "accuracy": outcome["accuracy"],
-    }))
+    say(
+        info.rank,
+        "trained",
+        json.dumps(
+            {
+                "rank": info.rank,
+                "final_loss": outcome["losses"][-1],
+                "accuracy": outcome["accuracy"],
+            }
+        ),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,12 +320,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.set_defaults(world_size=None)
     launch = parser.add_argument_group("manual launch (leave these out under torchrun)")
     launch.add_argument("--nnodes", type=int, help="how many hosts (default 1)")
-    launch.add_argument("--node-rank", type=int, help="this host's number, 0 on MASTER_ADDR's host (default 0)")
-    launch.add_argument("--nproc-per-node", type=int, help="processes on each host (default: --world-size / --nnodes, or 4)")
-    launch.add_argument("--master-addr", help="rank 0's host, reachable from every host (default $MASTER_ADDR or 127.0.0.1)")
-    launch.add_argument("--master-port", type=int, help="a free port there (default $MASTER_PORT; a free one on a single host)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds ranks wait for each other (default 300)")
-    parser.add_argument("--train", action="store_true", help="then train kata k05's model across all ranks")
+    launch.add_argument(
+        "--node-rank", type=int, help="this host's number, 0 on MASTER_ADDR's host (default 0)"
+    )
+    launch.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="processes on each host (default: --world-size / --nnodes, or 4)",
+    )
+    launch.add_argument(
+        "--master-addr",
+        help="rank 0's host, reachable from every host (default $MASTER_ADDR or 127.0.0.1)",
+    )
+    launch.add_argument(
+        "--master-port",
+        type=int,
+        help="a free port there (default $MASTER_PORT; a free one on a single host)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds ranks wait for each other (default 300)",
+    )
+    parser.add_argument(
+        "--train", action="store_true", help="then train kata k05's model across all ranks"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="epochs for --train (default 1)")
     args = parser.parse_args(argv)
     try:
@@ -305,11 +365,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _started_by_a_launcher(args: argparse.Namespace) -> bool:
     """A process that has a rank in its environment is a rank; otherwise it launches a node."""
-    per_process = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE") if name in os.environ]
+    per_process = [
+        name
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        if name in os.environ
+    ]
     if not per_process:
         return False
-    given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "world_size")
-             if getattr(args, name) is not None]
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in (
+            "nnodes",
+            "node_rank",
+            "nproc_per_node",
+            "master_addr",
+            "master_port",
+            "world_size",
+        )
+        if getattr(args, name) is not None
+    ]
     if given:
         raise LaunchConfigError(
             f"{' '.join(given)} given, but {per_process[0]} is set, so a launcher already started this "
@@ -326,7 +400,9 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     if nproc is None:
         world_size = 4 if args.world_size is None else args.world_size
         if nnodes < 1 or world_size % nnodes:
-            raise LaunchConfigError(f"--world-size {world_size} does not split evenly over --nnodes {nnodes}: give --nproc-per-node")
+            raise LaunchConfigError(
+                f"--world-size {world_size} does not split evenly over --nnodes {nnodes}: give --nproc-per-node"
+            )
         nproc = world_size // nnodes
     elif args.world_size is not None and args.world_size != nnodes * nproc:
         raise LaunchConfigError(
@@ -339,16 +415,29 @@ def _launch_this_node(args: argparse.Namespace) -> int:
         try:
             master_port = int(os.environ["MASTER_PORT"])
         except ValueError:
-            raise LaunchConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number") from None
+            raise LaunchConfigError(
+                f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number"
+            ) from None
     if master_port is None:
         if nnodes > 1:
-            raise LaunchConfigError("--master-port is needed with several nodes: the same free port on every host")
+            raise LaunchConfigError(
+                "--master-port is needed with several nodes: the same free port on every host"
+            )
         master_port = _free_port()
-    node_environment(nnodes, node_rank, nproc, 0, master_addr, master_port)  # check the options first
-    say(None, f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
-              f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}")
+    node_environment(
+        nnodes, node_rank, nproc, 0, master_addr, master_port
+    )  # check the options first
+    say(
+        None,
+        f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
+        f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}",
+    )
     command = [sys.executable, "-m", __spec__.name, "--timeout", str(args.timeout)]
-    command += [f"--{name}={value}" for name, value in (("backend", args.backend), ("device", args.device)) if value]
+    command += [
+        f"--{name}={value}"
+        for name, value in (("backend", args.backend), ("device", args.device))
+        if value
+    ]
     command += ["--train", f"--epochs={args.epochs}"] if args.train else []
     # `kill` (SIGTERM) of this launcher must stop its ranks too, as it does under torchrun:
     # turned into SystemExit, it runs launch_node's clean-up on its way out.

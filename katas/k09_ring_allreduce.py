@@ -149,6 +149,7 @@ def ring_allreduce(tensor: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------- the program
 
+
 @contextlib.contextmanager
 def _count_sent_elements():
     """Count the elements this rank sends through ``dist.isend`` (``dist.send`` uses it too)."""
@@ -177,8 +178,11 @@ def _demo(rank: int, world_size: int, length: int) -> dict:
         with _count_sent_elements() as sent:
             total = ring(mine.clone())
         results[name] = total.cpu()
-        say(rank, f"{name:>10}: first sum {total[0].item():.9g}, sent {sent[0]} elements "
-                  f"= {sent[0] / length:.2f}x the tensor")
+        say(
+            rank,
+            f"{name:>10}: first sum {total[0].item():.9g}, sent {sent[0]} elements "
+            f"= {sent[0] / length:.2f}x the tensor",
+        )
     reference = mine.clone()
     dist.all_reduce(reference)
     results["dist.all_reduce"] = reference.cpu()
@@ -190,15 +194,20 @@ def main(argv=None) -> int:
     add_launch_arguments(parser)
     parser.add_argument("--length", type=int, default=1000, help="numbers per rank (default 1000)")
     args = parser.parse_args(argv)
-    per_rank = launch_world(_demo, args.world_size, args.length, backend=args.backend, device=args.device)
+    per_rank = launch_world(
+        _demo, args.world_size, args.length, backend=args.backend, device=args.device
+    )
     for name in ("pass-along", "ring", "dist.all_reduce"):
         sums = [results[name] for results in per_rank]
         agree = all(torch.equal(s, sums[0]) for s in sums)
         close = torch.allclose(sums[0], per_rank[0]["dist.all_reduce"], rtol=1e-5, atol=1e-3)
         differing = sum(int((s != sums[0]).sum()) for s in sums[1:])
-        say(None, f"{name:>15}: every rank holds the same bits: {'yes' if agree else 'NO'}"
-                  + ("" if agree else f" ({differing} numbers differ from rank 0's)")
-                  + f"; close to dist.all_reduce: {'yes' if close else 'NO'}")
+        say(
+            None,
+            f"{name:>15}: every rank holds the same bits: {'yes' if agree else 'NO'}"
+            + ("" if agree else f" ({differing} numbers differ from rank 0's)")
+            + f"; close to dist.all_reduce: {'yes' if close else 'NO'}",
+        )
     return 0
 
 

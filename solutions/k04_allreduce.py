@@ -76,8 +76,12 @@ def tutorial_allreduce(rank: int, world_size: int) -> tuple[torch.Tensor, torch.
 
 def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """All-reduce ``tensor`` in place with the op named ``op`` ("sum", "product", "min", "max")."""
-    ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
-           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "product": dist.ReduceOp.PRODUCT,
+        "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX,
+    }
     if op not in ops:
         raise ValueError(f"unknown reduce op {op!r}: use one of {', '.join(OPS)}")
     dist.all_reduce(tensor, op=ops[op])

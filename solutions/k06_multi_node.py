@@ -75,9 +75,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from dojo.console import run_program, say
 
@@ -120,7 +121,12 @@ class RankInfo:
 
 
 def node_environment(
-    nnodes: int, node_rank: int, nproc_per_node: int, local_rank: int, master_addr: str, master_port: int
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    local_rank: int,
+    master_addr: str,
+    master_port: int,
 ) -> dict[str, str]:
     """The environment for process ``local_rank`` of node ``node_rank`` (all values strings)."""
     if nnodes < 1 or nproc_per_node < 1:
@@ -139,7 +145,9 @@ def node_environment(
             f"run from 0 to {nproc_per_node - 1}"
         )
     if not str(master_addr).strip():
-        raise LaunchConfigError("--master-addr is empty: give the address of node 0's host, the same on every host")
+        raise LaunchConfigError(
+            "--master-addr is empty: give the address of node 0's host, the same on every host"
+        )
     if not 1 <= master_port <= 65535:
         raise LaunchConfigError(
             f"--master-port {master_port} is not a port (1-65535): give a free port on node 0's "
@@ -169,12 +177,20 @@ def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
         try:
             numbers[name] = int(env[name])
         except ValueError:
-            raise LaunchConfigError(f"{name}={env[name]!r} is not a whole number: {HOW_TO_START}") from None
+            raise LaunchConfigError(
+                f"{name}={env[name]!r} is not a whole number: {HOW_TO_START}"
+            ) from None
     rank, local_rank = numbers["RANK"], numbers["LOCAL_RANK"]
-    world_size, local_world_size, port = numbers["WORLD_SIZE"], numbers["LOCAL_WORLD_SIZE"], numbers["MASTER_PORT"]
+    world_size, local_world_size, port = (
+        numbers["WORLD_SIZE"],
+        numbers["LOCAL_WORLD_SIZE"],
+        numbers["MASTER_PORT"],
+    )
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         if numbers[name] < 1:
-            raise LaunchConfigError(f"{name}={numbers[name]}: a world and a node need at least one process")
+            raise LaunchConfigError(
+                f"{name}={numbers[name]}: a world and a node need at least one process"
+            )
     for name in ("RANK", "LOCAL_RANK"):
         if numbers[name] < 0:
             raise LaunchConfigError(f"{name}={numbers[name]}: ranks count from 0")
@@ -204,11 +220,15 @@ def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
             f"MASTER_PORT={port} is not a port (1-65535): set it to a free port on rank 0's host, "
             "the same on every node"
         )
-    return RankInfo(rank, local_rank, world_size, local_world_size, env["MASTER_ADDR"].strip(), port)
+    return RankInfo(
+        rank, local_rank, world_size, local_world_size, env["MASTER_ADDR"].strip(), port
+    )
 
 
 def join_world(
-    info: RankInfo, backend: str = "gloo", device: torch.device | None = None,
+    info: RankInfo,
+    backend: str = "gloo",
+    device: torch.device | None = None,
     timeout: timedelta = timedelta(minutes=5),
 ) -> None:
     """Join the world ``info`` describes: every rank meets rank 0 at MASTER_ADDR:MASTER_PORT."""
@@ -238,8 +258,13 @@ def sum_of_ranks(info: RankInfo, device: torch.device) -> float:
 
 
 def launch_node(
-    command: Sequence[str], nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str,
-    master_port: int, timeout: float | None = None,
+    command: Sequence[str],
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    master_addr: str,
+    master_port: int,
+    timeout: float | None = None,
 ) -> None:
     """Run ``command`` once per local rank of this node, each with its environment; wait for all.
 
@@ -260,12 +285,16 @@ def launch_node(
             codes = [p.poll() for p in processes]
             for env, code in zip(environments, codes):
                 if code not in (None, 0):
-                    raise NodeFailed(f"rank {env['RANK']} (local rank {env['LOCAL_RANK']}) {_how_it_ended(code)}")
+                    raise NodeFailed(
+                        f"rank {env['RANK']} (local rank {env['LOCAL_RANK']}) {_how_it_ended(code)}"
+                    )
             if all(code == 0 for code in codes):
                 return
             if give_up is not None and time.monotonic() > give_up:
                 running = [env["RANK"] for env, code in zip(environments, codes) if code is None]
-                raise NodeFailed(f"rank(s) {', '.join(running)} still running after the {timeout:g} s timeout")
+                raise NodeFailed(
+                    f"rank(s) {', '.join(running)} still running after the {timeout:g} s timeout"
+                )
             time.sleep(0.05)
     finally:
         _stop(processes)  # on failure, timeout or Ctrl-C; a no-op when all have exited
@@ -293,6 +322,7 @@ def _stop(processes: list[subprocess.Popen]) -> None:
 
 # --------------------------------------------------------------------------- the program
 
+
 def _free_port() -> int:
     # Only good enough for a job on this one machine: another program may take the port
     # between this check and rank 0 binding it. A job across hosts agrees on a fixed port.
@@ -317,14 +347,30 @@ def run_this_rank(args: argparse.Namespace) -> None:
     try:
         total = sum_of_ranks(info, device)
         expected = info.world_size * (info.world_size + 1) / 2
-        say(info.rank, "result", json.dumps({
-            "rank": info.rank, "local_rank": info.local_rank, "node_rank": info.node_rank, "pid": os.getpid(),
-            "world_size": info.world_size, "local_world_size": info.local_world_size,
-            "host": socket.gethostname(), "backend": backend, "device": str(device),
-            "sum": total, "expected": expected, "ok": total == expected,
-        }))
+        say(
+            info.rank,
+            "result",
+            json.dumps(
+                {
+                    "rank": info.rank,
+                    "local_rank": info.local_rank,
+                    "node_rank": info.node_rank,
+                    "pid": os.getpid(),
+                    "world_size": info.world_size,
+                    "local_world_size": info.local_world_size,
+                    "host": socket.gethostname(),
+                    "backend": backend,
+                    "device": str(device),
+                    "sum": total,
+                    "expected": expected,
+                    "ok": total == expected,
+                }
+            ),
+        )
         if total != expected:
-            raise RuntimeError(f"rank {info.rank}: the all-reduce gave {total}, expected {expected}")
+            raise RuntimeError(
+                f"rank {info.rank}: the all-reduce gave {total}, expected {expected}"
+            )
         if args.train:
             _train(info, args.epochs)
     finally:
@@ -338,11 +384,21 @@ def _train(info: RankInfo, epochs: int) -> None:
     try:
         k05 = importlib.import_module(f"{__package__}.k05_data_parallel")
     except ModuleNotFoundError as error:
-        raise LaunchConfigError(f"--train needs kata k05 ({__package__}/k05_data_parallel.py): {error}") from None
+        raise LaunchConfigError(
+            f"--train needs kata k05 ({__package__}/k05_data_parallel.py): {error}"
+        ) from None
     outcome = k05.run_training(info.rank, info.world_size, epochs=epochs)
-    say(info.rank, "trained", json.dumps({
-        "rank": info.rank, "final_loss": outcome["losses"][-1], "accuracy": outcome["accuracy"],
-    }))
+    say(
+        info.rank,
+        "trained",
+        json.dumps(
+            {
+                "rank": info.rank,
+                "final_loss": outcome["losses"][-1],
+                "accuracy": outcome["accuracy"],
+            }
+        ),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,12 +412,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.set_defaults(world_size=None)
     launch = parser.add_argument_group("manual launch (leave these out under torchrun)")
     launch.add_argument("--nnodes", type=int, help="how many hosts (default 1)")
-    launch.add_argument("--node-rank", type=int, help="this host's number, 0 on MASTER_ADDR's host (default 0)")
-    launch.add_argument("--nproc-per-node", type=int, help="processes on each host (default: --world-size / --nnodes, or 4)")
-    launch.add_argument("--master-addr", help="rank 0's host, reachable from every host (default $MASTER_ADDR or 127.0.0.1)")
-    launch.add_argument("--master-port", type=int, help="a free port there (default $MASTER_PORT; a free one on a single host)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds ranks wait for each other (default 300)")
-    parser.add_argument("--train", action="store_true", help="then train kata k05's model across all ranks")
+    launch.add_argument(
+        "--node-rank", type=int, help="this host's number, 0 on MASTER_ADDR's host (default 0)"
+    )
+    launch.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="processes on each host (default: --world-size / --nnodes, or 4)",
+    )
+    launch.add_argument(
+        "--master-addr",
+        help="rank 0's host, reachable from every host (default $MASTER_ADDR or 127.0.0.1)",
+    )
+    launch.add_argument(
+        "--master-port",
+        type=int,
+        help="a free port there (default $MASTER_PORT; a free one on a single host)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds ranks wait for each other (default 300)",
+    )
+    parser.add_argument(
+        "--train", action="store_true", help="then train kata k05's model across all ranks"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="epochs for --train (default 1)")
     args = parser.parse_args(argv)
     try:
@@ -381,11 +457,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _started_by_a_launcher(args: argparse.Namespace) -> bool:
     """A process that has a rank in its environment is a rank; otherwise it launches a node."""
-    per_process = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE") if name in os.environ]
+    per_process = [
+        name
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        if name in os.environ
+    ]
     if not per_process:
         return False
-    given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "world_size")
-             if getattr(args, name) is not None]
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in (
+            "nnodes",
+            "node_rank",
+            "nproc_per_node",
+            "master_addr",
+            "master_port",
+            "world_size",
+        )
+        if getattr(args, name) is not None
+    ]
     if given:
         raise LaunchConfigError(
             f"{' '.join(given)} given, but {per_process[0]} is set, so a launcher already started this "
@@ -402,7 +492,9 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     if nproc is None:
         world_size = 4 if args.world_size is None else args.world_size
         if nnodes < 1 or world_size % nnodes:
-            raise LaunchConfigError(f"--world-size {world_size} does not split evenly over --nnodes {nnodes}: give --nproc-per-node")
+            raise LaunchConfigError(
+                f"--world-size {world_size} does not split evenly over --nnodes {nnodes}: give --nproc-per-node"
+            )
         nproc = world_size // nnodes
     elif args.world_size is not None and args.world_size != nnodes * nproc:
         raise LaunchConfigError(
@@ -415,16 +507,29 @@ def _launch_this_node(args: argparse.Namespace) -> int:
         try:
             master_port = int(os.environ["MASTER_PORT"])
         except ValueError:
-            raise LaunchConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number") from None
+            raise LaunchConfigError(
+                f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number"
+            ) from None
     if master_port is None:
         if nnodes > 1:
-            raise LaunchConfigError("--master-port is needed with several nodes: the same free port on every host")
+            raise LaunchConfigError(
+                "--master-port is needed with several nodes: the same free port on every host"
+            )
         master_port = _free_port()
-    node_environment(nnodes, node_rank, nproc, 0, master_addr, master_port)  # check the options first
-    say(None, f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
-              f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}")
+    node_environment(
+        nnodes, node_rank, nproc, 0, master_addr, master_port
+    )  # check the options first
+    say(
+        None,
+        f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
+        f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}",
+    )
     command = [sys.executable, "-m", __spec__.name, "--timeout", str(args.timeout)]
-    command += [f"--{name}={value}" for name, value in (("backend", args.backend), ("device", args.device)) if value]
+    command += [
+        f"--{name}={value}"
+        for name, value in (("backend", args.backend), ("device", args.device))
+        if value
+    ]
     command += ["--train", f"--epochs={args.epochs}"] if args.train else []
     # `kill` (SIGTERM) of this launcher must stop its ranks too, as it does under torchrun:
     # turned into SystemExit, it runs launch_node's clean-up on its way out.

@@ -77,7 +77,8 @@ RUN IT
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,9 @@ def _ring_position(need: int, what: str) -> tuple[int, int]:
     """This rank and the world size, refusing worlds too small for ``what``."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size < need:
-        raise ValueError(f"{what} needs a world of at least {need} ranks, this one has {world_size}")
+        raise ValueError(
+            f"{what} needs a world of at least {need} ranks, this one has {world_size}"
+        )
     return rank, world_size
 
 
@@ -166,7 +169,9 @@ def shift_right(tensor: torch.Tensor) -> torch.Tensor:
     return received
 
 
-def receive_while_working(source: int, buffer: torch.Tensor, work: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
+def receive_while_working(
+    source: int, buffer: torch.Tensor, work: Callable[[], Any]
+) -> tuple[torch.Tensor, Any]:
     """Receive into ``buffer`` from ``source`` while calling ``work()``; return both results.
 
     Post a non-blocking ``irecv``, call ``work()`` while the message travels, then ``wait()``
@@ -187,7 +192,9 @@ def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
     """
     rank, world_size = _ring_position(2, "a halo exchange")
     if strip.dim() != 1 or strip.numel() == 0:
-        raise ValueError(f"halo_exchange needs a non-empty 1-D strip, got shape {tuple(strip.shape)}")
+        raise ValueError(
+            f"halo_exchange needs a non-empty 1-D strip, got shape {tuple(strip.shape)}"
+        )
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     from_left, from_right = torch.empty_like(strip[:1]), torch.empty_like(strip[:1])
     operations = [
@@ -203,6 +210,7 @@ def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ the program
+
 
 def _say_in_rank_order(rank: int, world_size: int, text: str | None) -> None:
     """Print ``text`` (None: nothing) once every lower rank has printed its line."""
@@ -223,13 +231,21 @@ def show(rank: int, world_size: int) -> None:
     how = "got the token back as" if rank == 0 else "received the token as"
     _say_in_rank_order(rank, world_size, f"token ring: {how} {got}")
     mine = torch.full((2,), rank, device=device)
-    _say_in_rank_order(rank, world_size, f"shift right: sent {mine.tolist()}, received {shift_right(mine).tolist()}")
+    _say_in_rank_order(
+        rank,
+        world_size,
+        f"shift right: sent {mine.tolist()}, received {shift_right(mine).tolist()}",
+    )
     strip = torch.arange(3, device=device) + 10 * rank
-    _say_in_rank_order(rank, world_size, f"halo exchange: {strip.tolist()} -> {halo_exchange(strip).tolist()}")
+    _say_in_rank_order(
+        rank, world_size, f"halo exchange: {strip.tolist()} -> {halo_exchange(strip).tolist()}"
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Ping-pong, a token ring, a ring shift and a halo exchange.")
+    parser = argparse.ArgumentParser(
+        description="Ping-pong, a token ring, a ring shift and a halo exchange."
+    )
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     if args.world_size < 2:

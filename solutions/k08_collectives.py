@@ -83,7 +83,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,7 @@ def _check_table(table: torch.Tensor | None, name: str = "table") -> None:
 
 # ------------------------------------------------------------------------------ step 1
 
+
 def broadcast_from(tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Every rank passes a tensor of the same shape; afterwards each holds ``src``'s values.
 
@@ -129,6 +130,7 @@ def reduce_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
 
 # ------------------------------------------------------------------------------ step 2
 
+
 def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """All-reduce ``tensor`` in place with ``op``, one of ``"sum"``, ``"max"``, ``"avg"``.
 
@@ -143,6 +145,7 @@ def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ step 3
+
 
 def scatter_rows(table: torch.Tensor | None, src: int, out: torch.Tensor) -> torch.Tensor:
     """Rank ``src`` holds ``table`` (one row per rank); row ``r`` lands in rank ``r``'s ``out``.
@@ -172,6 +175,7 @@ def gather_rows(row: torch.Tensor, dst: int) -> torch.Tensor | None:
 
 # ------------------------------------------------------------------------------ step 4
 
+
 def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
     """Every rank's ``row`` stacked in rank order, on every rank."""
     pieces = [torch.empty_like(row) for _ in range(dist.get_world_size())]
@@ -189,6 +193,7 @@ def reduce_scatter_rows(table: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ step 5
 
+
 def all_to_all_rows(table: torch.Tensor) -> torch.Tensor:
     """Row ``j`` of rank ``i``'s ``table`` becomes row ``i`` of rank ``j``'s result."""
     _check_table(table)
@@ -198,6 +203,7 @@ def all_to_all_rows(table: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ step 6
+
 
 def prepare_once(path: str, prepare: Callable[[], str]) -> str:
     """Rank 0 calls ``prepare()`` and writes its text to ``path``; every rank returns that text.
@@ -214,6 +220,7 @@ def prepare_once(path: str, prepare: Callable[[], str]) -> str:
 
 
 # ------------------------------------------------------------------------------ step 7
+
 
 def _check_members(members: list[int]) -> list[int]:
     world_size = dist.get_world_size()
@@ -252,6 +259,7 @@ def parity_sums(tensor: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ the program
 
+
 def show(rank: int, world_size: int, scratch: str) -> None:
     """What each rank of the program does: every collective once, printed before and after.
 
@@ -272,17 +280,29 @@ def show(rank: int, world_size: int, scratch: str) -> None:
         dist.barrier()
 
     mine = torch.tensor(rank, device=device)  # one number per rank (a 0-d tensor)
-    section(f"broadcast from rank {last}", f"{mine.tolist()} -> {broadcast_from(mine.clone(), last).tolist()}")
+    section(
+        f"broadcast from rank {last}",
+        f"{mine.tolist()} -> {broadcast_from(mine.clone(), last).tolist()}",
+    )
     total = reduce_to(mine.clone(), 0)
-    section("reduce (sum) to rank 0", f"{mine.tolist()} -> {None if total is None else total.tolist()}")
+    section(
+        "reduce (sum) to rank 0", f"{mine.tolist()} -> {None if total is None else total.tolist()}"
+    )
     for op in ("sum", "max", "avg"):
         value = mine.float() if op == "avg" else mine.clone()
-        section(f"all_reduce {op}", f"{value.tolist()} -> {all_reduce_with(value.clone(), op).tolist()}")
+        section(
+            f"all_reduce {op}", f"{value.tolist()} -> {all_reduce_with(value.clone(), op).tolist()}"
+        )
     table = torch.arange(world_size, device=device) * 10 if rank == 0 else None
     out = torch.empty((), dtype=torch.int64, device=device)  # a row of a 1-D table is a scalar
-    section("scatter from rank 0 (it holds [0, 10, 20, ...])", f"got {scatter_rows(table, 0, out).tolist()}")
+    section(
+        "scatter from rank 0 (it holds [0, 10, 20, ...])",
+        f"got {scatter_rows(table, 0, out).tolist()}",
+    )
     gathered = gather_rows(mine, 0)
-    section("gather to rank 0", f"{mine.tolist()} -> {None if gathered is None else gathered.tolist()}")
+    section(
+        "gather to rank 0", f"{mine.tolist()} -> {None if gathered is None else gathered.tolist()}"
+    )
     section("all_gather", f"{mine.tolist()} -> {all_gather_rows(mine).tolist()}")
     pieces = torch.arange(world_size, device=device) + 10 * rank
     section("reduce_scatter", f"{pieces.tolist()} -> {reduce_scatter_rows(pieces).tolist()}")
@@ -290,12 +310,20 @@ def show(rank: int, world_size: int, scratch: str) -> None:
     text = prepare_once(os.path.join(scratch, "prepared.txt"), lambda: f"prepared by rank {rank}")
     section("barrier: rank 0 writes a file, nobody reads it before the barrier", f"read {text!r}")
     members = list(range(0, world_size, 2))
-    section(f"all_reduce in the group {members}", f"{mine.tolist()} -> {group_sum(mine.clone(), members).tolist()}")
-    section("parity_sums: evens with evens, odds with odds", f"{mine.tolist()} -> {parity_sums(mine.clone()).tolist()}")
+    section(
+        f"all_reduce in the group {members}",
+        f"{mine.tolist()} -> {group_sum(mine.clone(), members).tolist()}",
+    )
+    section(
+        "parity_sums: evens with evens, odds with odds",
+        f"{mine.tolist()} -> {parity_sums(mine.clone()).tolist()}",
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Every collective once, with who holds what before and after.")
+    parser = argparse.ArgumentParser(
+        description="Every collective once, with who holds what before and after."
+    )
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="k08-") as scratch:

@@ -58,7 +58,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,7 +91,9 @@ class DataPartitioner:
 
     def __init__(self, data, sizes: Sequence[float] = (0.7, 0.2, 0.1), seed: int = 1234):
         if any(size < 0 for size in sizes) or sum(sizes) > 1 + 1e-9:
-            raise ValueError(f"sizes are fractions of the data, none negative, summing to at most 1; got {list(sizes)}")
+            raise ValueError(
+                f"sizes are fractions of the data, none negative, summing to at most 1; got {list(sizes)}"
+            )
         self.data = data
         self.partitions = []
         rng = random.Random(seed)  # every rank must shuffle the same way, or the parts overlap
@@ -128,8 +130,13 @@ def shard_size(dataset_length: int, num_replicas: int, drop_last: bool = False) 
 
 
 def shard_indices(
-    dataset_length: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-    epoch: int = 0, drop_last: bool = False,
+    dataset_length: int,
+    num_replicas: int,
+    rank: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
 ) -> list[int]:
     """The indices rank ``rank`` of ``num_replicas`` gets, in DistributedSampler's order."""
     if shuffle:
@@ -151,24 +158,38 @@ class ShardSampler(Sampler[int]):
     """A sampler that behaves exactly like ``torch.utils.data.DistributedSampler``."""
 
     def __init__(
-        self, dataset, num_replicas: int | None = None, rank: int | None = None,
-        shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        self,
+        dataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
     ):
         if num_replicas is None:
             num_replicas = dist.get_world_size()
         if rank is None:
             rank = dist.get_rank()
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+            raise ValueError(
+                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
+            )
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
 
     def __iter__(self) -> Iterator[int]:
-        return iter(shard_indices(
-            len(self.dataset), self.num_replicas, self.rank, self.shuffle, self.seed, self.epoch,
-            self.drop_last,
-        ))
+        return iter(
+            shard_indices(
+                len(self.dataset),
+                self.num_replicas,
+                self.rank,
+                self.shuffle,
+                self.seed,
+                self.epoch,
+                self.drop_last,
+            )
+        )
 
     def __len__(self) -> int:
         return shard_size(len(self.dataset), self.num_replicas, self.drop_last)
@@ -180,7 +201,10 @@ class ShardSampler(Sampler[int]):
 
 # ------------------------------------------------------------------------- the program
 
-def _shards(rank: int, world_size: int, size: int, epochs: int, shuffle: bool, drop_last: bool, seed: int) -> dict:
+
+def _shards(
+    rank: int, world_size: int, size: int, epochs: int, shuffle: bool, drop_last: bool, seed: int
+) -> dict:
     data = list(range(size))  # the indices stand in for samples
     tutorial = DataPartitioner(data, [1.0 / world_size] * world_size).use(rank)
     say(rank, f"the tutorial's partition: {[tutorial[i] for i in range(len(tutorial))]}")
@@ -194,9 +218,13 @@ def _shards(rank: int, world_size: int, size: int, epochs: int, shuffle: bool, d
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="How the tutorial and DistributedSampler shard a data set.")
+    parser = argparse.ArgumentParser(
+        description="How the tutorial and DistributedSampler shard a data set."
+    )
     add_launch_arguments(parser)
-    parser.add_argument("--dataset-size", type=int, default=10, help="samples in the data set (default 10)")
+    parser.add_argument(
+        "--dataset-size", type=int, default=10, help="samples in the data set (default 10)"
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shuffle", dest="shuffle", action="store_false")
@@ -205,8 +233,15 @@ def main(argv=None) -> int:
     if args.dataset_size < 0 or args.epochs < 1:
         parser.error("--dataset-size must be at least 0 and --epochs at least 1")
     per_rank = launch_world(
-        _shards, args.world_size, args.dataset_size, args.epochs, args.shuffle, args.drop_last, args.seed,
-        backend=args.backend, device=args.device,
+        _shards,
+        args.world_size,
+        args.dataset_size,
+        args.epochs,
+        args.shuffle,
+        args.drop_last,
+        args.seed,
+        backend=args.backend,
+        device=args.device,
     )
     used = sum(len(r["partition"]) for r in per_rank)
     say(None, f"the tutorial's partitions use {used} of {args.dataset_size} samples, each once")
@@ -216,15 +251,23 @@ def main(argv=None) -> int:
         taken = [i for shard in shards for i in shard]
         repeated = len(taken) - len(set(taken))
         unused = args.dataset_size - len(set(taken))
-        say(None, f"epoch {epoch}: {len(taken)} indices handed out, {repeated} of them repeated "
-                  f"(padding), {unused} samples unused (dropped); same as DistributedSampler: "
-                  f"{'yes' if shards == torch_shards else 'NO'}")
+        say(
+            None,
+            f"epoch {epoch}: {len(taken)} indices handed out, {repeated} of them repeated "
+            f"(padding), {unused} samples unused (dropped); same as DistributedSampler: "
+            f"{'yes' if shards == torch_shards else 'NO'}",
+        )
     return 0
 
 
 def _torch_epoch(args, rank: int, epoch: int) -> list[int]:
     sampler = torch.utils.data.DistributedSampler(
-        range(args.dataset_size), args.world_size, rank, args.shuffle, args.seed, args.drop_last,
+        range(args.dataset_size),
+        args.world_size,
+        rank,
+        args.shuffle,
+        args.seed,
+        args.drop_last,
     )
     sampler.set_epoch(epoch)
     return list(sampler)

@@ -15,14 +15,24 @@ KATA = "k01_spawn"
 _LAUNCHER_MARK = None
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize(
     "node, local, per_node, expected",
-    [(0, 0, 3, 0), (0, 2, 3, 2), (1, 0, 3, 3), (1, 2, 3, 5), (3, 1, 4, 13), (0, 0, 1, 0), (5, 0, 1, 5)],
+    [
+        (0, 0, 3, 0),
+        (0, 2, 3, 2),
+        (1, 0, 3, 3),
+        (1, 2, 3, 5),
+        (3, 1, 4, 13),
+        (0, 0, 1, 0),
+        (5, 0, 1, 5),
+    ],
 )
 def test_global_rank(kata, node, local, per_node, expected):
     got = kata.global_rank(node, local, per_node)
     why = (
-        f"the {node * per_node} ranks of nodes 0..{node - 1} come first" if node
+        f"the {node * per_node} ranks of nodes 0..{node - 1} come first"
+        if node
         else "on node 0 the rank is the local rank"
     )
     assert got == expected, (
@@ -31,15 +41,17 @@ def test_global_rank(kata, node, local, per_node, expected):
     )
 
 
+@pytest.mark.step(1)
 def test_tutorial_layout_has_world_size_six(kata):
     got = kata.world_size_of(2, 3)
     assert got == 6, f"world_size_of(nnodes=2, nproc_per_node=3) returned {got!r}, expected 6"
-    ranks = [kata.global_rank(n, l, 3) for n in range(2) for l in range(3)]
+    ranks = [kata.global_rank(node, local, 3) for node in range(2) for local in range(3)]
     assert ranks == list(range(6)), (
         f"the tutorial's 2 nodes x 3 processes got ranks {ranks}: every rank 0..5 must appear once"
     )
 
 
+@pytest.mark.step(2)
 def test_greet(kata):
     assert kata.greet(2, 4) == "world size:4. I'm rank 2.", (
         f"greet(2, 4) returned {kata.greet(2, 4)!r}, expected the tutorial's \"world size:4. I'm rank 2.\""
@@ -54,6 +66,7 @@ def _refuse(rank, world_size):
     raise ValueError(f"rank {rank} refuses")
 
 
+@pytest.mark.step(3)
 def test_run_rank_reports_the_answer_with_its_rank(kata):
     answers = queue.Queue()
     kata.run_rank(_answer, 2, 4, answers)
@@ -64,12 +77,15 @@ def test_run_rank_reports_the_answer_with_its_rank(kata):
     )
 
 
+@pytest.mark.step(3)
 def test_run_rank_reports_an_error_instead_of_raising(kata):
     answers = queue.Queue()
     try:
         kata.run_rank(_refuse, 1, 3, answers)
     except ValueError:
-        pytest.fail("run_rank let fn's ValueError escape: catch it and put (rank, 'error', traceback) on the queue")
+        pytest.fail(
+            "run_rank let fn's ValueError escape: catch it and put (rank, 'error', traceback) on the queue"
+        )
     got = answers.get_nowait() if not answers.empty() else None
     assert got is not None and got[:2] == (1, "error"), (
         f"when fn raised, run_rank put {got!r} on the queue, expected (1, 'error', traceback_text)"
@@ -112,6 +128,7 @@ def _launch_in_isolation(_rank, _world_size, fn_name, world_size):
     return outcome, os.getpid(), leftovers
 
 
+@pytest.mark.step(4)
 def test_launch_spawns_and_collects_in_rank_order(kata):
     [(outcome, launcher_pid, leftovers)] = run_world(
         _launch_in_isolation, 1, "_identify", 4, init_group=False, deadline=60
@@ -136,9 +153,12 @@ def test_launch_spawns_and_collects_in_rank_order(kata):
         "a rank saw the launcher's memory, so it was forked, not spawned: start processes from "
         "mp.get_context('spawn')"
     )
-    assert not leftovers, f"processes {leftovers} were still running after launch returned: join them"
+    assert not leftovers, (
+        f"processes {leftovers} were still running after launch returned: join them"
+    )
 
 
+@pytest.mark.step(4)
 def test_launch_names_the_rank_that_failed(kata):
     [(outcome, _, leftovers)] = run_world(
         _launch_in_isolation, 1, "_fail_on_rank_two", 3, init_group=False, deadline=60
@@ -160,10 +180,15 @@ def test_launch_names_the_rank_that_failed(kata):
     assert not leftovers, f"processes {leftovers} were still running after launch failed: join them"
 
 
+@pytest.mark.step(4)
 def test_program_prints_the_tutorial_lines(kata):
     """`python -m katas.k01_spawn` does what the tutorial's run_multiprocess.py does."""
     result = run_program(KATA, "--world-size", "4", timeout=90)
-    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    )
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."
-        assert line in result.stdout.splitlines(), f"expected the line {line!r} in:\n{result.stdout}"
+        assert line in result.stdout.splitlines(), (
+            f"expected the line {line!r} in:\n{result.stdout}"
+        )

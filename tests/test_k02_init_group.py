@@ -15,6 +15,7 @@ from dojo.world import run_world
 KATA = "k02_init_group"
 
 
+@pytest.mark.step(1)
 def test_set_master_writes_the_environment(kata, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "unset")  # restored after the test
     monkeypatch.setenv("MASTER_PORT", "unset")
@@ -26,17 +27,24 @@ def test_set_master_writes_the_environment(kata, monkeypatch):
     )
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize("port", [0, 70000, -1, "29500"])
 def test_set_master_refuses_a_bad_port(kata, monkeypatch, port):
     monkeypatch.setenv("MASTER_ADDR", "unset")
     monkeypatch.setenv("MASTER_PORT", "unset")
     with pytest.raises(ValueError, match="(?i)port") as caught:
         kata.set_master("127.0.0.1", port)
-    assert str(port) in str(caught.value), f"say which port was wrong; the message was: {caught.value}"
+    assert str(port) in str(caught.value), (
+        f"say which port was wrong; the message was: {caught.value}"
+    )
 
 
 def _whoami(rank, world_size):
-    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+    }
 
 
 def _join(rank, world_size, port):
@@ -58,6 +66,7 @@ def _join(rank, world_size, port):
     return {"seen": seen, "calls": calls, "still_initialized": dist.is_initialized()}
 
 
+@pytest.mark.step(2)
 def test_four_ranks_join_with_their_rank_a_world_of_four_and_a_timeout(kata):
     results = with_free_port(lambda port: run_world(_join, 4, port, init_group=False))
     for rank, result in enumerate(results):
@@ -76,7 +85,9 @@ def test_four_ranks_join_with_their_rank_a_world_of_four_and_a_timeout(kata):
             f"the process started as rank {rank} of 4 joined as rank {seen['rank']} of {seen['world_size']}: "
             "pass rank= and world_size= to init_process_group"
         )
-        assert seen["backend"] == "gloo", f"rank {rank}'s group uses {seen['backend']}, expected gloo"
+        assert seen["backend"] == "gloo", (
+            f"rank {rank}'s group uses {seen['backend']}, expected gloo"
+        )
         assert not result["still_initialized"], (
             f"rank {rank}'s process group still exists after init_process returned: call "
             "dist.destroy_process_group() before leaving"
@@ -96,6 +107,7 @@ def _timed_join(rank, world_size, port):
     return finished_work, time.monotonic()
 
 
+@pytest.mark.step(3)
 def test_barrier_keeps_every_rank_until_the_slowest_has_finished(kata):
     results = with_free_port(lambda port: run_world(_timed_join, 3, port, init_group=False))
     slowest_done = results[0][0]
@@ -124,10 +136,13 @@ def _join_failing(rank, world_size, port):
     return {"raised": False, "still_initialized": dist.is_initialized()}
 
 
+@pytest.mark.step(3)
 def test_group_is_destroyed_even_when_fn_raises(kata):
     results = with_free_port(lambda port: run_world(_join_failing, 2, port, init_group=False))
     for rank, result in enumerate(results):
-        assert result["raised"], f"fn raised ValueError on rank {rank}, but init_process swallowed it"
+        assert result["raised"], (
+            f"fn raised ValueError on rank {rank}, but init_process swallowed it"
+        )
         assert not result["still_initialized"], (
             f"fn raised on rank {rank} and the group was left behind: destroy it in a finally block"
         )
@@ -146,6 +161,7 @@ def _two_worlds(rank, world_size, port_a, port_b):
     return kata.init_process(rank % 2, 2, _sum_of_ranks_plus_one)
 
 
+@pytest.mark.step(2)
 def test_two_worlds_side_by_side_do_not_interfere(kata):
     results = with_free_port(lambda a: run_world(_two_worlds, 4, a, free_port(), init_group=False))
     assert results == [3, 3, 3, 3], (
@@ -154,9 +170,16 @@ def test_two_worlds_side_by_side_do_not_interfere(kata):
     )
 
 
+@pytest.mark.step(3)
 def test_program_prints_every_rank_from_the_group(kata):
-    result = with_free_port(lambda port: run_program(KATA, "--world-size", "4", "--master-port", str(port), timeout=90))
-    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    result = with_free_port(
+        lambda port: run_program(KATA, "--world-size", "4", "--master-port", str(port), timeout=90)
+    )
+    assert result.returncode == 0, (
+        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    )
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."
-        assert line in result.stdout.splitlines(), f"expected the line {line!r} in:\n{result.stdout}"
+        assert line in result.stdout.splitlines(), (
+            f"expected the line {line!r} in:\n{result.stdout}"
+        )

@@ -1,13 +1,7 @@
-"""k04 all-reduce: the tutorial's demonstration, the reduce ops, and average_gradients.
-
-Every check is a ``check_*`` function that can run another implementation than the kata's
-(``impl="module:function"``): tests/test_k04_mistakes.py runs a catalogue of real mistakes
-through these same checks and proves each one fails with a message that names it.
-"""
+"""k04 all-reduce: the tutorial's demonstration, the reduce ops, and average_gradients."""
 
 from __future__ import annotations
 
-import importlib
 from collections import OrderedDict
 
 import pytest
@@ -22,14 +16,6 @@ from dojo.world import run_world
 KATA = "k04_allreduce"
 
 
-def _implementation(name: str, impl: str | None):
-    """The kata's function ``name``, or the stand-in ``impl`` ("module:function") for it."""
-    if impl is None:
-        return getattr(load_kata(KATA), name)
-    module, _, function = impl.partition(":")
-    return getattr(importlib.import_module(module), function)
-
-
 def _show(t: torch.Tensor) -> str:
     values = t.flatten().tolist()
     return str(values[0] if len(values) == 1 else values)
@@ -37,13 +23,14 @@ def _show(t: torch.Tensor) -> str:
 
 # --------------------------------------------------------------------------- step 1: the demo
 
-def _demo(rank, world_size, impl=None):
-    before, after = _implementation("tutorial_allreduce", impl)(rank, world_size)
+
+def _demo(rank, world_size):
+    before, after = load_kata(KATA).tutorial_allreduce(rank, world_size)
     return before.cpu().tolist(), after.cpu().tolist(), str(after.device)
 
 
-def check_tutorial_allreduce(world_size: int, impl: str | None = None, **options) -> list:
-    results = run_world(_demo, world_size, impl, **options)
+def check_tutorial_allreduce(world_size: int) -> list:
+    results = run_world(_demo, world_size)
     total = sum(range(world_size))
     terms = " + ".join(str(r) for r in range(world_size))
     for rank, (before, after, _) in enumerate(results):
@@ -69,12 +56,14 @@ def check_tutorial_allreduce(world_size: int, impl: str | None = None, **options
     return results
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize("world_size", [4, 3])
 def test_tutorial_allreduce_gives_every_rank_the_sum(kata, world_size):
     check_tutorial_allreduce(world_size)
 
 
 # --------------------------------------------------------------------------- step 2: reduce ops
+
 
 def _values(rank: int) -> torch.Tensor:
     # Different on every rank, negatives included, so that each op has one right answer.
@@ -89,8 +78,8 @@ _EXPECTED_OPS = {
 }
 
 
-def _ops(rank, world_size, impl=None):
-    all_reduce_with = _implementation("all_reduce_with", impl)
+def _ops(rank, world_size):
+    all_reduce_with = load_kata(KATA).all_reduce_with
     got = {}
     for op in _EXPECTED_OPS:
         tensor = _values(rank).to(_device())
@@ -103,13 +92,13 @@ def _ops(rank, world_size, impl=None):
         refused = ("ValueError", str(error))
     except KataTodo:
         raise
-    except Exception as error:  # noqa: BLE001 - the test reports which error it was
+    except Exception as error:
         refused = f"raised {type(error).__name__}: {error}"
     return got, refused
 
 
-def check_reduce_ops(world_size: int, impl: str | None = None, **options) -> None:
-    results = run_world(_ops, world_size, impl, **options)
+def check_reduce_ops(world_size: int) -> None:
+    results = run_world(_ops, world_size)
     stack = torch.stack([_values(rank) for rank in range(world_size)])
     for op, (what, reduce) in _EXPECTED_OPS.items():
         expected = reduce(stack)
@@ -125,7 +114,9 @@ def check_reduce_ops(world_size: int, impl: str | None = None, **options) -> Non
                 f"{what} over the {world_size} ranks, {_show(expected)}. Which dist.ReduceOp did "
                 f"{op!r} map to?"
             )
-            assert same, f"all_reduce_with(tensor, {op!r}) must return the tensor it reduced in place"
+            assert same, (
+                f"all_reduce_with(tensor, {op!r}) must return the tensor it reduced in place"
+            )
     refused = results[0][1]
     assert isinstance(refused, tuple), (
         f"all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError"
@@ -136,6 +127,7 @@ def check_reduce_ops(world_size: int, impl: str | None = None, **options) -> Non
     )
 
 
+@pytest.mark.step(2)
 def test_reduce_ops(kata):
     check_reduce_ops(3)
 
@@ -146,6 +138,7 @@ def test_reduce_ops(kata):
 # pattern per parameter: the mean, (N + 1) / 2 * base, and the sum are exact in floating point.
 # Parameter values differ per rank too, so that reducing the values instead of the gradients
 # shows.
+
 
 def _model(with_none: bool = False) -> nn.Module:
     layers = OrderedDict(hidden=nn.Linear(3, 4), act=nn.ReLU(), out=nn.Linear(4, 2))
@@ -174,20 +167,22 @@ def _no_grad(name: str) -> bool:
     return name.startswith("frozen") or name == "unused"
 
 
-def _average(rank, world_size, impl=None, with_none=False):
+def _average(rank, world_size, with_none=False):
     device = _device()
     model = _model(with_none).to(device)
     with torch.no_grad():
         for index, (name, param) in enumerate(model.named_parameters()):
             param.copy_(_own_value(index, param, rank))
             param.grad = None if _no_grad(name) else _own_grad(index, param, rank).to(device)
-    average = _implementation("average_gradients", impl)
+    average = load_kata(KATA).average_gradients
     try:
         average(model)
     except KataTodo:
         raise
     except Exception as error:
-        if with_none and ("NoneType" in str(error) or isinstance(error, (AttributeError, TypeError))):
+        if with_none and (
+            "NoneType" in str(error) or isinstance(error, (AttributeError, TypeError))
+        ):
             raise AssertionError(
                 f"rank {rank}: average_gradients raised {type(error).__name__}: {error}\n"
                 "This model has parameters whose .grad is None (frozen.weight and frozen.bias "
@@ -196,7 +191,10 @@ def _average(rank, world_size, impl=None, with_none=False):
             ) from error
         raise
     return {
-        name: (param.detach().cpu().clone(), None if param.grad is None else param.grad.cpu().clone())
+        name: (
+            param.detach().cpu().clone(),
+            None if param.grad is None else param.grad.cpu().clone(),
+        )
         for name, param in model.named_parameters()
     }
 
@@ -220,8 +218,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=0)
 
 
-def check_average_gradients(world_size: int, impl: str | None = None, with_none: bool = False, **options) -> None:
-    results = run_world(_average, world_size, impl, with_none, **options)
+def check_average_gradients(world_size: int, with_none: bool = False) -> None:
+    results = run_world(_average, world_size, with_none)
     n = world_size
     averaged, untouched = [], []
     problems = []
@@ -291,41 +289,51 @@ def check_average_gradients(world_size: int, impl: str | None = None, with_none:
                 "only), and divide on every rank."
             )
     if untouched and averaged:
-        problems.insert(0,
+        problems.insert(
+            0,
             f"the gradients of {', '.join(map(repr, untouched))} were not averaged: every rank still "
             f"holds its own, while {', '.join(map(repr, averaged))} were. Average every parameter: "
-            "loop over model.parameters() (weights and biases, every layer)."
+            "loop over model.parameters() (weights and biases, every layer).",
         )
     elif untouched:
-        problems.insert(0,
+        problems.insert(
+            0,
             "no gradient was averaged: after average_gradients every rank still holds its own .grad. "
             "Did you all-reduce param.data (the values) instead of param.grad, or a copy of the "
-            "gradient that you then dropped? dist.all_reduce(param.grad) changes param.grad in place."
+            "gradient that you then dropped? dist.all_reduce(param.grad) changes param.grad in place.",
         )
     if problems:
         raise AssertionError(f"with {n} ranks: " + "\n".join(problems))
 
 
+@pytest.mark.step(3)
 def test_average_gradients_gives_every_rank_the_mean(kata):
     check_average_gradients(4)
 
 
+@pytest.mark.step(3)
 def test_average_gradients_divides_by_the_world_size(kata):
     check_average_gradients(3)
 
 
+@pytest.mark.step(3)
 def test_average_gradients_leaves_missing_gradients_alone(kata):
     check_average_gradients(2, with_none=True)
 
 
+@pytest.mark.step(3)
 def test_average_gradients_in_a_world_of_one(kata):
     check_average_gradients(1)
 
 
 # --------------------------------------------------------------------------- the program
 
+
+@pytest.mark.step(1)
 def test_program_prints_every_rank_before_and_after(kata):
-    done = run_program(KATA, "--world-size", "4", "--backend", "gloo", "--device", "cpu", timeout=90)
+    done = run_program(
+        KATA, "--world-size", "4", "--backend", "gloo", "--device", "cpu", timeout=90
+    )
     assert done.returncode == 0, (
         f"`python -m {KATA} --world-size 4` exited with status {done.returncode}\n"
         f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
@@ -335,12 +343,14 @@ def test_program_prints_every_rank_before_and_after(kata):
     shown = [line for line in done.stdout.splitlines() if line.startswith("[rank ")]
     assert shown == expected, (
         "the program should print every rank's tensor before, then after, in rank order:\n"
-        + "\n".join(expected) + f"\nbut it printed:\n{done.stdout}"
+        + "\n".join(expected)
+        + f"\nbut it printed:\n{done.stdout}"
     )
     assert "[main] every rank holds [6] after the all-reduce" in done.stdout, done.stdout
 
 
 # --------------------------------------------------------------------------- CUDA
+
 
 def _device() -> torch.device:
     from dojo.devices import rank_device
@@ -359,7 +369,12 @@ def _on_cuda(rank, world_size):
         param.grad = torch.full_like(param, float(rank + 1))
     kata.average_gradients(model)
     grad_devices = {p.grad.device.type for p in model.parameters()}
-    return after.cpu().tolist(), after.device.type, grad_devices, [p.grad.cpu() for p in model.parameters()]
+    return (
+        after.cpu().tolist(),
+        after.device.type,
+        grad_devices,
+        [p.grad.cpu() for p in model.parameters()],
+    )
 
 
 def _check_on_cuda(results, world_size):
@@ -369,10 +384,15 @@ def _check_on_cuda(results, world_size):
             f"rank {rank}: the tensors ended on {device} (gradients on {grad_devices}), expected "
             "cuda: make every tensor on dojo.devices.rank_device()"
         )
-        assert after == [sum(range(world_size))], f"rank {rank} holds {after} after the SUM all-reduce"
-        assert all(torch.all(g == mean) for g in grads), f"rank {rank}'s averaged gradients are not {mean}"
+        assert after == [sum(range(world_size))], (
+            f"rank {rank} holds {after} after the SUM all-reduce"
+        )
+        assert all(torch.all(g == mean) for g in grads), (
+            f"rank {rank}'s averaged gradients are not {mean}"
+        )
 
 
+@pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
     require_gpus(1)
@@ -380,6 +400,7 @@ def test_nccl_world_of_one(kata):
     _check_on_cuda(results, 1)
 
 
+@pytest.mark.step(3)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
     require_gpus(1)

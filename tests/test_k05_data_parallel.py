@@ -29,6 +29,7 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # --------------------------------------------------------------------------- step 1: same start
 
+
 def _replicas(rank, world_size, function="make_replicas_identical"):
     torch.manual_seed(100 + rank)  # every rank builds different weights...
     model = ConvNet().to(_device())
@@ -45,6 +46,7 @@ def _is_buffer(name: str) -> bool:
     return "running" in name or "num_batches" in name
 
 
+@pytest.mark.step(1)
 def test_broadcast_buffers_copies_rank_0s_statistics_only(kata):
     results = run_world(_replicas, 3, "broadcast_buffers")
     source = results[0][0]
@@ -63,6 +65,7 @@ def test_broadcast_buffers_copies_rank_0s_statistics_only(kata):
                 )
 
 
+@pytest.mark.step(1)
 def test_make_replicas_identical_copies_rank_0(kata):
     results = run_world(_replicas, 3)
     source = results[0][0]
@@ -95,6 +98,7 @@ def test_make_replicas_identical_copies_rank_0(kata):
 
 # --------------------------------------------------------------------------- step 2: shards
 
+
 def _shards(kata, num_samples, world_size):
     shards = []
     for rank in range(world_size):
@@ -109,14 +113,21 @@ def _shards(kata, num_samples, world_size):
     return shards
 
 
-@pytest.mark.parametrize("num_samples, world_size", [(1438, 4), (1438, 2), (12, 4), (10, 3), (5, 1), (7, 7)])
+@pytest.mark.step(2)
+@pytest.mark.parametrize(
+    "num_samples, world_size", [(1438, 4), (1438, 2), (12, 4), (10, 3), (5, 1), (7, 7)]
+)
 def test_shards_are_disjoint_equal_and_cover_the_data(kata, num_samples, world_size):
     shards = _shards(kata, num_samples, world_size)
     per_rank = num_samples // world_size
     for rank, shard in enumerate(shards):
         outside = [i for i in shard if not 0 <= i < num_samples]
-        assert not outside, f"rank {rank}'s shard holds indices {outside[:5]}, outside 0..{num_samples - 1}"
-        assert len(set(shard)) == len(shard), f"rank {rank}'s shard holds an index twice: {shard[:20]}"
+        assert not outside, (
+            f"rank {rank}'s shard holds indices {outside[:5]}, outside 0..{num_samples - 1}"
+        )
+        assert len(set(shard)) == len(shard), (
+            f"rank {rank}'s shard holds an index twice: {shard[:20]}"
+        )
         assert len(shard) == per_rank, (
             f"with {num_samples} samples and {world_size} ranks, rank {rank} got {len(shard)} samples, "
             f"expected {num_samples} // {world_size} = {per_rank}. Every rank needs the same number, "
@@ -137,7 +148,10 @@ def test_shards_are_disjoint_equal_and_cover_the_data(kata, num_samples, world_s
     )
 
 
-@pytest.mark.parametrize("num_samples, rank, world_size", [(10, 3, 3), (10, -1, 3), (2, 0, 3), (10, 0, 0)])
+@pytest.mark.step(2)
+@pytest.mark.parametrize(
+    "num_samples, rank, world_size", [(10, 3, 3), (10, -1, 3), (2, 0, 3), (10, 0, 0)]
+)
 def test_shards_refuse_impossible_requests(kata, num_samples, rank, world_size):
     with pytest.raises(ValueError) as caught:
         kata.shard_indices(num_samples, rank, world_size)
@@ -167,8 +181,12 @@ def _step_on_shards(rank, world_size):
     per_rank = GLOBAL_BATCH // world_size
     losses = []
     for step in range(STEPS):
-        part = slice(step * GLOBAL_BATCH + rank * per_rank, step * GLOBAL_BATCH + (rank + 1) * per_rank)
-        loss = kata.train_step(model, optimizer, images[part].to(_device()), labels[part].to(_device()))
+        part = slice(
+            step * GLOBAL_BATCH + rank * per_rank, step * GLOBAL_BATCH + (rank + 1) * per_rank
+        )
+        loss = kata.train_step(
+            model, optimizer, images[part].to(_device()), labels[part].to(_device())
+        )
         losses.append(loss if isinstance(loss, (float, int)) else f"a {type(loss).__name__}")
     return losses, {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
@@ -187,6 +205,7 @@ def _one_process_on_the_whole_batch():
     return initial, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.step(3)
 def test_ranks_on_shards_step_like_one_process_on_the_whole_batch(kata):
     world_size = 4
     results = run_world(_step_on_shards, world_size)
@@ -238,19 +257,24 @@ ACCURACY_BAR = 0.85  # one epoch on 2 ranks reaches ~95 % on the held-out digits
 
 
 def _train(rank, world_size):
-    return load_kata(KATA).run_training(rank, world_size, epochs=EPOCHS, batch_size=BATCH, show_progress=False)
+    return load_kata(KATA).run_training(
+        rank, world_size, epochs=EPOCHS, batch_size=BATCH, show_progress=False
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained(world_size: int = 2):
     """One training run on 2 ranks, shared by the tests below (a raised todo is not cached)."""
     return run_world(_train, world_size, deadline=60)
 
 
+@pytest.mark.step(4)
 def test_training_keeps_the_replicas_identical(kata):
     results = _trained()
     for key in ("losses", "accuracy", "state_dict", "shard"):
-        assert key in results[0], f"run_training returned the keys {sorted(results[0])}; it must return {key!r} too"
+        assert key in results[0], (
+            f"run_training returned the keys {sorted(results[0])}; it must return {key!r} too"
+        )
     source = results[0]["state_dict"]
     for rank, result in enumerate(results[1:], start=1):
         for name, tensor in result["state_dict"].items():
@@ -270,6 +294,7 @@ def test_training_keeps_the_replicas_identical(kata):
             )
 
 
+@pytest.mark.step(4)
 def test_training_gives_every_rank_its_own_shard(kata):
     results = _trained()
     train_size = len(data.load("digits", "train"))
@@ -291,6 +316,7 @@ def test_training_gives_every_rank_its_own_shard(kata):
         )
 
 
+@pytest.mark.step(4)
 def test_training_learns_the_digits(kata):
     results = _trained()
     losses = results[0]["losses"]
@@ -310,45 +336,77 @@ def test_training_learns_the_digits(kata):
     )
 
 
+@pytest.mark.step(4)
 def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
     plot = tmp_path / "curve.png"
     done = run_program(
-        KATA, "--world-size", "2", "--epochs", "1", "--limit", "384", "--log-every", "2", "--plot", str(plot),
-        "--backend", "gloo", "--device", "cpu", timeout=120,
+        KATA,
+        "--world-size",
+        "2",
+        "--epochs",
+        "1",
+        "--limit",
+        "384",
+        "--log-every",
+        "2",
+        "--plot",
+        str(plot),
+        "--backend",
+        "gloo",
+        "--device",
+        "cpu",
+        timeout=120,
     )
     shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
     lines = done.stdout.splitlines()
     progress = [line for line in lines if "loss" in line]
-    assert any(line.startswith("[rank 0] epoch 1/1 [") for line in progress), f"no progress bar from rank 0\n{shown}"
-    assert any(line.startswith("[rank 0] epoch 1/1: mean loss") and "held-out accuracy" in line for line in lines), (
-        f"rank 0 must report the epoch's loss and held-out accuracy\n{shown}"
+    assert any(line.startswith("[rank 0] epoch 1/1 [") for line in progress), (
+        f"no progress bar from rank 0\n{shown}"
     )
+    assert any(
+        line.startswith("[rank 0] epoch 1/1: mean loss") and "held-out accuracy" in line
+        for line in lines
+    ), f"rank 0 must report the epoch's loss and held-out accuracy\n{shown}"
     others = [line for line in progress if not line.startswith(("[rank 0]", "[main]"))]
-    assert not others, f"only rank 0 may print progress; these came from other ranks:\n" + "\n".join(others)
-    assert f"loss curve saved to {plot.resolve()}" in done.stdout, f"the program must say where the plot is\n{shown}"
+    assert not others, "only rank 0 may print progress; these came from other ranks:\n" + "\n".join(
+        others
+    )
+    assert f"loss curve saved to {plot.resolve()}" in done.stdout, (
+        f"the program must say where the plot is\n{shown}"
+    )
     assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{plot} is not a PNG"
 
 
 # --------------------------------------------------------------------------- CUDA
 
+
 def _train_on_cuda(rank, world_size):
     # With fewer GPUs than ranks, gloo lets ranks share them (rank_device() hands them out).
     torch.cuda.set_device(_device())
-    result = load_kata(KATA).run_training(rank, world_size, epochs=1, batch_size=BATCH, show_progress=False)
+    result = load_kata(KATA).run_training(
+        rank, world_size, epochs=1, batch_size=BATCH, show_progress=False
+    )
     result["cuda_bytes"] = torch.cuda.max_memory_allocated()
     return result
 
 
 def _check_cuda_training(results):
     for rank, result in enumerate(results):
-        assert result["cuda_bytes"] > 0, f"rank {rank} trained without touching its GPU: use rank_device()"
-        assert result["accuracy"] >= ACCURACY_BAR, f"rank {rank}: held-out accuracy {result['accuracy']:.1%}"
+        assert result["cuda_bytes"] > 0, (
+            f"rank {rank} trained without touching its GPU: use rank_device()"
+        )
+        assert result["accuracy"] >= ACCURACY_BAR, (
+            f"rank {rank}: held-out accuracy {result['accuracy']:.1%}"
+        )
     for name, tensor in results[0]["state_dict"].items():
         for rank, result in enumerate(results[1:], start=1):
-            assert torch.equal(result["state_dict"][name], tensor), f"rank {rank}'s {name!r} differs from rank 0's"
+            assert torch.equal(result["state_dict"][name], tensor), (
+                f"rank {rank}'s {name!r} differs from rank 0's"
+            )
 
 
+@pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
     require_gpus(1)
@@ -357,6 +415,7 @@ def test_nccl_world_of_one(kata):
     )
 
 
+@pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
     require_gpus(1)

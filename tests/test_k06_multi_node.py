@@ -28,9 +28,17 @@ KATA = "k06_multi_node"
 ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # What torchrun gives rank 3 of 2 nodes x 2 processes (measured), extra variables included.
 TORCHRUN_RANK_3 = {
-    "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-    "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "MASTER_ADDR": "10.0.0.1",
-    "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "GROUP_WORLD_SIZE": "2",
+    "ROLE_RANK": "3",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "none",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
 }
 
 
@@ -45,7 +53,7 @@ def _raised(call, *args):
         return "ok", call(*args)
     except KataTodo:
         raise
-    except Exception as error:  # noqa: BLE001 - the test reports whatever the learner raised
+    except Exception as error:
         todo = find_todo(error)
         if todo is not None:
             raise todo from None
@@ -54,19 +62,31 @@ def _raised(call, *args):
 
 # --------------------------------------------------------------------------- step 1
 
+
+@pytest.mark.step(1)
 @pytest.mark.parametrize("node, local, rank", [(0, 0, 0), (0, 2, 2), (1, 0, 3), (1, 2, 5)])
 def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
     env = kata.node_environment(2, node, 3, local, "10.0.0.1", 29500)
-    call = f"node_environment(nnodes=2, node_rank={node}, nproc_per_node=3, local_rank={local}, ...)"
-    assert isinstance(env, dict), f"{call} returned {env!r}, expected a dict of environment variables"
+    call = (
+        f"node_environment(nnodes=2, node_rank={node}, nproc_per_node=3, local_rank={local}, ...)"
+    )
+    assert isinstance(env, dict), (
+        f"{call} returned {env!r}, expected a dict of environment variables"
+    )
     missing = [name for name in ENV_NAMES if name not in env]
     assert not missing, f"{call} left out {missing}: a process needs all of {list(ENV_NAMES)}"
     not_text = {k: v for k, v in env.items() if not isinstance(v, str)}
     assert not not_text, (
         f"{call} gave non-string values {not_text}: environment variables are strings, wrap them in str()"
     )
-    expected = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3",
-                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    expected = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local),
+        "WORLD_SIZE": "6",
+        "LOCAL_WORLD_SIZE": "3",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     wrong = {k: (env[k], v) for k, v in expected.items() if env[k] != v}
     assert not wrong, (
         f"{call}: {', '.join(f'{k}={got!r}, expected {want!r}' for k, (got, want) in wrong.items())}. "
@@ -74,10 +94,20 @@ def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
     )
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize(
     "nnodes, node_rank, nproc, local, addr, port, names, what",
     [
-        (2, 2, 2, 0, "10.0.0.1", 29500, r"node.rank", "node rank 2 with 2 nodes (nodes are 0 and 1)"),
+        (
+            2,
+            2,
+            2,
+            0,
+            "10.0.0.1",
+            29500,
+            r"node.rank",
+            "node rank 2 with 2 nodes (nodes are 0 and 1)",
+        ),
         (2, -1, 2, 0, "10.0.0.1", 29500, r"node.rank", "a negative node rank"),
         (0, 0, 2, 0, "10.0.0.1", 29500, r"nnodes|nodes", "zero nodes"),
         (2, 0, 0, 0, "10.0.0.1", 29500, r"nproc|per.node", "zero processes per node"),
@@ -87,10 +117,14 @@ def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
         (2, 0, 2, 0, "10.0.0.1", 70000, r"port", "port 70000 (ports end at 65535)"),
     ],
 )
-def test_node_environment_rejects_bad_options(kata, nnodes, node_rank, nproc, local, addr, port, names, what):
+def test_node_environment_rejects_bad_options(
+    kata, nnodes, node_rank, nproc, local, addr, port, names, what
+):
     outcome = _raised(kata.node_environment, nnodes, node_rank, nproc, local, addr, port)
     call = f"node_environment({nnodes}, {node_rank}, {nproc}, {local}, {addr!r}, {port})"
-    assert outcome[0] == "raised", f"{call} ({what}) returned {outcome[1]!r}: it must raise LaunchConfigError"
+    assert outcome[0] == "raised", (
+        f"{call} ({what}) returned {outcome[1]!r}: it must raise LaunchConfigError"
+    )
     error = outcome[1]
     assert isinstance(error, kata.LaunchConfigError), (
         f"{call} ({what}) raised {type(error).__name__}: {error}; raise the kata's LaunchConfigError"
@@ -103,10 +137,18 @@ def test_node_environment_rejects_bad_options(kata, nnodes, node_rank, nproc, lo
 
 # --------------------------------------------------------------------------- step 2
 
+
+@pytest.mark.step(2)
 def test_read_environment_as_torchrun_sets_it(kata):
     info = kata.read_environment(dict(TORCHRUN_RANK_3))
-    expected = kata.RankInfo(rank=3, local_rank=1, world_size=4, local_world_size=2,
-                             master_addr="10.0.0.1", master_port=29500)
+    expected = kata.RankInfo(
+        rank=3,
+        local_rank=1,
+        world_size=4,
+        local_world_size=2,
+        master_addr="10.0.0.1",
+        master_port=29500,
+    )
     assert info == expected, (
         f"read_environment(torchrun's environment for rank 3) returned {info!r}, expected {expected!r} "
         "(numbers as int, not str)"
@@ -114,6 +156,7 @@ def test_read_environment_as_torchrun_sets_it(kata):
     assert info.node_rank == 1
 
 
+@pytest.mark.step(2)
 def test_read_environment_reads_os_environ_by_default(kata, monkeypatch):
     for name, value in TORCHRUN_RANK_3.items():
         monkeypatch.setenv(name, value)
@@ -126,24 +169,39 @@ def test_read_environment_reads_os_environ_by_default(kata, monkeypatch):
     )
 
 
+@pytest.mark.step(2)
 def test_node_environment_and_read_environment_agree(kata):
     for node in range(2):
         for local in range(3):
             env = kata.node_environment(2, node, 3, local, "host-a", 29500)
             info = kata.read_environment(env)
-            assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (node * 3 + local, local, 6, 3), (
+            assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (
+                node * 3 + local,
+                local,
+                6,
+                3,
+            ), (
                 f"node {node}, local rank {local} of 2 x 3: read_environment(node_environment(...)) gave "
                 f"{info!r}: what one launcher writes, the process must read back unchanged"
             )
-            assert (info.master_addr, info.master_port) == ("host-a", 29500), f"the master address came back as {info!r}"
+            assert (info.master_addr, info.master_port) == ("host-a", 29500), (
+                f"the master address came back as {info!r}"
+            )
 
 
+@pytest.mark.step(2)
 @pytest.mark.parametrize(
     "environ, missing",
     [
-        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]),
+        (
+            {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+            ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"],
+        ),
         ({**TORCHRUN_RANK_3, "MASTER_ADDR": ""}, ["MASTER_ADDR"]),
-        ({k: v for k, v in TORCHRUN_RANK_3.items() if k not in ("MASTER_PORT", "WORLD_SIZE")}, ["WORLD_SIZE", "MASTER_PORT"]),
+        (
+            {k: v for k, v in TORCHRUN_RANK_3.items() if k not in ("MASTER_PORT", "WORLD_SIZE")},
+            ["WORLD_SIZE", "MASTER_PORT"],
+        ),
         ({}, list(ENV_NAMES)),
     ],
     ids=["only-master", "empty-addr", "no-port-no-size", "nothing"],
@@ -158,7 +216,9 @@ def test_read_environment_names_every_missing_variable(kata, environ, missing):
         f"with {missing} missing, read_environment raised {type(error).__name__}: {error}; check for "
         "missing variables first and raise the kata's LaunchConfigError"
     )
-    unnamed = [name for name in missing if not re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", str(error))]
+    unnamed = [
+        name for name in missing if not re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", str(error))
+    ]
     assert not unnamed, (
         f"with {missing} missing, the message {str(error)!r} does not name {unnamed}: name every missing "
         "variable at once, so the user fixes them in one go"
@@ -169,6 +229,7 @@ def test_read_environment_names_every_missing_variable(kata, environ, missing):
     )
 
 
+@pytest.mark.step(2)
 @pytest.mark.parametrize(
     "change, names, what",
     [
@@ -177,10 +238,22 @@ def test_read_environment_names_every_missing_variable(kata, environ, missing):
         ({"RANK": "-1"}, ["RANK"], "a negative rank"),
         ({"RANK": "5", "LOCAL_RANK": "1"}, ["RANK", "WORLD_SIZE"], "rank 5 in a world of 4"),
         ({"WORLD_SIZE": "0"}, ["WORLD_SIZE"], "a world of 0"),
-        ({"LOCAL_RANK": "2", "RANK": "2"}, ["LOCAL_RANK"], "local rank 2 with 2 processes per node"),
+        (
+            {"LOCAL_RANK": "2", "RANK": "2"},
+            ["LOCAL_RANK"],
+            "local rank 2 with 2 processes per node",
+        ),
         ({"LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE"], "8 processes per node in a world of 4"),
-        ({"LOCAL_WORLD_SIZE": "3", "RANK": "1"}, ["LOCAL_WORLD_SIZE"], "a world of 4 on nodes of 3"),
-        ({"RANK": "2"}, ["RANK", "LOCAL_RANK"], "rank 2 claiming local rank 1 on nodes of 2 (rank 2 is local rank 0)"),
+        (
+            {"LOCAL_WORLD_SIZE": "3", "RANK": "1"},
+            ["LOCAL_WORLD_SIZE"],
+            "a world of 4 on nodes of 3",
+        ),
+        (
+            {"RANK": "2"},
+            ["RANK", "LOCAL_RANK"],
+            "rank 2 claiming local rank 1 on nodes of 2 (rank 2 is local rank 0)",
+        ),
         ({"MASTER_PORT": "http"}, ["MASTER_PORT"], "a port that is not a number"),
         ({"MASTER_PORT": "70000"}, ["MASTER_PORT"], "port 70000 (ports end at 65535)"),
     ],
@@ -207,6 +280,7 @@ def test_read_environment_rejects_inconsistent_values(kata, change, names, what)
 
 # --------------------------------------------------------------------------- step 3
 
+
 def _join_and_report(rank, world_size, port, backend, device_type):
     import torch.distributed as dist
 
@@ -223,9 +297,14 @@ def _join_and_report(rank, world_size, port, backend, device_type):
             return {"initialized": False}
         total = torch.tensor([rank + 1.0], device=device)
         dist.all_reduce(total)
-        return {"initialized": True, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "backend": dist.get_backend(), "sum": total.item(),
-                "current_device": torch.cuda.current_device() if device.type == "cuda" else None}
+        return {
+            "initialized": True,
+            "rank": dist.get_rank(),
+            "world_size": dist.get_world_size(),
+            "backend": dist.get_backend(),
+            "sum": total.item(),
+            "current_device": torch.cuda.current_device() if device.type == "cuda" else None,
+        }
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -235,29 +314,42 @@ def _join_world(world_size, backend="gloo", device_type="cpu"):
     for attempt in range(2):
         port = free_port()
         try:
-            return run_world(_join_and_report, world_size, port, backend, device_type, init_group=False,
-                             deadline=30, env={"GLOO_SOCKET_IFNAME": _loopback()})
+            return run_world(
+                _join_and_report,
+                world_size,
+                port,
+                backend,
+                device_type,
+                init_group=False,
+                deadline=30,
+                env={"GLOO_SOCKET_IFNAME": _loopback()},
+            )
         except AssertionError as failure:
             if attempt == 0 and is_port_clash(str(failure)):
                 continue
             if "expected, but not set" in str(failure):
                 raise AssertionError(
                     f"join_world read the environment (env://), but the test gave it only a RankInfo: "
-                    f"use init_method=f\"tcp://{{info.master_addr}}:{{info.master_port}}\" with "
+                    f'use init_method=f"tcp://{{info.master_addr}}:{{info.master_port}}" with '
                     f"rank=info.rank and world_size=info.world_size\n\n{failure}"
                 ) from None
             raise
 
 
+@pytest.mark.step(3)
 def test_join_world_joins_at_the_given_address(kata):
     results = _join_world(2)
     for rank, result in enumerate(results):
-        assert result["initialized"], f"rank {rank}: after join_world, dist.is_initialized() is False"
+        assert result["initialized"], (
+            f"rank {rank}: after join_world, dist.is_initialized() is False"
+        )
         assert (result["rank"], result["world_size"]) == (rank, 2), (
             f"rank {rank} joined as rank {result['rank']} of {result['world_size']}: pass "
             "rank=info.rank and world_size=info.world_size to init_process_group"
         )
-        assert result["sum"] == 3.0, f"rank {rank}: an all-reduce in the joined world gave {result['sum']}, expected 3.0"
+        assert result["sum"] == 3.0, (
+            f"rank {rank}: an all-reduce in the joined world gave {result['sum']}, expected 3.0"
+        )
 
 
 def _join_alone(rank, world_size, port):
@@ -272,15 +364,23 @@ def _join_alone(rank, world_size, port):
         kata.join_world(info, "gloo", torch.device("cpu"), timedelta(seconds=1.5))
     except KataTodo:
         raise
-    except Exception as error:  # noqa: BLE001 - any error is the right outcome here
+    except Exception as error:
         return "raised", f"{type(error).__name__}: {error}", time.monotonic() - start
     return "returned", None, time.monotonic() - start
 
 
+@pytest.mark.step(3)
 def test_join_world_gives_up_after_its_timeout(kata):
     try:
-        [outcome, _] = run_world(_join_alone, 2, free_port(), init_group=False, deadline=30, straggler=8,
-                                 env={"GLOO_SOCKET_IFNAME": _loopback()})
+        [outcome, _] = run_world(
+            _join_alone,
+            2,
+            free_port(),
+            init_group=False,
+            deadline=30,
+            straggler=8,
+            env={"GLOO_SOCKET_IFNAME": _loopback()},
+        )
     except WorldDeadlock as failure:
         raise AssertionError(
             "join_world(info, timeout=1.5 s) was still waiting 8 s later for a peer that never came: "
@@ -289,25 +389,36 @@ def test_join_world_gives_up_after_its_timeout(kata):
     assert outcome[0] == "raised", (
         "join_world returned although its only peer never came: it must wait for the whole world"
     )
-    assert outcome[2] < 6, f"join_world gave up after {outcome[2]:.1f} s, with timeout=1.5 s: pass the timeout on"
+    assert outcome[2] < 6, (
+        f"join_world gave up after {outcome[2]:.1f} s, with timeout=1.5 s: pass the timeout on"
+    )
 
 
+@pytest.mark.step(3)
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_join_world_nccl_on_one_gpu(kata):
     [result] = _join_world(1, "nccl", "cuda")
-    assert result["backend"] == "nccl" and result["sum"] == 1.0, f"NCCL world of 1 on cuda:0 gave {result}"
-    assert result["current_device"] == 0, "join_world must torch.cuda.set_device(device) for a CUDA device"
+    assert result["backend"] == "nccl" and result["sum"] == 1.0, (
+        f"NCCL world of 1 on cuda:0 gave {result}"
+    )
+    assert result["current_device"] == 0, (
+        "join_world must torch.cuda.set_device(device) for a CUDA device"
+    )
 
 
+@pytest.mark.step(3)
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_join_world_gloo_on_cuda_with_two_ranks(kata):
     results = _join_world(2, "gloo", "cuda")
-    assert [r["sum"] for r in results] == [3.0, 3.0], f"gloo with CUDA tensors on 2 ranks gave {results}"
+    assert [r["sum"] for r in results] == [3.0, 3.0], (
+        f"gloo with CUDA tensors on 2 ranks gave {results}"
+    )
 
 
 # --------------------------------------------------------------------------- step 4
+
 
 def _sum_on_two_nodes_of_three(rank, world_size):
     from dojo.impl import load_kata
@@ -318,11 +429,14 @@ def _sum_on_two_nodes_of_three(rank, world_size):
     return total.tolist() if isinstance(total, torch.Tensor) else total
 
 
+@pytest.mark.step(4)
 def test_sum_of_ranks_over_two_nodes_of_three(kata, world):
     totals = world.run(_sum_on_two_nodes_of_three, 6)
     for rank, total in enumerate(totals):
         if isinstance(total, list):
-            raise AssertionError(f"rank {rank} returned a tensor {total}: return a Python number (.item())")
+            raise AssertionError(
+                f"rank {rank} returned a tensor {total}: return a Python number (.item())"
+            )
         assert isinstance(total, (int, float)), f"rank {rank} returned {total!r}, expected a number"
         if total == 21:
             continue
@@ -376,7 +490,7 @@ def _launch_stand_ins(_rank, _world_size, folder, mode, nproc, timeout):
         outcome = ("returned", None)
     except KataTodo:
         raise
-    except Exception as error:  # noqa: BLE001 - the test judges the error
+    except Exception as error:
         outcome = ("raised", type(error).__name__, str(error))
     return outcome, time.monotonic() - start
 
@@ -404,10 +518,12 @@ def _still_running(pids):
     return running
 
 
+@pytest.mark.step(5)
 def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
-    [(outcome, _)] = run_world(_launch_stand_ins, 1, str(tmp_path), "together", 3, 20.0,
-                               init_group=False, deadline=30)
-    alone = sorted(p.name[len("alone-"):] for p in tmp_path.glob("alone-*"))
+    [(outcome, _)] = run_world(
+        _launch_stand_ins, 1, str(tmp_path), "together", 3, 20.0, init_group=False, deadline=30
+    )
+    alone = sorted(p.name[len("alone-") :] for p in tmp_path.glob("alone-*"))
     assert not alone, (
         f"the process(es) with RANK {', '.join(alone)} waited 4 s for the other processes of their node, "
         "which had not been started: start every process before waiting for any (in a real world each "
@@ -419,27 +535,40 @@ def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
         f"node 1 of 2 with 3 processes each started processes with RANK {sorted(reports)}, expected 3, 4, 5"
     )
     for rank, report in reports.items():
-        expected = {"LOCAL_RANK": str(int(rank) - 3), "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3",
-                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+        expected = {
+            "LOCAL_RANK": str(int(rank) - 3),
+            "WORLD_SIZE": "6",
+            "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29500",
+        }
         wrong = {k: report[k] for k, v in expected.items() if report[k] != v}
-        assert not wrong, f"the process with RANK={rank} got {wrong}, expected {expected}: use node_environment"
+        assert not wrong, (
+            f"the process with RANK={rank} got {wrong}, expected {expected}: use node_environment"
+        )
         assert report["K06_KEPT"] == "from the launcher", (
             f"the process with RANK={rank} lost the launcher's own environment (PATH, PYTHONPATH, ...): "
             "pass env={**os.environ, **node_environment(...)}"
         )
 
 
+@pytest.mark.step(5)
 def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
     try:
-        [(outcome, seconds)] = run_world(_launch_stand_ins, 1, str(tmp_path), "fail", 2, None,
-                                         init_group=False, deadline=15)
+        [(outcome, seconds)] = run_world(
+            _launch_stand_ins, 1, str(tmp_path), "fail", 2, None, init_group=False, deadline=15
+        )
     except WorldDeadlock as failure:
         raise AssertionError(
             "rank 3 exited with status 7 at once, but launch_node was still waiting 15 s later: watch every "
             f"process (poll() them in a loop) and stop the rest at the first failure\n\n{failure}"
         ) from None
-    assert outcome[0] == "raised", "rank 3 exited with status 7, but launch_node returned: it must raise NodeFailed"
-    assert outcome[1] == "NodeFailed", f"launch_node raised {outcome[1]}: {outcome[2]}; raise the kata's NodeFailed"
+    assert outcome[0] == "raised", (
+        "rank 3 exited with status 7, but launch_node returned: it must raise NodeFailed"
+    )
+    assert outcome[1] == "NodeFailed", (
+        f"launch_node raised {outcome[1]}: {outcome[2]}; raise the kata's NodeFailed"
+    )
     assert re.search(r"rank 3\b", outcome[2]) and "7" in outcome[2], (
         f"NodeFailed({outcome[2]!r}) must name rank 3 and its exit status 7"
     )
@@ -450,10 +579,12 @@ def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
     )
 
 
+@pytest.mark.step(5)
 def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
     try:
-        [(outcome, seconds)] = run_world(_launch_stand_ins, 1, str(tmp_path), "sleep", 2, 1.0,
-                                         init_group=False, deadline=15)
+        [(outcome, seconds)] = run_world(
+            _launch_stand_ins, 1, str(tmp_path), "sleep", 2, 1.0, init_group=False, deadline=15
+        )
     except WorldDeadlock as failure:
         raise AssertionError(
             f"launch_node(timeout=1.0) was still waiting 15 s later: check the clock in the polling loop "
@@ -464,21 +595,34 @@ def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
     )
     assert seconds < 8, f"launch_node(timeout=1.0) took {seconds:.1f} s to give up"
     leftovers = _still_running(r["pid"] for r in _reports(tmp_path).values())
-    assert not leftovers, f"processes {leftovers} were still running after the timeout: stop them all"
+    assert not leftovers, (
+        f"processes {leftovers} were still running after the timeout: stop them all"
+    )
 
 
 # --------------------------------------------------------------------------- the program
 
+
+@pytest.mark.step(2)
 def test_program_explains_an_incomplete_environment():
     done = run_program(KATA, timeout=60, env={"RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-    assert done.returncode not in (0, 3), f"with only RANK set the program exited with {done.returncode}"
+    assert done.returncode not in (0, 3), (
+        f"with only RANK set the program exited with {done.returncode}"
+    )
     for name in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        assert name in done.stderr, f"with only RANK and MASTER_ADDR set, the error must name {name}:\n{done.stderr}"
-    assert "Traceback" not in done.stderr, f"a bad environment deserves a message, not a traceback:\n{done.stderr}"
+        assert name in done.stderr, (
+            f"with only RANK and MASTER_ADDR set, the error must name {name}:\n{done.stderr}"
+        )
+    assert "Traceback" not in done.stderr, (
+        f"a bad environment deserves a message, not a traceback:\n{done.stderr}"
+    )
 
 
+@pytest.mark.step(1)
 def test_program_refuses_a_node_rank_beyond_the_nodes():
-    done = run_program(KATA, "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", timeout=60)
+    done = run_program(
+        KATA, "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", timeout=60
+    )
     assert done.returncode == 2 and re.search(r"node.rank", done.stderr), (
         f"--nnodes 2 --node-rank 2 must stop with a message about the node rank, got exit "
         f"{done.returncode}:\n{done.stderr}"
@@ -495,7 +639,9 @@ def _descendants(pid):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(
+                        int(entry)
+                    )
             except OSError:
                 pass
     found, todo = [], [pid]
@@ -528,10 +674,16 @@ def _run_two_nodes(make_command, deadline=90.0):
             for node in range(2):
                 log = tempfile.TemporaryFile("w+")
                 logs.append(log)
-                nodes.append(subprocess.Popen(
-                    make_command(node, port), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a group of its own: killed whole on failure
-                ))
+                nodes.append(
+                    subprocess.Popen(
+                        make_command(node, port),
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # a group of its own: killed whole on failure
+                    )
+                )
             end = time.monotonic() + deadline
             for process in nodes:
                 try:
@@ -552,7 +704,9 @@ def _run_two_nodes(make_command, deadline=90.0):
             todo = find_todo(AssertionError("\n".join(outputs)))
             if todo is not None:
                 raise todo
-            raise AssertionError("a node failed.\n\n" + _show(outputs, [code for code, _ in results]))
+            raise AssertionError(
+                "a node failed.\n\n" + _show(outputs, [code for code, _ in results])
+            )
         return results
 
 
@@ -574,7 +728,7 @@ def _show(outputs, codes=None):
 
 def _results_by_node(results):
     by_node = []
-    for node, (_, text) in enumerate(results):
+    for _, text in results:
         by_node.append({int(rank): json.loads(body) for rank, body in _RESULT.findall(text)})
     everything = {rank: r for found in by_node for rank, r in found.items()}
     assert sorted(everything) == [0, 1, 2, 3], (
@@ -594,11 +748,27 @@ def _results_by_node(results):
     return by_node
 
 
+@pytest.mark.step(5)
 @pytest.mark.slow  # four rank processes, each importing torch: ~8 s of CPU
 def test_two_nodes_started_by_hand():
     def command(node, port):
-        return [sys.executable, "-m", f"{impl.current()}.{KATA}", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "30"]
+        return [
+            sys.executable,
+            "-m",
+            f"{impl.current()}.{KATA}",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--timeout",
+            "30",
+        ]
 
     by_node = _results_by_node(_run_two_nodes(command))
     for node, found in enumerate(by_node):
@@ -608,12 +778,31 @@ def test_two_nodes_started_by_hand():
         )
 
 
+@pytest.mark.step(4)
 @pytest.mark.slow  # two agents and four ranks, each importing torch: ~11 s of CPU
 def test_two_nodes_started_by_torchrun():
     def command(node, port):
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--max-restarts", "0", "-m", f"{impl.current()}.{KATA}", "--timeout", "30"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--max-restarts",
+            "0",
+            "-m",
+            f"{impl.current()}.{KATA}",
+            "--timeout",
+            "30",
+        ]
 
     by_node = _results_by_node(_run_two_nodes(command))
     # The c10d rendezvous numbers the nodes in the order they join, so either torchrun may be node 0.

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 from dojo.impl import load_kata
 from dojo.testing import refusal, run_program
-from dojo.todo import KataTodo
 from dojo.world import WorldDeadlock, run_world
 
 KATA = "k07_point_to_point"
@@ -30,15 +29,19 @@ def _run(fn, world_size, *args, hint="", deadline=DEADLINE_S):
 
 # ------------------------------------------------------------------------------ step 1
 
+
 def _ping_pong(rank, world_size, rounds):
     return load_kata(KATA).ping_pong(rounds)
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ping_pong(world_size):
     rounds = 3
     results = _run(
-        _ping_pong, world_size, rounds,
+        _ping_pong,
+        world_size,
+        rounds,
         hint="ping-pong deadlocked: rank 0 must send first while rank 1 receives first, and each "
         "send needs the other rank's matching recv.",
     )
@@ -62,21 +65,25 @@ def test_ping_pong(world_size):
 
 # ------------------------------------------------------------------------------ step 2
 
+
 def _token_ring(rank, world_size, token):
     return load_kata(KATA).token_ring(token)
 
 
+@pytest.mark.step(2)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_token_ring(world_size):
     results = _run(
-        _token_ring, world_size, 100,
+        _token_ring,
+        world_size,
+        100,
         hint="the token ring deadlocked: if every rank starts with recv, nobody ever sends. Rank 0 "
         "sends first and receives last; every other rank receives first, then sends.",
     )
     for rank, got in enumerate(results):
         if rank == 0:
             want = 100 + sum(r + 1 for r in range(world_size))
-            why = f"the token goes all the way round, and every rank r adds r + 1 (rank 0 adds 1 before it sends)"
+            why = "the token goes all the way round, and every rank r adds r + 1 (rank 0 adds 1 before it sends)"
         else:
             want = 100 + sum(r + 1 for r in range(rank))
             why = f"ranks 0..{rank - 1} each added their rank + 1 before it reached rank {rank}"
@@ -84,6 +91,7 @@ def test_token_ring(world_size):
 
 
 # ------------------------------------------------------------------------------ step 3
+
 
 def _pattern(rank):
     return torch.arange(BIG, dtype=torch.int32) + 1000 * rank
@@ -95,8 +103,11 @@ def _shift(rank, world_size, which):
     got = (kata.shift_right if which == "yours" else _naive_shift_right)(mine)
     left = (rank - 1) % world_size
     return {
-        "shape": tuple(got.shape), "dtype": str(got.dtype), "head": got[:3].tolist(),
-        "from_left": torch.equal(got, _pattern(left)), "sent_intact": torch.equal(mine, _pattern(rank)),
+        "shape": tuple(got.shape),
+        "dtype": str(got.dtype),
+        "head": got[:3].tolist(),
+        "from_left": torch.equal(got, _pattern(left)),
+        "sent_intact": torch.equal(mine, _pattern(rank)),
     }
 
 
@@ -115,6 +126,7 @@ _SHIFT_DEADLOCK_HINT = (
 )
 
 
+@pytest.mark.step(3)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shift_right(world_size):
     results = _run(_shift, world_size, "yours", hint=_SHIFT_DEADLOCK_HINT)
@@ -139,6 +151,7 @@ def _settle(rank, world_size):
     dist.barrier()
 
 
+@pytest.mark.step(3)
 def test_naive_shift_deadlocks_where_yours_does_not():
     """The proof that test_shift_right can catch a deadlocking shift: the naive one is caught."""
     world_size = 3
@@ -152,7 +165,9 @@ def test_naive_shift_deadlocks_where_yours_does_not():
         run_world(_shift, world_size, "naive", deadline=1.0 + 3 * took)
     except WorldDeadlock as report:
         text = str(report)
-        assert report.stuck == list(range(world_size)) and text.count("dist.send(tensor") == world_size, (
+        assert (
+            report.stuck == list(range(world_size)) and text.count("dist.send(tensor") == world_size
+        ), (
             f"the naive shift should leave every rank stuck in its send, but the report says:\n{text}"
         )
     else:
@@ -191,9 +206,14 @@ def _receive_while_working(rank, world_size, flag_path):
     buffer = torch.zeros(1000, dtype=torch.int64)
     got, result = load_kata(KATA).receive_while_working(0, buffer, work)
     snapshot = got.clone()  # what the caller sees the moment the function returns
-    return {"matches": torch.equal(snapshot, expected), "head": snapshot[:3].tolist(), "result": result}
+    return {
+        "matches": torch.equal(snapshot, expected),
+        "head": snapshot[:3].tolist(),
+        "result": result,
+    }
 
 
+@pytest.mark.step(4)
 def test_receive_while_working_reads_the_buffer_only_after_wait(tmp_path):
     results = _run(_receive_while_working, 2, str(tmp_path / "work-started"))
     got = results[1]
@@ -210,6 +230,7 @@ def test_receive_while_working_reads_the_buffer_only_after_wait(tmp_path):
 
 
 # ------------------------------------------------------------------------------ step 5
+
 
 def _halo(rank, world_size):
     calls = []
@@ -228,10 +249,12 @@ def _halo(rank, world_size):
     return {"halo": halo.tolist(), "strip": strip.tolist(), "batches": calls}
 
 
+@pytest.mark.step(5)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_halo_exchange(world_size):
     results = _run(
-        _halo, world_size,
+        _halo,
+        world_size,
         hint="the halo exchange deadlocked: post all four operations in one batch_isend_irecv and "
         "wait() on every request it returns.",
     )
@@ -243,7 +266,9 @@ def test_halo_exchange(world_size):
             f"rank {rank} never called dist.batch_isend_irecv: this step posts its sends and "
             "receives as one batch of dist.P2POp"
         )
-        assert got["strip"] == strip, f"rank {rank}'s strip changed to {got['strip']}: leave it as it was"
+        assert got["strip"] == strip, (
+            f"rank {rank}'s strip changed to {got['strip']}: leave it as it was"
+        )
         if world_size == 2 and got["halo"] == [10 * left, *strip, 10 * right + 2]:
             pytest.fail(
                 f"rank {rank} got {got['halo']}, expected {want}: the two edges are swapped. On a ring "
@@ -259,6 +284,7 @@ def test_halo_exchange(world_size):
 
 
 # ------------------------------------------------------------------------------ bad input
+
 
 def _bad_arguments(rank, world_size):
     kata = load_kata(KATA)
@@ -280,28 +306,40 @@ def _world_of_one(rank, world_size):
     }
 
 
+@pytest.mark.step(1)
 def test_bad_arguments_raise_value_error():
     for outcomes in (_run(_bad_arguments, 2)[0], _run(_world_of_one, 1)[0]):
         for call, outcome in outcomes.items():
-            assert outcome is None, f"{call} {outcome}, expected a ValueError that says what is wrong"
+            assert outcome is None, (
+                f"{call} {outcome}, expected a ValueError that says what is wrong"
+            )
 
 
 # ------------------------------------------------------------------------------ the program
 
+
+@pytest.mark.step(5)
 def test_program_shows_every_exchange(kata, capsys):
     result = run_program(KATA, "--world-size", "3", timeout=120)
-    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    )
     out = result.stdout
     for lines in (
         ["[rank 0] ping-pong: received [1, 3, 5]", "[rank 1] ping-pong: received [0, 2, 4]"],
-        ["[rank 0] token ring: got the token back as 106", "[rank 1] token ring: received the token as 101",
-         "[rank 2] token ring: received the token as 103"],
+        [
+            "[rank 0] token ring: got the token back as 106",
+            "[rank 1] token ring: received the token as 101",
+            "[rank 2] token ring: received the token as 103",
+        ],
         ["[rank 0] shift right: sent [0, 0], received [2, 2]"],
         ["[rank 1] halo exchange: [10, 11, 12] -> [2, 10, 11, 12, 20]"],
         ["[main] 3 ranks exchanged messages point to point, and none deadlocked"],
     ):
         block = "\n".join(lines)
-        assert block in out, f"the program's output lacks these lines, in this order:\n{block}\n\nit printed:\n{out}"
+        assert block in out, (
+            f"the program's output lacks these lines, in this order:\n{block}\n\nit printed:\n{out}"
+        )
     with pytest.raises(SystemExit) as stopped:  # in this process: no second torch start-up
         kata.main(["--world-size", "1"])
     message = capsys.readouterr().err

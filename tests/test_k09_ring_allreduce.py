@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dojo import impl
 from dojo.impl import load_kata
 from dojo.testing import run_program
 
@@ -27,12 +26,22 @@ COUNTED = (
     "not as names imported from it)"
 )
 COLLECTIVES = (
-    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
 )
 
 
 # ------------------------------------------------------------------ helpers shared by ranks and tests
+
 
 def expected_bounds(length, world_size):
     """The chunks of torch.tensor_split: sizes differ by at most one, the larger first."""
@@ -76,6 +85,7 @@ def watching_sends():
                 return original(tensor, *args, **kwargs)
             finally:
                 inside.active = False
+
         return send
 
     def forbidden(name):
@@ -84,6 +94,7 @@ def watching_sends():
                 f"the ring called dist.{name}: build it from point-to-point calls only "
                 "(dist.isend/dist.irecv/dist.send/dist.recv)"
             )
+
         return collective
 
     for name in ("send", "isend"):
@@ -108,10 +119,15 @@ def _run_cases(rank, world_size, function_name, cases):
         given = mine.clone()
         with watching_sends() as sent:
             returned = ring(given)
-        outcomes.append({
-            "case": (length, dtype, shape), "given": given, "expected": expected,
-            "returned_given": returned is given, "sent": dict(sent),
-        })
+        outcomes.append(
+            {
+                "case": (length, dtype, shape),
+                "given": given,
+                "expected": expected,
+                "returned_given": returned is given,
+                "sent": dict(sent),
+            }
+        )
     return outcomes
 
 
@@ -120,7 +136,7 @@ def _cases():
     return cases + [(21, "int64", (3, 7))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world_outcomes(function_name, world_size):
     """Every case on one world (a world costs ~0.2 s); tests of the same ring share it.
 
@@ -141,7 +157,7 @@ def check_sums(outcomes_by_rank, name):
     """Every rank holds dist.all_reduce's answer: exactly for integers, closely for floats."""
     for rank, outcomes in enumerate(outcomes_by_rank):
         for outcome in outcomes:
-            got, expected, (length, dtype, _) = outcome["given"], outcome["expected"], outcome["case"]
+            got, expected, (_, dtype, _) = outcome["given"], outcome["expected"], outcome["case"]
             where = f"{name} on rank {rank} with {_describe(outcome['case'])}"
             assert got.shape == expected.shape and got.dtype == expected.dtype, (
                 f"{where}: the tensor became {got.dtype} of shape {tuple(got.shape)}, expected it "
@@ -173,6 +189,8 @@ def check_sums(outcomes_by_rank, name):
 
 # ------------------------------------------------------------------ step 1: chunk arithmetic
 
+
+@pytest.mark.step(1)
 @pytest.mark.parametrize(
     "length, world_size, expected",
     [
@@ -191,6 +209,7 @@ def test_chunk_bounds_examples(kata, length, world_size, expected):
     )
 
 
+@pytest.mark.step(1)
 def test_chunk_bounds_cover_every_length(kata):
     for world_size in range(1, 9):
         for length in range(0, 3 * world_size + 2):
@@ -202,6 +221,7 @@ def test_chunk_bounds_cover_every_length(kata):
             )
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize("length, world_size", [(10, 0), (-1, 2)])
 def test_chunk_bounds_rejects_bad_input(kata, length, world_size):
     with pytest.raises(ValueError):
@@ -210,6 +230,8 @@ def test_chunk_bounds_rejects_bad_input(kata, length, world_size):
 
 # ------------------------------------------------------------------ step 2: the pass-along ring
 
+
+@pytest.mark.step(2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_pass_along_equals_all_reduce(kata, world_size):
     by_rank = world_outcomes("pass_along_allreduce", world_size)
@@ -234,6 +256,7 @@ def _three_ranks_cancel(rank, world_size):
     return mine.item()
 
 
+@pytest.mark.step(2)
 def test_pass_along_ranks_disagree_in_the_last_bits(world):
     """The lesson's example: 1e8, 1 and -1e8 summed in a different order on each rank."""
     got = world.run(_three_ranks_cancel, 3, deadline=DEADLINE_S)
@@ -251,6 +274,7 @@ def test_pass_along_ranks_disagree_in_the_last_bits(world):
 
 # ------------------------------------------------------------------ step 3: reduce-scatter
 
+
 def _reduce_scatter(rank, world_size, lengths):
     kata = load_kata(KATA)
     outcomes = []
@@ -261,11 +285,19 @@ def _reduce_scatter(rank, world_size, lengths):
         given = mine.clone()
         with watching_sends() as sent:
             owned = kata.ring_reduce_scatter(given)
-        outcomes.append({"length": length, "owned": owned, "given": given, "expected": expected,
-                         "sent": sent["elements"]})
+        outcomes.append(
+            {
+                "length": length,
+                "owned": owned,
+                "given": given,
+                "expected": expected,
+                "sent": sent["elements"],
+            }
+        )
     return outcomes
 
 
+@pytest.mark.step(3)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_reduce_scatter_leaves_one_summed_chunk_per_rank(world, world_size):
     by_rank = world.run(_reduce_scatter, world_size, LENGTHS, deadline=DEADLINE_S)
@@ -287,7 +319,10 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(world, world_size):
                 f"but the sum over all ranks is {expected.tolist()}: add each arriving chunk into "
                 "your own, and pass on the chunk you just summed"
             )
-            low, high = (world_size - 1) * (length // world_size), (world_size - 1) * -(-length // world_size)
+            low, high = (
+                (world_size - 1) * (length // world_size),
+                (world_size - 1) * -(-length // world_size),
+            )
             assert low <= outcome["sent"] <= high, (
                 f"with {length} elements on {world_size} ranks, rank {rank} sent {outcome['sent']} "
                 f"elements in the reduce-scatter, expected N-1 = {world_size - 1} chunks "
@@ -302,6 +337,7 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(world, world_size):
 
 
 # ------------------------------------------------------------------ step 4: all-gather, whole ring
+
 
 def _all_gather(rank, world_size, cases):
     """Rank r owns chunk (r + shift) % N, holding its final value; the rest is garbage (-1)."""
@@ -319,6 +355,7 @@ def _all_gather(rank, world_size, cases):
     return results
 
 
+@pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_all_gather_copies_every_owned_chunk_everywhere(world, world_size):
     cases = [(10, 1), (10, 0), (5, 1), (3, 1)]
@@ -340,12 +377,14 @@ def test_all_gather_copies_every_owned_chunk_everywhere(world, world_size):
         )
 
 
+@pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_allreduce_equals_all_reduce(kata, world_size):
     by_rank = world_outcomes("ring_allreduce", world_size)
     check_sums(by_rank, "ring_allreduce")
 
 
+@pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_ring_allreduce_is_bitwise_identical_on_every_rank(kata, world_size):
     by_rank = world_outcomes("ring_allreduce", world_size)
@@ -364,6 +403,7 @@ def test_ring_allreduce_is_bitwise_identical_on_every_rank(kata, world_size):
             )
 
 
+@pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
     by_rank = world_outcomes("ring_allreduce", world_size)
@@ -385,25 +425,23 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
         )
 
 
+@pytest.mark.step(4)
 def test_program_shows_both_rings(kata):
     """`python -m katas.k09_ring_allreduce`: both rings against dist.all_reduce."""
     result = run_program(KATA, "--world-size", "3", "--length", "200", timeout=90)
-    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    )
     lines = result.stdout.splitlines()
     for name in ("pass-along", "ring"):
-        verdict = next((line for line in lines if line.startswith(f"[main]") and f" {name}:" in line), None)
+        verdict = next(
+            (line for line in lines if line.startswith("[main]") and f" {name}:" in line), None
+        )
         assert verdict is not None, f"no verdict line for the {name} ring in:\n{result.stdout}"
-        assert "close to dist.all_reduce: yes" in verdict, f"the {name} ring's sum is wrong:\n{verdict}"
+        assert "close to dist.all_reduce: yes" in verdict, (
+            f"the {name} ring's sum is wrong:\n{verdict}"
+        )
     ring_line = next(line for line in lines if line.startswith("[main]") and " ring:" in line)
-    assert "same bits: yes" in ring_line, f"the optimal ring must agree bitwise on every rank:\n{ring_line}"
-
-
-@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
-def test_benchmark_runs_on_your_ring():
-    """`python -m benchmarks.allreduce` (what `dojo bench allreduce` runs), cut down to one size."""
-    result = run_program("benchmarks.allreduce", "--impl", impl.current(), "--world-size", "2",
-                         "--sizes", "1M", "--repeat", "1", timeout=90)
-    out, err = result.stdout, result.stderr
-    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
-    rows = [line for line in out.splitlines() if line.startswith("[main]     1 MB |")]
-    assert len(rows) == 1 and "WRONG" not in rows[0], f"expected one correct 1 MB row in:\n{out}"
+    assert "same bits: yes" in ring_line, (
+        f"the optimal ring must agree bitwise on every rank:\n{ring_line}"
+    )

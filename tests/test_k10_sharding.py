@@ -19,7 +19,9 @@ KATA = "k10_sharding"
 # size, and a longer one.
 LENGTHS = (*range(0, 14), 31, 100)
 WORLD_SIZES = (1, 2, 3, 4, 5)
-SETTINGS = list(itertools.product((True, False), (0, 7), (0, 3), (False, True)))  # shuffle, seed, epoch, drop_last
+SETTINGS = list(
+    itertools.product((True, False), (0, 7), (0, 3), (False, True))
+)  # shuffle, seed, epoch, drop_last
 
 
 def torch_indices(length, num_replicas, rank, shuffle=True, seed=0, epoch=0, drop_last=False):
@@ -29,8 +31,10 @@ def torch_indices(length, num_replicas, rank, shuffle=True, seed=0, epoch=0, dro
 
 
 def describe(length, num_replicas, rank, shuffle, seed, epoch, drop_last):
-    return (f"{length} samples, num_replicas={num_replicas}, rank={rank}, shuffle={shuffle}, "
-            f"seed={seed}, epoch={epoch}, drop_last={drop_last}")
+    return (
+        f"{length} samples, num_replicas={num_replicas}, rank={rank}, shuffle={shuffle}, "
+        f"seed={seed}, epoch={epoch}, drop_last={drop_last}"
+    )
 
 
 def why_different(got, case):
@@ -39,21 +43,34 @@ def why_different(got, case):
     expected = torch_indices(*case)
     if len(got) != len(expected):
         if drop_last:
-            return (f"with drop_last each rank gets ceil((n - N) / N) = {len(expected)} when n is not "
-                    "a multiple of N, else n / N; the tail of the order is cut off")
-        return (f"without drop_last each rank gets ceil(n / N) = {len(expected)}: pad the order to "
-                f"{len(expected) * num_replicas} by repeating it from its start (several times if "
-                "n is smaller than the padding)")
-    if shuffle and epoch and got == torch_indices(length, num_replicas, rank, shuffle, seed, 0, drop_last):
-        return f"that is epoch 0's order: seed the generator with seed + epoch (here {seed} + {epoch})"
+            return (
+                f"with drop_last each rank gets ceil((n - N) / N) = {len(expected)} when n is not "
+                "a multiple of N, else n / N; the tail of the order is cut off"
+            )
+        return (
+            f"without drop_last each rank gets ceil(n / N) = {len(expected)}: pad the order to "
+            f"{len(expected) * num_replicas} by repeating it from its start (several times if "
+            "n is smaller than the padding)"
+        )
+    if (
+        shuffle
+        and epoch
+        and got == torch_indices(length, num_replicas, rank, shuffle, seed, 0, drop_last)
+    ):
+        return (
+            f"that is epoch 0's order: seed the generator with seed + epoch (here {seed} + {epoch})"
+        )
     strided = "rank r takes every N-th index of the order, starting at r: order[r::N]"
     if not shuffle:
         return f"without shuffle the order is range(n), padded from its start; {strided}"
-    return (f"the order is torch.randperm(n, generator=g) with g = torch.Generator() and "
-            f"g.manual_seed(seed + epoch), padded from its start; {strided}")
+    return (
+        f"the order is torch.randperm(n, generator=g) with g = torch.Generator() and "
+        f"g.manual_seed(seed + epoch), padded from its start; {strided}"
+    )
 
 
 # ------------------------------------------------------------------ step 1: the tutorial's partitioner
+
 
 def tutorial_partitions(length, sizes, seed):
     rng = random.Random(seed)
@@ -67,9 +84,16 @@ def tutorial_partitions(length, sizes, seed):
     return parts
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize(
     "length, sizes, seed",
-    [(10, (0.7, 0.2, 0.1), 1234), (10, [0.25] * 4, 1234), (1000, [1 / 3] * 3, 1234), (7, [0.5, 0.5], 5), (0, [1.0], 1)],
+    [
+        (10, (0.7, 0.2, 0.1), 1234),
+        (10, [0.25] * 4, 1234),
+        (1000, [1 / 3] * 3, 1234),
+        (7, [0.5, 0.5], 5),
+        (0, [1.0], 1),
+    ],
 )
 def test_data_partitioner_cuts_as_the_tutorial_does(kata, length, sizes, seed):
     data = [f"sample {i}" for i in range(length)]
@@ -85,6 +109,7 @@ def test_data_partitioner_cuts_as_the_tutorial_does(kata, length, sizes, seed):
     assert len(flat) == len(set(flat)), f"the parts {got} share indices: they must be disjoint"
 
 
+@pytest.mark.step(1)
 def test_default_partitioner_is_the_tutorials(kata):
     partitioner = kata.DataPartitioner(list(range(20)))
     expected = tutorial_partitions(20, (0.7, 0.2, 0.1), 1234)
@@ -93,6 +118,7 @@ def test_default_partitioner_is_the_tutorials(kata):
     )
 
 
+@pytest.mark.step(1)
 def test_every_rank_gets_the_same_cut(kata):
     """Each rank builds its own DataPartitioner: only a shared seed makes the parts disjoint."""
     data = list(range(50))
@@ -106,6 +132,7 @@ def test_every_rank_gets_the_same_cut(kata):
     )
 
 
+@pytest.mark.step(1)
 def test_partition_is_a_view_of_its_indices(kata):
     data = [f"sample {i}" for i in range(10)]
     partitioner = kata.DataPartitioner(data, [0.5, 0.5], 3)
@@ -123,6 +150,7 @@ def test_partition_is_a_view_of_its_indices(kata):
         )
 
 
+@pytest.mark.step(1)
 @pytest.mark.parametrize("sizes", [[0.7, 0.7], [-0.1, 0.5]])
 def test_partitioner_rejects_impossible_sizes(kata, sizes):
     with pytest.raises(ValueError):
@@ -131,7 +159,11 @@ def test_partitioner_rejects_impossible_sizes(kata, sizes):
 
 # ------------------------------------------------------------------ step 2: whole-number batches
 
-@pytest.mark.parametrize("global_batch, world_size, expected", [(128, 1, 128), (128, 4, 32), (128, 3, 42), (10, 10, 1)])
+
+@pytest.mark.step(2)
+@pytest.mark.parametrize(
+    "global_batch, world_size, expected", [(128, 1, 128), (128, 4, 32), (128, 3, 42), (10, 10, 1)]
+)
 def test_per_rank_batch_size_is_a_whole_number(kata, global_batch, world_size, expected):
     got = kata.per_rank_batch_size(global_batch, world_size)
     assert got == expected and isinstance(got, int), (
@@ -141,6 +173,7 @@ def test_per_rank_batch_size_is_a_whole_number(kata, global_batch, world_size, e
     )
 
 
+@pytest.mark.step(2)
 @pytest.mark.parametrize("global_batch, world_size", [(2, 4), (0, 1), (8, 0)])
 def test_per_rank_batch_size_rejects_impossible_shares(kata, global_batch, world_size):
     with pytest.raises(ValueError):
@@ -149,6 +182,8 @@ def test_per_rank_batch_size_rejects_impossible_shares(kata, global_batch, world
 
 # ------------------------------------------------------------------ step 3: DistributedSampler's arithmetic
 
+
+@pytest.mark.step(3)
 def test_shard_size_matches_distributed_sampler(kata):
     for length, world, drop_last in itertools.product(LENGTHS, WORLD_SIZES, (False, True)):
         expected = len(DistributedSampler(range(length), world, 0, drop_last=drop_last))
@@ -156,11 +191,15 @@ def test_shard_size_matches_distributed_sampler(kata):
         assert got == expected, (
             f"shard_size({length}, {world}, drop_last={drop_last}) returned {got!r}, "
             f"DistributedSampler gives each rank {expected}: "
-            + ("ceil((n - N) / N) when n is not a multiple of N, else n / N" if drop_last
-               else "ceil(n / N), padding included")
+            + (
+                "ceil((n - N) / N) when n is not a multiple of N, else n / N"
+                if drop_last
+                else "ceil(n / N), padding included"
+            )
         )
 
 
+@pytest.mark.step(3)
 def test_shard_indices_match_distributed_sampler(kata):
     for length, world in itertools.product(LENGTHS, WORLD_SIZES):
         for shuffle, seed, epoch, drop_last in SETTINGS:
@@ -170,20 +209,30 @@ def test_shard_indices_match_distributed_sampler(kata):
                 assert list(got) == expected, (
                     f"shard_indices with {describe(length, world, rank, shuffle, seed, epoch, drop_last)} "
                     f"returned {list(got)}, DistributedSampler gives {expected}: "
-                    + why_different(list(got), (length, world, rank, shuffle, seed, epoch, drop_last))
+                    + why_different(
+                        list(got), (length, world, rank, shuffle, seed, epoch, drop_last)
+                    )
                 )
 
 
 # ------------------------------------------------------------------ step 4: the sampler
 
+
+@pytest.mark.step(4)
 def test_sampler_matches_distributed_sampler(kata):
     for length, world in itertools.product(LENGTHS, WORLD_SIZES):
         dataset = range(length)
         for shuffle, seed, epoch, drop_last in SETTINGS:
             for rank in range(world):
                 case = describe(length, world, rank, shuffle, seed, epoch, drop_last)
-                sampler = kata.ShardSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
-                                            seed=seed, drop_last=drop_last)
+                sampler = kata.ShardSampler(
+                    dataset,
+                    num_replicas=world,
+                    rank=rank,
+                    shuffle=shuffle,
+                    seed=seed,
+                    drop_last=drop_last,
+                )
                 sampler.set_epoch(epoch)
                 expected = torch_indices(length, world, rank, shuffle, seed, epoch, drop_last)
                 got = list(sampler)
@@ -199,6 +248,7 @@ def test_sampler_matches_distributed_sampler(kata):
                 )
 
 
+@pytest.mark.step(4)
 def test_set_epoch_reshuffles_and_iterating_again_repeats(kata):
     sampler = kata.ShardSampler(range(40), num_replicas=2, rank=0, shuffle=True, seed=3)
     first, again = list(sampler), list(sampler)
@@ -213,10 +263,14 @@ def test_set_epoch_reshuffles_and_iterating_again_repeats(kata):
     )
 
 
+@pytest.mark.step(4)
 def test_shards_are_disjoint_and_cover_the_data(kata):
     for length, world in itertools.product(LENGTHS, WORLD_SIZES):
         for drop_last in (False, True):
-            shards = [list(kata.ShardSampler(range(length), world, rank, True, 5, drop_last)) for rank in range(world)]
+            shards = [
+                list(kata.ShardSampler(range(length), world, rank, True, 5, drop_last))
+                for rank in range(world)
+            ]
             taken = [i for shard in shards for i in shard]
             sizes = {len(s) for s in shards}
             assert len(sizes) <= 1, (
@@ -242,6 +296,7 @@ def test_shards_are_disjoint_and_cover_the_data(kata):
                 )
 
 
+@pytest.mark.step(4)
 @pytest.mark.parametrize("rank, num_replicas", [(4, 4), (-1, 4)])
 def test_sampler_rejects_a_rank_outside_the_world(kata, rank, num_replicas):
     with pytest.raises(ValueError):
@@ -285,7 +340,9 @@ def _train_on_rank(rank, world_size):
     kata = load_kata(KATA)
     dataset = make_dataset()
     sampler = kata.ShardSampler(dataset, shuffle=True, seed=SEED)
-    loader = DataLoader(dataset, batch_size=kata.per_rank_batch_size(GLOBAL_BATCH, world_size), sampler=sampler)
+    loader = DataLoader(
+        dataset, batch_size=kata.per_rank_batch_size(GLOBAL_BATCH, world_size), sampler=sampler
+    )
     model = make_model()
     seen = []
     for epoch in range(EPOCHS):
@@ -309,8 +366,12 @@ def reference_run(world_size):
     model = make_model()
     seen = [[] for _ in range(world_size)]
     for epoch in range(EPOCHS):
-        per_rank = [torch_indices(LENGTH, world_size, r, True, SEED, epoch) for r in range(world_size)]
-        batches = [[shard[i:i + batch] for i in range(0, len(shard), batch)] for shard in per_rank]
+        per_rank = [
+            torch_indices(LENGTH, world_size, r, True, SEED, epoch) for r in range(world_size)
+        ]
+        batches = [
+            [shard[i : i + batch] for i in range(0, len(shard), batch)] for shard in per_rank
+        ]
         for rank in range(world_size):
             seen[rank].append(batches[rank])
         for step in range(len(batches[0])):
@@ -325,6 +386,7 @@ def reference_run(world_size):
     return seen, [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_data_parallel_run_on_your_sampler(world, world_size):
     results = world.run(_train_on_rank, world_size, deadline=20)
@@ -351,10 +413,13 @@ def test_data_parallel_run_on_your_sampler(world, world_size):
             )
 
 
+@pytest.mark.step(4)
 def test_program_shows_the_shards(kata):
     """`python -m katas.k10_sharding`: the tutorial's parts and the sampler's shards, per rank."""
     result = run_program(KATA, "--world-size", "4", "--dataset-size", "10", timeout=90)
-    assert result.returncode == 0, f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+    )
     verdicts = [line for line in result.stdout.splitlines() if "same as DistributedSampler" in line]
     assert len(verdicts) == 2 and all(line.endswith("yes") for line in verdicts), (
         f"expected two epochs, each the same as DistributedSampler, in:\n{result.stdout}"

@@ -44,8 +44,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,7 +64,11 @@ def set_master(addr: str, port: int) -> None:
 
 
 def init_process(
-    rank: int, world_size: int, fn: Callable[[int, int], Any], backend: str = "gloo", timeout_s: float = 30.0
+    rank: int,
+    world_size: int,
+    fn: Callable[[int, int], Any],
+    backend: str = "gloo",
+    timeout_s: float = 30.0,
 ) -> Any:
     """Join the group as ``rank`` of ``world_size``, run ``fn(rank, world_size)``, wait, leave."""
     # TODO (step 2): dist.init_process_group(backend, rank=..., world_size=...,

@@ -111,7 +111,11 @@ def _too_few(rank: int, joined: int, world_size: int, join_timeout_s: float) -> 
 
 
 def join_world(
-    rank: int, world_size: int, backend: str = "gloo", join_timeout_s: float = 5.0, timeout_s: float = 30.0
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    join_timeout_s: float = 5.0,
+    timeout_s: float = 30.0,
 ) -> None:
     """Join the world at MASTER_ADDR:MASTER_PORT, or raise WorldSizeMismatch within seconds."""
     # TODO:
@@ -140,16 +144,27 @@ def _demo_rank(rank: int, processes: int, world_size: int, port: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="The tutorial's multiprocess_comm.py with a wrong world size.")
-    parser.add_argument("--fewer", action="store_true", help="world size 4 with 2 processes (default: 4 processes, world size 2)")
+    parser = argparse.ArgumentParser(
+        description="The tutorial's multiprocess_comm.py with a wrong world size."
+    )
+    parser.add_argument(
+        "--fewer",
+        action="store_true",
+        help="world size 4 with 2 processes (default: 4 processes, world size 2)",
+    )
     parser.add_argument("--master-port", type=int, default=29500)
     args = parser.parse_args(argv)
     processes, world_size = (2, 4) if args.fewer else (4, 2)
     say(None, f"starting {processes} processes that each believe world_size={world_size}")
-    outcomes = launch(processes, functools.partial(_demo_rank, world_size=world_size, port=args.master_port))
+    outcomes = launch(
+        processes, functools.partial(_demo_rank, world_size=world_size, port=args.master_port)
+    )
     failed = [rank for rank, outcome in enumerate(outcomes) if outcome == "mismatch"]
     if failed:
-        say(None, f"rank(s) {', '.join(map(str, failed))} could not form the world: fix the world size")
+        say(
+            None,
+            f"rank(s) {', '.join(map(str, failed))} could not form the world: fix the world size",
+        )
         return 1
     return 0
 

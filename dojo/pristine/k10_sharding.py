@@ -58,7 +58,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,8 +121,13 @@ def shard_size(dataset_length: int, num_replicas: int, drop_last: bool = False) 
 
 
 def shard_indices(
-    dataset_length: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-    epoch: int = 0, drop_last: bool = False,
+    dataset_length: int,
+    num_replicas: int,
+    rank: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
 ) -> list[int]:
     """The indices rank ``rank`` of ``num_replicas`` gets, in DistributedSampler's order."""
     # TODO: the order (shuffled or not), padded or cut to shard_size(...) * num_replicas, then
@@ -134,8 +139,13 @@ class ShardSampler(Sampler[int]):
     """A sampler that behaves exactly like ``torch.utils.data.DistributedSampler``."""
 
     def __init__(
-        self, dataset, num_replicas: int | None = None, rank: int | None = None,
-        shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        self,
+        dataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
     ):
         # TODO: num_replicas and rank default to the process group's (dist.get_world_size(),
         # dist.get_rank()); a rank outside 0..num_replicas-1 is a ValueError. Keep every
@@ -158,7 +168,10 @@ class ShardSampler(Sampler[int]):
 
 # ------------------------------------------------------------------------- the program
 
-def _shards(rank: int, world_size: int, size: int, epochs: int, shuffle: bool, drop_last: bool, seed: int) -> dict:
+
+def _shards(
+    rank: int, world_size: int, size: int, epochs: int, shuffle: bool, drop_last: bool, seed: int
+) -> dict:
     data = list(range(size))  # the indices stand in for samples
     tutorial = DataPartitioner(data, [1.0 / world_size] * world_size).use(rank)
     say(rank, f"the tutorial's partition: {[tutorial[i] for i in range(len(tutorial))]}")
@@ -172,9 +185,13 @@ def _shards(rank: int, world_size: int, size: int, epochs: int, shuffle: bool, d
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="How the tutorial and DistributedSampler shard a data set.")
+    parser = argparse.ArgumentParser(
+        description="How the tutorial and DistributedSampler shard a data set."
+    )
     add_launch_arguments(parser)
-    parser.add_argument("--dataset-size", type=int, default=10, help="samples in the data set (default 10)")
+    parser.add_argument(
+        "--dataset-size", type=int, default=10, help="samples in the data set (default 10)"
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shuffle", dest="shuffle", action="store_false")
@@ -183,8 +200,15 @@ def main(argv=None) -> int:
     if args.dataset_size < 0 or args.epochs < 1:
         parser.error("--dataset-size must be at least 0 and --epochs at least 1")
     per_rank = launch_world(
-        _shards, args.world_size, args.dataset_size, args.epochs, args.shuffle, args.drop_last, args.seed,
-        backend=args.backend, device=args.device,
+        _shards,
+        args.world_size,
+        args.dataset_size,
+        args.epochs,
+        args.shuffle,
+        args.drop_last,
+        args.seed,
+        backend=args.backend,
+        device=args.device,
     )
     used = sum(len(r["partition"]) for r in per_rank)
     say(None, f"the tutorial's partitions use {used} of {args.dataset_size} samples, each once")
@@ -194,15 +218,23 @@ def main(argv=None) -> int:
         taken = [i for shard in shards for i in shard]
         repeated = len(taken) - len(set(taken))
         unused = args.dataset_size - len(set(taken))
-        say(None, f"epoch {epoch}: {len(taken)} indices handed out, {repeated} of them repeated "
-                  f"(padding), {unused} samples unused (dropped); same as DistributedSampler: "
-                  f"{'yes' if shards == torch_shards else 'NO'}")
+        say(
+            None,
+            f"epoch {epoch}: {len(taken)} indices handed out, {repeated} of them repeated "
+            f"(padding), {unused} samples unused (dropped); same as DistributedSampler: "
+            f"{'yes' if shards == torch_shards else 'NO'}",
+        )
     return 0
 
 
 def _torch_epoch(args, rank: int, epoch: int) -> list[int]:
     sampler = torch.utils.data.DistributedSampler(
-        range(args.dataset_size), args.world_size, rank, args.shuffle, args.seed, args.drop_last,
+        range(args.dataset_size),
+        args.world_size,
+        rank,
+        args.shuffle,
+        args.seed,
+        args.drop_last,
     )
     sampler.set_epoch(epoch)
     return list(sampler)

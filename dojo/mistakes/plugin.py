@@ -1,0 +1,184 @@
+"""``pytest -p dojo.mistakes.plugin tests/``: the learner's specs, run against every catalogue entry.
+
+Each spec test that a catalogue entry concerns runs once per entry, against the reference with
+that entry swapped in (``DOJO_SUBSTITUTE``, which reaches every rank and program too). A
+mistake's run passes when the test fails with a message that says everything the catalogue
+expects; a right answer's run passes when the test passes. Every other test is deselected, GPU
+tests included. A catalogue that names a test the spec does not have stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from dojo import curriculum, impl, mistakes
+from dojo.mistakes import Mistake, RightAnswer
+
+_SPEC = re.compile(r"^test_(k\d\d_\w+)\.py$")
+
+
+@dataclass(frozen=True)
+class Variant:
+    kata: curriculum.Kata
+    entry: Mistake | RightAnswer
+
+    @property
+    def is_mistake(self) -> bool:
+        return isinstance(self.entry, Mistake)
+
+    @property
+    def id(self) -> str:
+        return f"{'mistake' if self.is_mistake else 'right'}={self.entry.name}"
+
+    def __repr__(self) -> str:  # what pytest shows for the parameter
+        return self.id
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[impl.ENV_VAR] = "solutions"  # entries are swapped into the reference
+
+
+def _kata_of(path) -> curriculum.Kata | None:
+    match = _SPEC.match(os.path.basename(str(path)))
+    if not match or os.path.basename(os.path.dirname(str(path))) != "tests":
+        return None
+    try:
+        return curriculum.find(match.group(1))
+    except KeyError:
+        return None
+
+
+def _steps_of(node) -> set[int]:
+    return {int(mark.args[0]) for mark in node.iter_markers("step") if mark.args}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    kata = _kata_of(metafunc.definition.path)
+    catalogue = mistakes.load(kata) if kata else None
+    if catalogue is None:
+        return
+    name = metafunc.function.__name__
+    steps = _steps_of(metafunc.definition) | {
+        int(mark.args[0])
+        for mark in metafunc.definition.iter_markers("parametrize")
+        for value in mark.args[1]
+        for inner in getattr(value, "marks", ())
+        if inner.name == "step"
+    }
+    variants = [
+        Variant(kata, m)
+        for m in catalogue.MISTAKES
+        if any(t.split("[")[0] == name for t in m.fails)
+    ] + [
+        Variant(kata, a)
+        for a in catalogue.RIGHT_ANSWERS
+        if set(mistakes.right_answer_steps(kata, a)) & steps
+    ]
+    if variants:
+        metafunc.parametrize("dojo_variant", variants, ids=[v.id for v in variants], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def dojo_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Swap the entry into the reference, here and (through the environment) in every rank."""
+    variant = getattr(request, "param", None)
+    if variant is not None:
+        table = mistakes.swaps(variant.kata, variant.entry)
+        monkeypatch.setenv(impl.SUBSTITUTE_VAR, json.dumps({variant.kata.module: table}))
+        module = impl.load_kata(variant.kata.module)
+        for attribute, target in table.items():
+            monkeypatch.setattr(module, attribute, impl.resolve(target))
+    return variant
+
+
+def _variant(item: pytest.Item) -> Variant | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("dojo_variant") if callspec else None
+
+
+def _plain_name(item: pytest.Item, variant: Variant) -> str:
+    """The test's name without the variant: ``test_x[4]`` for ``test_x[4-mistake=y]``."""
+    if item.name.endswith(f"[{variant.id}]"):
+        return item.name[: -len(variant.id) - 2]
+    return item.name.replace(f"-{variant.id}", "").replace(f"{variant.id}-", "")
+
+
+def _wanted(item: pytest.Item, variant: Variant) -> bool:
+    if item.get_closest_marker("cuda"):
+        return False
+    if variant.is_mistake:
+        plain = _plain_name(item, variant)
+        return any(t == plain or t == plain.split("[")[0] for t in variant.entry.fails)
+    return bool(_steps_of(item) & set(mistakes.right_answer_steps(variant.kata, variant.entry)))
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    kept, dropped = [], []
+    for item in items:
+        variant = _variant(item)
+        (kept if variant is not None and _wanted(item, variant) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    if not config.getoption("keyword") and not config.getoption("markexpr"):
+        _check_every_entry_runs(items, {_kata_of(item.path) for item in dropped + kept} - {None})
+
+
+def _check_every_entry_runs(items: list[pytest.Item], katas: set[curriculum.Kata]) -> None:
+    """A catalogue entry that selects no test would prove nothing: stop, naming it."""
+    ran: dict[tuple[str, str], set[str]] = {}
+    for item in items:
+        variant = _variant(item)
+        ran.setdefault((variant.kata.id, variant.id), set()).add(_plain_name(item, variant))
+    problems = []
+    for kata in sorted(katas, key=lambda k: k.id):
+        catalogue = mistakes.load(kata)
+        for entry in (catalogue.MISTAKES + catalogue.RIGHT_ANSWERS) if catalogue else ():
+            found = ran.get((kata.id, Variant(kata, entry).id), set())
+            if isinstance(entry, Mistake):
+                for wanted in entry.fails:
+                    if not any(name == wanted or name.split("[")[0] == wanted for name in found):
+                        problems.append(
+                            f"{kata.id}: mistake {entry.name!r} names {wanted}, which is not a test in {kata.relative(kata.test_file)}"
+                        )
+            elif not found:
+                problems.append(
+                    f"{kata.id}: right answer {entry.name!r} selects no test (no test carries its step)"
+                )
+    if problems:
+        raise pytest.UsageError("mistakes catalogue:\n  " + "\n  ".join(problems))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    variant = _variant(item)
+    if variant is None or not variant.is_mistake or call.when != "call" or report.skipped:
+        return
+    entry, test = variant.entry, _plain_name(item, variant)
+    if call.excinfo is None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"the mistake {entry.name!r} (in place of {entry.replaces}) PASSED {test}: "
+            "the spec does not catch it. Make the test stricter."
+        )
+        return
+    message = str(call.excinfo.value)
+    missing = [text for text in entry.says if text not in message]
+    if missing:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"the mistake {entry.name!r} failed {test}, but the message does not say {missing}; "
+            f"it said:\n{call.excinfo.exconly()}"
+        )
+    else:
+        report.outcome = "passed"
+        report.longrepr = None

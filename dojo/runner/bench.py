@@ -1,0 +1,38 @@
+"""``dojo bench NAME``: run ``benchmarks/NAME.py`` as its own program (``python -m benchmarks.NAME``).
+
+A separate process, exactly as its docstring says to run it: its ranks, Ctrl-C handling and exit
+status are its own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dojo import curriculum
+from dojo.runner.term import foreground
+
+KNOWN = {
+    "allreduce": "your ring all-reduce (k09) against gloo's dist.all_reduce",
+    "harness": "what a test world costs: the rank harness's start-up and per-world times",
+}
+
+
+def available() -> list[str]:
+    found = {
+        p.stem for p in (curriculum.ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")
+    }
+    return sorted(found | set(KNOWN))
+
+
+def bench(name: str, args: list[str]) -> int:
+    path = curriculum.ROOT / "benchmarks" / f"{name}.py"
+    if not path.exists():
+        what = f" ({KNOWN[name]})" if name in KNOWN else ""
+        present = sorted(p.stem for p in path.parent.glob("*.py") if not p.stem.startswith("_"))
+        print(
+            f"dojo: benchmarks/{name}.py{what} is not in this checkout, so `dojo bench {name}` cannot run. "
+            f"Benchmarks here: {', '.join(present) or 'none'}.",
+            file=sys.stderr,
+        )
+        return 2
+    return foreground([sys.executable, "-m", f"benchmarks.{name}", *args], curriculum.ROOT)

@@ -1,0 +1,221 @@
+"""The ``dojo`` command (also ``python -m dojo``): the learner's runner and the maintainers' gate.
+
+Exit status: 0 done / passes, 1 a kata does not pass (or a question was answered no), 2 a usage
+problem (unknown kata, missing file), 130 interrupted. Plain ``dojo`` is a view and exits 0
+unless something is broken; ``check`` and ``verify`` are the commands whose status means pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dojo import curriculum
+from dojo.runner import progress
+from dojo.runner.term import fail
+
+DESCRIPTION = """\
+torch-dist-katas: learn torch.distributed by doing. Edit katas/kNN_*.py until its tests pass.
+
+With no command: your progress, a run of the current kata's tests, and what to do next."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dojo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text)
+
+    listing = command("list", "every kata: done, current, pending or not written yet")
+    listing.add_argument("--json", action="store_true", help="as JSON, for scripts")
+    check = command(
+        "check", "run one kata's tests (default: the current kata); marks it done when it passes"
+    )
+    check.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
+    check.add_argument(
+        "--solutions",
+        action="store_true",
+        help="test the reference instead (instructors; progress untouched)",
+    )
+    verify = command("verify", "every kata in order; exits 1 naming the first that does not pass")
+    verify.add_argument(
+        "--fresh", action="store_true", help="re-run katas that passed and have not changed since"
+    )
+    verify.add_argument(
+        "--solutions",
+        action="store_true",
+        help="verify the reference solutions instead (progress untouched)",
+    )
+    command("next", "move on to the next kata once the current one passes")
+    goto = command("goto", "make a kata the current one (going back, or skipping ahead on purpose)")
+    goto.add_argument("kata")
+    hint = command(
+        "hint", "hints in tiers, from a nudge to nearly the answer; each call shows one more"
+    )
+    hint.add_argument("kata", nargs="?", help="default: the current kata")
+    hint.add_argument("--step", type=int, help="default: the first failing step")
+    hint.add_argument(
+        "--level", type=int, help="show tiers 1..LEVEL (default: one more than last time)"
+    )
+    reset = command("reset", "give a kata its shipped stub back (your file is backed up first)")
+    reset.add_argument("kata", nargs="?")
+    reset.add_argument("--all", action="store_true", help="every kata you have changed")
+    reset.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    solution = command("solution", "show the reference solution, or --diff it against your file")
+    solution.add_argument("kata", nargs="?", help="default: the current kata")
+    solution.add_argument(
+        "--diff", action="store_true", help="what differs between your file and the reference"
+    )
+    solution.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="show it even before your kata passes, without asking",
+    )
+    watch = command("watch", "re-run the current kata's tests on every save; keys: n h l r c q")
+    watch.add_argument(
+        "--interval",
+        type=float,
+        default=0.5,
+        help="seconds between checks for saved files (default 0.5)",
+    )
+    watch.add_argument("-y", "--yes", action="store_true", help="[r] resets without asking")
+    run = command("run", "run a kata's program: python -m katas.kNN_topic [ARGS]")
+    run.add_argument("--solutions", action="store_true", help="run the reference program instead")
+    run.add_argument("kata")
+    run.add_argument(
+        "args", nargs=argparse.REMAINDER, help="passed to the program (e.g. --world-size 2)"
+    )
+    doctor = command("doctor", "what this machine offers the katas, and what will not work")
+    doctor.add_argument("--json", action="store_true")
+    bench = command(
+        "bench", "run a benchmark from benchmarks/: allreduce (k09's ring vs gloo), harness"
+    )
+    bench.add_argument("name", help="allreduce or harness (a file benchmarks/NAME.py)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+
+    dev = command("dev", "maintainer commands").add_subparsers(
+        dest="dev_command", required=True, metavar="DEV_COMMAND"
+    )
+    devcheck_ = dev.add_parser("check", help="the maintainer gate that `make test` runs")
+    devcheck_.add_argument(
+        "--repeat", type=int, default=1, help="run the pytest passes this many times"
+    )
+    devcheck_.add_argument("-n", "--workers", default="2", help="pytest-xdist workers (default 2)")
+    devcheck_.add_argument("--kata", action="append", help="check only this kata (repeatable)")
+    devcheck_.add_argument(
+        "--only",
+        action="append",
+        choices=("consistency", "solutions", "mistakes", "stubs"),
+        help="run only this part (repeatable)",
+    )
+    devcheck_.add_argument(
+        "-k",
+        dest="select",
+        metavar="EXPR",
+        help="only the tests matching this pytest -k expression",
+    )
+    dev.add_parser("readme", help="rewrite README.md's kata table from dojo/curriculum/")
+    dev.add_parser(
+        "pristine",
+        help="copy the shipped stubs in katas/ to dojo/pristine/ (what `dojo reset` restores)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `dojo list | head`
+        return 0
+
+
+def _kata(name: str | None, need_files: bool = True) -> curriculum.Kata:
+    """The kata named, or the current one; raises ``_Usage`` with a message a learner can act on."""
+    if name is None:
+        kata = progress.current(progress.load())
+        if kata is None:
+            raise _Usage("every kata written so far passes; name one (dojo list shows them)")
+        return kata
+    try:
+        kata = curriculum.find(name)
+    except KeyError as error:
+        raise _Usage(error.args[0]) from None
+    if need_files and not progress.available(kata):
+        raise _Usage(
+            f"{kata.id} · {kata.title} is not written yet (katas/{kata.module}.py or its tests are missing)"
+        )
+    return kata
+
+
+class _Usage(Exception):
+    pass
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from dojo.runner import bench, devcheck, doctor, hints, learn, reset, solution, watch
+
+    try:
+        match args.command:
+            case None:
+                return learn.start()
+            case "list":
+                return learn.show_list(args.json)
+            case "check":
+                return learn.check_command(_kata(args.kata), args.solutions)
+            case "verify":
+                return learn.verify(args.fresh, args.solutions)
+            case "next":
+                return learn.next_kata()
+            case "goto":
+                return learn.goto(_kata(args.kata))
+            case "hint":
+                return hints.show(_kata(args.kata), args.step, args.level)
+            case "reset":
+                if args.all == bool(args.kata):
+                    raise _Usage("say which kata to reset (dojo reset k01), or --all")
+                katas = progress.available_katas() if args.all else [_kata(args.kata)]
+                return reset.reset(katas, args.yes)
+            case "solution":
+                return solution.show(_kata(args.kata), args.diff, args.yes)
+            case "watch":
+                return watch.watch(args.interval, args.yes)
+            case "run":
+                extra = args.args[1:] if args.args[:1] == ["--"] else args.args
+                return learn.run_program(_kata(args.kata), args.solutions, extra)
+            case "doctor":
+                return doctor.doctor(args.json)
+            case "bench":
+                return bench.bench(
+                    args.name, args.args[1:] if args.args[:1] == ["--"] else args.args
+                )
+            case "dev":
+                return _dev(args, devcheck, reset)
+    except _Usage as problem:
+        return fail(str(problem))
+    return fail(f"unknown command {args.command}")
+
+
+def _dev(args: argparse.Namespace, devcheck, reset) -> int:
+    if args.dev_command == "check":
+        try:
+            katas = devcheck.resolve(args.kata)
+        except KeyError as error:
+            raise _Usage(error.args[0]) from None
+        return devcheck.check(args.repeat, args.workers, katas, args.only, args.select)
+    if args.dev_command == "readme":
+        from dojo.runner import consistency
+
+        consistency.write_readme_table()
+        print("README.md's kata table rewritten from dojo/curriculum/")
+        return 0
+    written = reset.refresh_pristine(list(curriculum.katas()))
+    print("\n".join(f"wrote {path}" for path in written) or "dojo/pristine/ already matches katas/")
+    return 0

@@ -1,0 +1,202 @@
+"""The maintainer gate: ``python -m dojo dev check`` (what ``make test`` and CI run).
+
+1. consistency: the curriculum, the files on disk and the README agree (``consistency``); every
+   kata test says which step it checks and every step has a test (``steps``); kata files import
+   only the kata API, only the runner imports the runner, no import circles (``imports``); ruff's
+   lint and format checks pass.
+2. solutions: every test passes against ``solutions/`` (the tooling's own tests in ``dojo/tests/``
+   too) under ``-n 2``.
+3. mistakes: every mistakes catalogue (``dojo/mistakes/``) holds: each mistake fails the learner's
+   spec with a message that names it, each right answer written another way passes.
+4. stubs: every kata test fails against the shipped stubs with "not implemented yet"
+   (``--expect-todo``), each within a time limit: a stub that passes, crashes or hangs is caught.
+
+``--repeat N`` runs 2-4 N times (the flake hunt). ``--kata kNN`` (repeatable) restricts every
+part to those katas (the README table and unlisted files are checked only in a full run);
+``--only PART`` runs some parts only; ``-k EXPR`` passes pytest's test selection on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from dojo import curriculum, impl
+from dojo.runner import consistency, imports, runs, steps
+
+PARTS = ("consistency", "solutions", "mistakes", "stubs")
+PYTEST_BACKSTOP_S = 1800  # pytest-timeout and the harness's deadlines fire long before this
+STUB_TEST_TIMEOUT_S = 60  # a shipped stub fails at once; one that takes this long hangs
+
+
+def consistency_problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
+    """Every consistency problem: files and curriculum, steps, imports, lint."""
+    chosen = list(curriculum.katas()) if katas is None else katas
+    found = consistency.problems(katas) + step_problems(chosen)
+    if katas is None:
+        found += imports.problems() + lint_problems()
+    return found
+
+
+def step_problems(katas: list[curriculum.Kata]) -> list[str]:
+    """Collect the katas' specs (no test runs) and check every test's step marker."""
+    specs = [k for k in katas if k.test_file.exists()]
+    if not specs:
+        return []
+    with tempfile.NamedTemporaryFile(prefix="dojo-collect-", suffix=".jsonl", delete=False) as log:
+        path = log.name
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-p",
+                "dojo.runner.testlog",
+                *(runs.spec_file(k) for k in specs),
+            ],
+            cwd=curriculum.ROOT,
+            env={**_clean_env(), "DOJO_TEST_LOG": path},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        with open(path, encoding="utf-8") as lines:
+            records = [json.loads(line) for line in lines if line.strip()]
+    finally:
+        os.unlink(path)
+    if done.returncode != 0:
+        return [
+            f"collecting the specs failed (pytest exit {done.returncode}):\n{done.stdout[-3000:]}"
+        ]
+    found = []
+    for kata in specs:
+        mine = [
+            r
+            for r in records
+            if r["outcome"] == "collected" and r["test"].startswith(runs.spec_file(kata) + "::")
+        ]
+        found += steps.coverage_problems(kata, mine)
+    return found
+
+
+def lint_problems() -> list[str]:
+    """ruff's lint and format checks (configured in pyproject.toml)."""
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
+    if ruff is None:
+        return [
+            "ruff is not installed in this environment: `pip install -e '.[dev]'` (make test does)"
+        ]
+    found = []
+    for args, what in (
+        (["check", "--quiet", "."], "lint"),
+        (["format", "--check", "--quiet", "."], "format"),
+    ):
+        done = subprocess.run([ruff, *args], cwd=curriculum.ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            hint = "`ruff check --fix .`" if what == "lint" else "`ruff format .`"
+            found.append(
+                f"ruff {what} found problems ({hint} fixes most):\n{(done.stdout + done.stderr).rstrip()}"
+            )
+    return found
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.SUBSTITUTE_VAR)}
+
+
+def _pytest(title: str, *args: str) -> bool:
+    print(f"\n=== {title}\n$ pytest {' '.join(args)}", flush=True)
+    start = time.monotonic()
+    try:
+        code = subprocess.call(
+            [sys.executable, "-m", "pytest", *args],
+            cwd=curriculum.ROOT,
+            env=_clean_env(),
+            timeout=PYTEST_BACKSTOP_S,
+        )
+    except subprocess.TimeoutExpired:
+        code = "timed out"
+    verdict = "ok" if code == 0 else f"FAILED (pytest exit {code})"
+    print(f"=== {title}: {verdict} in {time.monotonic() - start:.0f} s", flush=True)
+    return code == 0
+
+
+def resolve(names: list[str] | None) -> list[curriculum.Kata] | None:
+    """The katas named (``k01``, ``1``, ``k01_spawn``), or None for all; KeyError names a bad one."""
+    return [curriculum.find(name) for name in names] if names else None
+
+
+def check(
+    repeat: int = 1,
+    workers: str = "2",
+    katas: list[curriculum.Kata] | None = None,
+    only: list[str] | None = None,
+    select: str | None = None,
+) -> int:
+    start = time.monotonic()
+    parts = only or list(PARTS)
+    chosen = list(curriculum.katas()) if katas is None else katas
+    scope = "" if katas is None else f" (only {', '.join(k.id for k in katas)})"
+    if select:
+        scope += f" (tests matching -k {select!r})"
+    pytest_select = ("-k", select) if select else ()
+    ok = True
+    if "consistency" in parts:
+        problems = consistency_problems(katas)
+        print(
+            f"=== curriculum, files, steps, imports and lint agree{scope}: "
+            + ("ok" if not problems else "FAILED")
+        )
+        for problem in problems:
+            print(f"  - {problem}")
+        ok = not problems
+    specs = [runs.spec_file(k) for k in chosen if k.test_file.exists()]
+    catalogued = [
+        runs.spec_file(k) for k in chosen if k.test_file.exists() and k.catalogue_file.exists()
+    ]
+    # A full run tests the tooling too (dojo/tests/); a restricted one only its katas' specs.
+    solution_tests = ["tests", "dojo/tests"] if katas is None else specs
+    for round_ in range(1, repeat + 1):
+        suffix = f" (round {round_} of {repeat})" if repeat > 1 else ""
+        if "solutions" in parts and solution_tests:
+            ok &= _pytest(
+                f"every solution passes{scope}{suffix}",
+                "--solutions",
+                "-n",
+                workers,
+                "-q",
+                *pytest_select,
+                *solution_tests,
+            )
+        if "mistakes" in parts and catalogued:
+            ok &= _pytest(
+                f"every catalogued mistake fails its spec, naming it; every right answer passes{scope}{suffix}",
+                "-p",
+                "dojo.mistakes.plugin",
+                "-n",
+                workers,
+                "-q",
+                *pytest_select,
+                *catalogued,
+            )
+        if "stubs" in parts and specs:
+            ok &= _pytest(
+                f"every stub fails with 'not implemented yet'{scope}{suffix}",
+                "--expect-todo",
+                "-n",
+                workers,
+                "-q",
+                f"--timeout={STUB_TEST_TIMEOUT_S}",
+                *pytest_select,
+                *specs,
+            )
+    print(f"\n{'PASSED' if ok else 'FAILED'}: dev check{scope} in {time.monotonic() - start:.0f} s")
+    return 0 if ok else 1

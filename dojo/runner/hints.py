@@ -1,0 +1,85 @@
+"""``dojo hint``: a step's hints in tiers, from a nudge to nearly the answer.
+
+By default the step is the first failing one (from the last test run while the files are
+unchanged, else from a fresh run), and each ``dojo hint`` shows one tier more than the last.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from dojo import curriculum
+from dojo.runner import progress, runs
+from dojo.runner.term import fail, paint
+
+
+def default_step(kata: curriculum.Kata) -> tuple[int | None, str]:
+    """The first failing step, and where that came from."""
+    run = progress.fresh_run(progress.load(), kata)
+    if run is None:
+        print(f"Running {kata.id}'s tests to find the first failing step...", flush=True)
+        result = runs.run_kata(kata, capture=True)
+        passed = progress.record_run(
+            kata, result.passed, result.summary(), progress.fingerprint(kata)
+        )
+        run = result.summary()
+        if passed:
+            print(f"{kata.id} passes: it stays your current kata until `dojo next`.")
+    if run.get("exit") == 0:
+        return None, "it passes"
+    return run.get("step"), "the first failing step"
+
+
+def show(
+    kata: curriculum.Kata,
+    step: int | None = None,
+    level: int | None = None,
+    why: str = "the step asked for",
+    again: str | None = None,
+) -> int:
+    """Print hints 1..level of a step; ``again`` says how to see the next tier."""
+    again = again or "`dojo hint {}`".format(
+        kata.id + (f" --step {step}" if step is not None else "")
+    )
+    if not kata.steps:
+        print(f"{kata.id} has no hints yet (its file in dojo/curriculum/ lists no steps).")
+        return 1
+    if step is None:
+        step, why = default_step(kata)
+        if step is None:
+            step = kata.steps[0].number
+            why = (
+                "it passes, so step 1"
+                if why == "it passes"
+                else "no step could be told apart, so step 1"
+            )
+    try:
+        chosen = kata.step(step)
+    except KeyError as error:
+        return fail(error.args[0])
+    state = progress.load()
+    seen = state.hints.get(kata.id, {}).get(str(step), 0)
+    tiers = len(chosen.hints)
+    if level is None:
+        level = min(seen + 1, tiers)
+    elif not 1 <= level <= tiers:
+        return fail(f"{kata.id} step {step} has hint levels 1 to {tiers}, not {level}")
+    with progress.editing() as state:
+        state.hints.setdefault(kata.id, {})[str(step)] = max(seen, level)
+
+    print(
+        paint(f"{kata.id} step {step} · {chosen.title}", "bold")
+        + f": hint {level} of {tiers} ({why})"
+    )
+    for number, hint in enumerate(chosen.hints[:level], start=1):
+        body = textwrap.fill(
+            hint, width=96, initial_indent="     ", subsequent_indent="     "
+        ).lstrip()
+        print(f"  {number}. {paint(body, 'cyan') if number == level else body}")
+    if level < tiers:
+        print(f"More: {again} shows hint {level + 1} of {tiers}.")
+    else:
+        print(
+            f"That was the last hint for this step; `dojo solution {kata.id} --diff` compares with the reference."
+        )
+    return 0

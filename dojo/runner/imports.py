@@ -1,0 +1,107 @@
+"""Who may import what, checked (``dojo dev check``): the two halves of ``dojo`` stay apart.
+
+* kata files (``katas/``, ``solutions/``) import only the kata API (``KATA_API``);
+* only the runner (``dojo/runner/``, ``dojo/__main__.py`` and the tooling's own tests in
+  ``dojo/tests/``) imports the runner;
+* no two modules of ``dojo`` import each other, directly or round a circle (imports inside
+  functions count: a circle is a design knot even where Python forgives it).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from dojo import curriculum
+
+KATA_API = ("dojo.console", "dojo.data", "dojo.devices", "dojo.launch", "dojo.models", "dojo.todo")
+RUNNER = "dojo.runner"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(curriculum.ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(path: Path) -> set[str]:
+    """The ``dojo`` modules a file imports, anywhere in it (``from dojo import data`` -> ``dojo.data``)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return set()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if _exists(candidate) else node.module)
+    return {name for name in found if name == "dojo" or name.startswith("dojo.")}
+
+
+def _exists(module: str) -> bool:
+    base = curriculum.ROOT.joinpath(*module.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return [p for folder in folders for p in sorted((curriculum.ROOT / folder).rglob("*.py"))]
+
+
+def problems() -> list[str]:
+    found = []
+    for path in _python_files("katas", "solutions"):
+        for name in sorted(imported(path)):
+            if name not in KATA_API:
+                found.append(
+                    f"{module_name(path)} imports {name}: kata files import only the kata API "
+                    f"({', '.join(KATA_API)})"
+                )
+    for path in _python_files("katas", "solutions", "tests", "benchmarks", "dojo"):
+        name = module_name(path)
+        if name.startswith((RUNNER, "dojo.tests.")) or name == "dojo.__main__":
+            continue
+        for target in sorted(imported(path)):
+            if target == RUNNER or target.startswith(RUNNER + "."):
+                found.append(
+                    f"{name} imports {target}: only the runner (dojo/runner/) imports the runner"
+                )
+    found += [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles()]
+    return found
+
+
+def cycles() -> list[list[str]]:
+    """Every import circle among dojo's own modules (its tests aside)."""
+    files = [
+        p for p in _python_files("dojo") if "tests" not in p.relative_to(curriculum.ROOT).parts
+    ]
+    return find_cycles({module_name(p): imported(p) for p in files})
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Circles in an import graph (module -> modules it imports), each reported once. A package
+    importing its own submodules, or a submodule its package, is not a circle."""
+    graph = {
+        name: {t for t in targets if t in graph and t != name and not name.startswith(t + ".")}
+        for name, targets in graph.items()
+    }
+    found, seen, done = [], set(), set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for target in sorted(graph[node]):
+            if target in path:
+                cycle = path[path.index(target) :]
+                if frozenset(cycle) not in seen:
+                    seen.add(frozenset(cycle))
+                    found.append([*cycle, target])
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(node)
+
+    for node in sorted(graph):
+        if node not in done:
+            visit(node, [node])
+    return found

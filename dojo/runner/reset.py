@@ -1,0 +1,111 @@
+"""``dojo reset``: give the learner the shipped stub back, keeping their own version.
+
+The shipped stubs are kept as byte-for-byte copies in ``dojo/pristine/`` (not taken from git: a
+learner may have downloaded a zip, or committed their work). ``dojo dev check`` fails when a copy
+differs from ``katas/``, and ``python -m dojo dev pristine`` refreshes the copies, so a maintainer
+who changes a stub cannot ship a stale one.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dojo import curriculum
+from dojo.runner import progress
+from dojo.runner.term import ask
+
+PRISTINE_DIR = curriculum.DOJO / "pristine"
+BACKUP_DIR = progress.STATE_DIR / "backups"
+
+
+def is_pristine(kata: curriculum.Kata) -> bool:
+    copy = kata.pristine_file
+    return (
+        copy.exists()
+        and kata.kata_file.exists()
+        and filecmp.cmp(copy, kata.kata_file, shallow=False)
+    )
+
+
+def backup(kata: curriculum.Kata) -> Path:
+    """Copy the learner's file to ``.dojo/backups/kNN_topic-YYYYmmdd-HHMMSS.py`` (never overwriting)."""
+    BACKUP_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = BACKUP_DIR / f"{kata.module}-{stamp}.py", 1
+    while target.exists():
+        n += 1
+        target = BACKUP_DIR / f"{kata.module}-{stamp}-{n}.py"
+    shutil.copy2(kata.kata_file, target)
+    return target
+
+
+def reset(
+    katas: list[curriculum.Kata], yes: bool = False, confirm: Callable[[str], bool] | None = None
+) -> int:
+    """Restore each kata's stub after asking once; 0 when done (or nothing to do), 1 if refused.
+
+    ``confirm`` asks the question (``dojo watch`` asks for a single key); ``yes`` answers it.
+    """
+    missing = [k for k in katas if not k.pristine_file.exists()]
+    for kata in missing:
+        print(
+            f"{kata.id}: no shipped copy of its stub in this checkout (dojo/pristine/{kata.module}.py); nothing reset"
+        )
+    changed = [k for k in katas if k not in missing and not is_pristine(k)]
+    for kata in katas:
+        if kata not in missing and kata not in changed:
+            print(f"{kata.id}: katas/{kata.module}.py is already the shipped stub")
+    if not changed:
+        return 1 if missing else 0
+    names = ", ".join(f"katas/{k.module}.py" for k in changed)
+    question = f"Replace {names} with the shipped stub (your version is kept in .dojo/backups/)?"
+    if not (ask(question, yes) if confirm is None or yes else confirm(question)):
+        print("Nothing was changed.")
+        return 1
+    for kata in changed:
+        kept = backup(kata) if kata.kata_file.exists() else None
+        shutil.copyfile(kata.pristine_file, kata.kata_file)
+        with progress.editing() as state:
+            state.forget(kata)
+        where = f"; your version is in {progress.relative(kept)}" if kept else ""
+        print(f"{kata.id}: katas/{kata.module}.py is the shipped stub again{where}")
+    return 1 if missing else 0
+
+
+# ---------------------------------------------------------------------------- for maintainers
+
+
+def pristine_problems(katas: list[curriculum.Kata]) -> list[str]:
+    problems = []
+    for kata in katas:
+        if not kata.kata_file.exists():
+            continue
+        if not kata.pristine_file.exists():
+            problems.append(
+                f"{kata.id}: dojo/pristine/{kata.module}.py is missing (`dojo reset` needs it): run `python -m dojo dev pristine`"
+            )
+        elif not is_pristine(kata):
+            problems.append(
+                f"{kata.id}: dojo/pristine/{kata.module}.py differs from katas/{kata.module}.py: after changing "
+                "a stub run `python -m dojo dev pristine` (and commit both)"
+            )
+    listed = {k.module for k in curriculum.katas()}
+    for stray in sorted(PRISTINE_DIR.glob("*.py")):
+        if stray.stem not in listed:
+            problems.append(f"dojo/pristine/{stray.name} belongs to no kata in dojo/curriculum/")
+    return problems
+
+
+def refresh_pristine(katas: list[curriculum.Kata]) -> list[str]:
+    """Copy the shipped stubs in ``katas/`` to ``dojo/pristine/``; the names of those that changed."""
+    PRISTINE_DIR.mkdir(exist_ok=True)
+    written = []
+    for kata in katas:
+        if kata.kata_file.exists() and not is_pristine(kata):
+            shutil.copyfile(kata.kata_file, kata.pristine_file)
+            written.append(f"dojo/pristine/{kata.module}.py")
+    return written

@@ -1,0 +1,240 @@
+"""Running one kata's tests for the learner, and telling them what happened.
+
+pytest prints a line of progress; the outcomes come back through ``dojo.runner.testlog``, and the
+runner turns them into a digest: the first real failure in full, one line for each other one,
+the steps not written yet, and the first failing step (``dojo.steps``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from dojo import curriculum, impl
+from dojo.runner import testlog
+from dojo.runner.steps import TODO_PATTERN, steps_of_failure
+
+PYTEST_EXIT_NO_TESTS = 5
+
+
+@dataclass
+class RunResult:
+    kata: curriculum.Kata
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    output: str = ""  # only when captured
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for r in self.records if r["when"] == "call" and r["outcome"] == outcome)
+
+    @property
+    def broken(self) -> list[dict]:
+        """Failures outside a test's body: the file did not import, a fixture failed."""
+        return [r for r in self.records if r["outcome"] == "failed" and r["when"] != "call"]
+
+    @functools.cached_property
+    def failing_steps(self) -> list[int]:
+        found = set()
+        for record in self.records:
+            if record["outcome"] == "failed":
+                found |= steps_of_failure(self.kata, record)
+        return sorted(found)
+
+    def first_failing_step(self) -> int | None:
+        return self.failing_steps[0] if self.failing_steps else None
+
+    def summary(self) -> dict:
+        return {
+            "passed": self.count("passed"),
+            "failed": self.count("failed") + len(self.broken),
+            "skipped": self.count("skipped"),
+            "step": self.first_failing_step(),
+            "exit": self.returncode,
+        }
+
+    def digest(self, shown: int = 6) -> str:
+        """The failures, for a learner: the first real one in full (where, and the message), one
+        line for each other, and the steps not written yet counted, not repeated."""
+        real, todos = [], {}
+        for record in self.records:
+            if record["outcome"] != "failed":
+                continue
+            todo = TODO_PATTERN.search(record["text"])
+            if todo and record["when"] == "call":
+                todos.setdefault(int(todo.group(2)), []).append(record)
+            else:
+                real.append(record)
+        lines = []
+        if real:
+            first = real[0]
+            lines.append(
+                f"FAILED {_name(first)}"
+                + (f" ({first['when']})" if first["when"] != "call" else "")
+            )
+            lines += ["  " + line for line in first["text"].rstrip().splitlines()]
+            groups: dict[str, list[str]] = {}
+            for record in real[1:]:
+                groups.setdefault(_message(record["text"]), []).append(_name(record))
+            for message, names in list(groups.items())[:shown]:
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                if message == _message(first["text"]):
+                    lines.append(f"FAILED {names[0]}{more}: the same error")
+                else:
+                    lines.append(f"FAILED {names[0]}{more}: {message}")
+            if len(groups) > shown:
+                lines.append("... and more failing tests with other errors")
+        if todos:
+            lines.append("not implemented yet:")
+            for step, found in sorted(todos.items()):
+                lines.append(
+                    f"  {describe_step(self.kata, step)}: {len(found)} test{'s' if len(found) > 1 else ''}"
+                )
+        if real or todos:
+            lines.append(f"(every failure in full: python -m pytest {spec_file(self.kata)})")
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """One line for the learner: how many tests pass, and what fails first."""
+        k = self.kata
+        if self.passed:
+            skipped = len({r["test"] for r in self.records if r["outcome"] == "skipped"})
+            return (
+                f"{k.id} passes: all {self.count('passed')} tests"
+                + (f" ({skipped} skipped)" if skipped else "")
+                + f" in {self.seconds:.0f} s."
+            )
+        if self.returncode == PYTEST_EXIT_NO_TESTS:
+            return f"{k.id}: pytest found no tests in {spec_file(k)}."
+        skipped = {r["test"] for r in self.records if r["outcome"] == "skipped"}
+        total = len({r["test"] for r in self.records if r["when"] != "collect"} - skipped)
+        line = f"{k.id}: {self.count('passed')} of {total} tests pass" + (
+            f" ({len(skipped)} skipped)" if skipped else ""
+        )
+        if self.broken:
+            line += f"; {len(self.broken)} could not start (the error above: does katas/{k.module}.py import?)"
+        step = self.first_failing_step()
+        if step is not None and not self.broken:
+            line += f". First failing step: {describe_step(k, step)}"
+        return line + "."
+
+
+def _name(record: dict) -> str:
+    return record["test"].split("::", 1)[-1]
+
+
+def _message(text: str) -> str:
+    """The first line of the error message in a short traceback (pytest marks it with ``E``)."""
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()[:160]
+    return (text.strip().splitlines() or [""])[-1][:160]
+
+
+def describe_step(kata: curriculum.Kata, number: int) -> str:
+    try:
+        return f"step {number} · {kata.step(number).title}"
+    except KeyError:
+        return f"step {number}"
+
+
+def spec_file(kata: curriculum.Kata) -> str:
+    """The kata's spec, as a learner types it: ``tests/test_kNN_topic.py``."""
+    return kata.relative(kata.test_file)
+
+
+def pytest_command(kata: curriculum.Kata, solutions: bool = False) -> list[str]:
+    # pytest shows a line of progress; the runner then shows a digest of the failures it logged
+    args = [sys.executable, "-m", "pytest", "-q", "--tb=no", "-rN", "-p", "dojo.runner.testlog"]
+    if solutions:
+        args.append("--solutions")
+    return [*args, spec_file(kata)]
+
+
+class Running:
+    """A kata's tests running in the background (``dojo watch`` keeps listening meanwhile)."""
+
+    def __init__(self, kata: curriculum.Kata, solutions: bool = False, capture: bool = False):
+        self.kata, self.started = kata, time.monotonic()
+        handle, self.log = tempfile.mkstemp(prefix="dojo-run-", suffix=".jsonl")
+        os.close(handle)
+        env = {k: v for k, v in os.environ.items() if k != impl.ENV_VAR}  # the learner's katas/
+        env[testlog.ENV_VAR] = self.log
+        self.process = subprocess.Popen(
+            pytest_command(kata, solutions),
+            cwd=curriculum.ROOT,
+            env=env,
+            # its own session: the runner can stop pytest and everything it started, and the
+            # terminal's Ctrl-C reaches the runner, which does that
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+            text=capture,
+        )
+
+    def done(self) -> bool:
+        return self.process.poll() is not None
+
+    def result(self) -> RunResult:
+        """Wait for the end (reading the output as it comes, if captured) and read the outcomes."""
+        output = self.process.communicate()[0] or ""
+        _signal_group(
+            self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM)
+        )  # anything it left
+        try:
+            with open(self.log, encoding="utf-8") as log:
+                records = [json.loads(line) for line in log if line.strip()]
+        finally:
+            os.unlink(self.log)
+        return RunResult(
+            self.kata, self.process.returncode, records, time.monotonic() - self.started, output
+        )
+
+    def stop(self) -> None:
+        """Interrupt pytest (it tears its worlds down), then kill whatever is left of its group."""
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM))
+        self.process.wait()
+        if os.path.exists(self.log):
+            os.unlink(self.log)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    if not hasattr(os, "killpg"):  # pragma: no cover - Windows: no process groups; end the tree
+        subprocess.call(
+            ["taskkill", "/F", "/T", "/PID", str(pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> RunResult:
+    """Run a kata's tests to the end (Ctrl-C stops them, and everything they started)."""
+    running = Running(kata, solutions, capture)
+    try:
+        return running.result()
+    except KeyboardInterrupt:
+        running.stop()
+        raise

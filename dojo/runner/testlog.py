@@ -1,0 +1,91 @@
+"""A pytest plugin for the runner (``pytest -p dojo.runner.testlog``): each test's outcome, one JSON line
+per report, in the file named by ``DOJO_TEST_LOG``. The runner reads the outcomes from there
+instead of parsing pytest's output, and shows the learner a digest of them.
+
+A failure's text is its short traceback (where it failed, and the message), whatever ``--tb``
+says, so the runner can keep pytest's own output to a line of progress. Every record carries the
+steps the test checks (its ``step`` marker); with ``--collect-only`` the log lists every collected
+test and its steps (``dojo dev check`` proves with it that every test has a step and every step a
+test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+ENV_VAR = "DOJO_TEST_LOG"
+_TEXT_LIMIT = 6000  # a failure's tail: the message, and enough to find the step it is about
+
+
+def _write(record: dict) -> None:
+    path = os.environ.get(ENV_VAR)
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def steps_of(item: pytest.Item) -> list[int]:
+    """The steps a test checks: its ``@pytest.mark.step(N)`` (on the function or a parameter)."""
+    return sorted({int(mark.args[0]) for mark in item.iter_markers("step") if mark.args})
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        for item in session.items:
+            _write(
+                {
+                    "test": item.nodeid,
+                    "when": "collect",
+                    "outcome": "collected",
+                    "steps": steps_of(item),
+                }
+            )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    report.dojo_steps = steps_of(item)
+    if call.excinfo is not None and report.failed:
+        try:  # as --tb=short shows it, pytest's own frames cut away (a private but old API)
+            report.dojo_text = str(item._repr_failure_py(call.excinfo, style="short"))
+        except Exception:
+            report.dojo_text = call.excinfo.exconly()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # The call phase decides a test; setup and teardown matter only when they go wrong.
+    if report.when == "call" or not report.passed:
+        text = ""
+        if report.failed:
+            # A string is the dojo plugin's own report (a todo): short already, and final.
+            text = (
+                report.longrepr
+                if isinstance(report.longrepr, str)
+                else getattr(report, "dojo_text", report.longreprtext)
+            )
+        _write(
+            {
+                "test": report.nodeid,
+                "when": report.when,
+                "outcome": report.outcome,
+                "text": text[-_TEXT_LIMIT:],
+                "steps": getattr(report, "dojo_steps", []),
+            }
+        )
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:  # the test file itself did not import
+        _write(
+            {
+                "test": report.nodeid,
+                "when": "collect",
+                "outcome": "failed",
+                "text": report.longreprtext[-_TEXT_LIMIT:],
+            }
+        )

@@ -1,0 +1,235 @@
+"""``dojo watch``: re-run the current kata's tests every time a file in ``katas/`` is saved.
+
+Saves are noticed by polling modification times (every 0.5 s by default), the one mechanism
+that works everywhere without a dependency: file events do not arrive on WSL's Windows drives,
+network drives or some editors' atomic saves, and stat-ing a dozen files twice a second costs
+nothing. Keys: [n]ext (only once the kata passes: the watcher never moves on by itself),
+[h]int, [l]ist, [r]eset (asks first), [c]heck again, [q]uit. A save during a run restarts it;
+quitting stops pytest and everything it started.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import time
+
+from dojo import curriculum
+from dojo.runner import hints, learn, progress, reset, runs
+from dojo.runner.term import paint
+
+KEYS_HELP = "[h] hint  [l] list  [r] reset  [c] check again  [q] quit"
+
+
+class Keys:
+    """Single key presses from stdin, without waiting for Enter, and never blocking for long."""
+
+    def __init__(self):
+        self.fd = sys.stdin.fileno() if sys.stdin else -1
+        self.saved = None
+        self.closed = self.fd < 0
+
+    def __enter__(self) -> Keys:
+        if os.name == "posix" and not self.closed and os.isatty(self.fd):
+            import termios
+            import tty
+
+            self.saved = termios.tcgetattr(self.fd)
+            tty.setcbreak(self.fd)  # keys arrive one by one, unechoed; Ctrl-C still interrupts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            import termios
+
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+
+    def read(self, timeout: float) -> str | None:
+        """The next key, or None after ``timeout`` seconds."""
+        if os.name == "nt":  # pragma: no cover - Windows consoles
+            import msvcrt
+
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                if msvcrt.kbhit():
+                    return msvcrt.getwch()
+                time.sleep(0.05)
+            return None
+        if self.closed:
+            time.sleep(timeout)
+            return None
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return None
+        data = os.read(self.fd, 1)
+        if not data:  # stdin ended (a script, /dev/null): keep watching, without keys
+            self.closed = True
+            return None
+        return data.decode(errors="ignore")
+
+
+def snapshot() -> dict[str, tuple[int, int]]:
+    found = {}
+    for path in (curriculum.ROOT / "katas").glob("*.py"):
+        try:
+            info = path.stat()
+        except FileNotFoundError:  # an editor replacing the file
+            continue
+        found[path.name] = (info.st_mtime_ns, info.st_size)
+    return found
+
+
+class Watcher:
+    def __init__(self, kata: curriculum.Kata, keys: Keys, interval: float = 0.5, yes: bool = False):
+        self.kata, self.keys, self.interval, self.yes = kata, keys, interval, yes
+        self.running: runs.Running | None = None
+        self.last: runs.RunResult | None = None
+        self.files = snapshot()
+        self.runs = 0
+
+    def loop(self) -> int:
+        self.start("first run")
+        while True:
+            key = self.keys.read(self.interval)
+            if self.running is not None and self.running.done():
+                self.finish()
+            changed = self.changes()
+            if changed:
+                self.start(f"{', '.join('katas/' + name for name in changed)} changed")
+            if key:
+                code = self.on_key(key.lower())
+                if code is not None:
+                    return code
+
+    def changes(self) -> list[str]:
+        now = snapshot()
+        if now == self.files:
+            return []
+        time.sleep(0.2)  # let the editor finish writing before the tests read the file
+        now = snapshot()
+        changed = sorted(
+            name for name in set(now) | set(self.files) if now.get(name) != self.files.get(name)
+        )
+        self.files = now
+        return changed
+
+    def start(self, why: str) -> None:
+        self.stop()
+        self.runs += 1
+        if sys.stdout.isatty():
+            print("\033[2J\033[H", end="")
+        print(
+            paint(
+                f"dojo watch · {self.kata.id} · {self.kata.title} · run {self.runs} ({why})", "bold"
+            )
+        )
+        print(
+            f"Save katas/{self.kata.module}.py and its tests run again (checked every {self.interval:g} s).\n",
+            flush=True,
+        )
+        self.last = None
+        self.running = runs.Running(self.kata)
+
+    def finish(self) -> None:
+        result, self.running = self.running.result(), None
+        progress.record_run(
+            self.kata, result.passed, result.summary(), progress.fingerprint(self.kata)
+        )
+        self.last = result
+        digest = result.digest()
+        print(("\n" + digest) if digest else "")
+        print(paint(result.describe(), "green" if result.passed else "red"))
+        if result.passed:
+            upcoming = progress.following(progress.load(), self.kata)
+            after = (
+                f"[n] next: {upcoming.id} · {upcoming.title}"
+                if upcoming
+                else "every kata written so far passes"
+            )
+            print(paint(after, "green"))
+        print(f"keys: {KEYS_HELP}" + ("  [n] next" if result.passed else ""), flush=True)
+
+    def stop(self) -> None:
+        if self.running is not None:
+            self.running.stop()
+            self.running = None
+
+    def on_key(self, key: str) -> int | None:
+        if key == "q":
+            self.stop()
+            print("dojo watch stopped.")
+            return 0
+        if key == "h":
+            self.hint()
+        elif key == "l":
+            print("\n" + learn.progress_view(progress.load()))
+        elif key == "r":
+            reset.reset(
+                [self.kata], yes=self.yes, confirm=self.confirm
+            )  # the save triggers the run
+        elif key in ("c", "\n", "\r"):
+            self.start("checked again")
+        elif key == "n":
+            self.next()
+        elif not key.isspace():
+            print(f"keys: {KEYS_HELP}" + ("  [n] next" if self.last and self.last.passed else ""))
+        sys.stdout.flush()
+        return None
+
+    def hint(self) -> None:
+        if self.last is None:
+            print("\nThe tests are still running: press h again once they finish.")
+            return
+        if self.last.passed:
+            print(f"\n{self.kata.id} passes: no hint needed. [n] moves on.")
+            return
+        step = self.last.first_failing_step()
+        if step is None and self.kata.steps:
+            step, why = self.kata.steps[0].number, "no step could be told apart, so step 1"
+        else:
+            why = "the first failing step"
+        print()
+        hints.show(self.kata, step, why=why, again="[h] again")
+
+    def next(self) -> None:
+        if not (self.last and self.last.passed):
+            print(f"\n[n] works once {self.kata.id} passes: the watcher never moves on by itself.")
+            return
+        upcoming = progress.following(progress.load(), self.kata)
+        if upcoming is None:
+            print("\nEvery kata written so far passes. [q] quits.")
+            return
+        with progress.editing() as state:
+            state.focus = upcoming.id
+        self.kata = upcoming
+        self.start(f"moved on to {upcoming.id}")
+
+    def confirm(self, question: str) -> bool:
+        print(f"\n{question} [y/N] ", end="", flush=True)
+        key = self.keys.read(60.0) or ""
+        print(key.strip())
+        return key.lower() == "y"
+
+
+def watch(interval: float = 0.5, yes: bool = False) -> int:
+    kata = progress.current(progress.load())
+    if kata is None:
+        return learn.start()
+    # A closed terminal or a plain kill must also stop the tests the watcher started.
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, _interrupt)
+    with Keys() as keys:
+        watcher = Watcher(kata, keys, interval, yes)
+        try:
+            return watcher.loop()
+        except KeyboardInterrupt:
+            watcher.stop()
+            print("\ndojo watch stopped.")
+            return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt

@@ -1,0 +1,334 @@
+"""The rank harness's own tests: what every kata test relies on."""
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dojo.curriculum import ROOT
+from dojo.todo import KataTodo
+from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
+
+
+def _identify(rank, world_size, extra):
+    value = torch.tensor([rank])
+    dist.all_reduce(value)
+    env = (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"])
+    return {
+        "rank": dist.get_rank(),
+        "size": dist.get_world_size(),
+        "sum": int(value),
+        "env": env,
+        "extra": extra,
+        "pid": os.getpid(),
+    }
+
+
+def test_a_passing_world_returns_every_result_in_rank_order():
+    results = run_world(_identify, 4, "x")
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["size"] == 4 and r["sum"] == 6 and r["extra"] == "x" for r in results)
+    assert [r["env"] for r in results] == [(str(i), "4", str(i)) for i in range(4)]
+    assert len({r["pid"] for r in results}) == 4
+    _assert_gone([r["pid"] for r in results])
+
+
+def test_a_world_of_one_works():
+    assert run_world(_identify, 1, None)[0]["sum"] == 0
+
+
+def _pid_file(tmp_path, rank):
+    return tmp_path / f"rank{rank}.pid"
+
+
+def _write_pid(tmp_path, rank):
+    _pid_file(tmp_path, rank).write_text(str(os.getpid()))
+
+
+def _read_pids(tmp_path, world_size):
+    return [
+        int(_pid_file(tmp_path, r).read_text())
+        for r in range(world_size)
+        if _pid_file(tmp_path, r).exists()
+    ]
+
+
+def _assert_gone(pids, within=5.0):
+    end = time.monotonic() + within
+    alive = pids
+    while alive and time.monotonic() < end:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.05)
+    assert not alive, f"processes {alive} outlived their world"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _raise_on_rank_one(rank, world_size, tmp_path):
+    _write_pid(tmp_path, rank)
+    print(f"rank {rank} is about to work")
+    if rank == 1:
+        time.sleep(0.2)
+        raise ValueError("rank one fails on purpose")
+    time.sleep(60)
+
+
+def test_a_raising_rank_is_named_with_its_traceback_and_its_peers_stop_at_once(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as caught:
+        run_world(_raise_on_rank_one, 3, tmp_path, deadline=60)
+    assert time.monotonic() - start < 30, "the peers of a failed rank must be stopped at once"
+    message = str(caught.value)
+    assert caught.value.rank == 1
+    assert "rank 1 raised ValueError: rank one fails on purpose" in message
+    assert "_raise_on_rank_one" in message and "test_harness.py" in message, (
+        "the traceback is missing"
+    )
+    assert "rank 1 is about to work" in message, "the failing rank's output is missing"
+    _assert_gone(_read_pids(tmp_path, 3))
+
+
+def _only_rank_zero_all_reduces(rank, world_size):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_a_deadlock_names_the_stuck_rank_and_where_it_waits():
+    start = time.monotonic()
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_only_rank_zero_all_reduces, 3, deadline=60, straggler=2)
+    assert time.monotonic() - start < 30, "the straggler window, not the deadline, should end this"
+    assert caught.value.stuck == [0]
+    message = str(caught.value)
+    assert "rank 0 is waiting here" in message
+    assert "dist.all_reduce(torch.ones(1))" in message, (
+        f"the stuck line is missing from:\n{message}"
+    )
+    assert "rank(s) 1, 2" in message, "the report should say which ranks had finished"
+
+
+def _everyone_receives_first(rank, world_size, tmp_path):
+    _write_pid(tmp_path, rank)
+    buffer = torch.zeros(1)
+    dist.recv(buffer, src=(rank + 1) % world_size)  # nobody ever sends
+    return rank
+
+
+def test_a_world_where_every_rank_is_stuck_ends_at_the_deadline(tmp_path):
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_everyone_receives_first, 2, tmp_path, deadline=3)
+    assert caught.value.stuck == [0, 1]
+    assert str(caught.value).count("dist.recv(buffer") == 2, str(caught.value)
+    _assert_gone(_read_pids(tmp_path, 2))
+    # The next world works.
+    assert [r["sum"] for r in run_world(_identify, 2, None)] == [1, 1]
+
+
+def _crash(rank, world_size, how):
+    if rank == 1:
+        print("rank 1 is about to crash")
+        if how == "abort":
+            os.abort()
+        if how == "segfault":
+            ctypes.string_at(0)
+        if how == "exit":
+            os._exit(7)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize(
+    "how, expected",
+    [
+        ("abort", "died from SIGABRT"),
+        ("segfault", "died from SIGSEGV"),
+        ("exit", "exited with code 7"),
+    ],
+)
+def test_a_crash_names_the_rank_the_signal_and_its_last_output(how, expected):
+    with pytest.raises(RankCrashed) as caught:
+        run_world(_crash, 2, how, deadline=60)
+    message = str(caught.value)
+    assert f"rank 1 {expected}" in message, message
+    assert "rank 1 is about to crash" in message, message
+    if how != "exit":
+        assert "where it crashed" in message and "_crash" in message, message
+
+
+def _skip_on_rank_one(rank, world_size):
+    if rank == 1:
+        pytest.skip("needs something this machine lacks")
+    return rank
+
+
+def test_a_skip_inside_a_rank_skips_the_test():
+    with pytest.raises(pytest.skip.Exception, match="rank 1: needs something this machine lacks"):
+        run_world(_skip_on_rank_one, 2)
+
+
+def _todo_on_rank_two(rank, world_size):
+    if rank == 2:
+        raise KataTodo("k04", 2, "divide by the world size")
+    return rank
+
+
+def test_a_kata_todo_inside_a_rank_comes_back_as_itself():
+    with pytest.raises(KataTodo) as caught:
+        run_world(_todo_on_rank_two, 3)
+    assert (caught.value.kata, caught.value.step) == ("k04", 2)
+    assert str(caught.value) == "not implemented yet: k04 step 2 (divide by the world size)"
+
+
+def test_a_function_that_ranks_cannot_import_is_refused_with_advice():
+    with pytest.raises(TypeError, match="module level"):
+        run_world(lambda rank, world_size: rank, 2)
+
+
+def _tagged_sum(rank, world_size, tag):
+    value = torch.tensor([tag])
+    dist.all_reduce(value)
+    return int(value)
+
+
+def test_concurrent_worlds_in_one_process_do_not_mix():
+    results = {}
+
+    def run(tag):
+        results[tag] = run_world(_tagged_sum, 2, tag)
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in (10, 20, 30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {10: [20, 20], 20: [40, 40], 30: [60, 60]}
+
+
+@pytest.mark.parametrize("tag", range(4))
+def test_worlds_in_parallel_pytest_workers_do_not_collide(tag):
+    """Under `pytest -n 2` these run at the same time in two workers, each with its own store."""
+    assert run_world(_tagged_sum, 3, tag) == [3 * tag] * 3
+
+
+def _average_gradients_then_end(rank, world_size):
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(16, 8)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+    optimizer.step()
+    return rank  # model and optimizer are still alive when the harness tears down
+
+
+def test_ranks_end_without_the_teardown_abort():
+    """The findings saw 3-15% of such worlds abort at teardown; the harness's ending avoids it."""
+    for _ in range(10):
+        assert run_world(_average_gradients_then_end, 2) == [0, 1]
+
+
+def test_rank_output_is_echoed_with_the_rank(capsys):
+    run_world(_identify_and_print, 2)
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+def _identify_and_print(rank, world_size):
+    print(f"hello from {rank}")
+
+
+_RUN_A_HANGING_WORLD = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from dojo.world import run_world
+    from dojo.tests.test_harness import _sleep_forever
+    if __name__ == "__main__":
+        run_world(_sleep_forever, 2, {pid_dir!r}, deadline=600)
+    """
+)
+
+
+def _sleep_forever(rank, world_size, pid_dir):
+    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def _start_hanging_world(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(_RUN_A_HANGING_WORLD.format(root=str(ROOT), pid_dir=str(tmp_path)))
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    end = time.monotonic() + 60
+    while len(_read_pids(tmp_path, 2)) < 2:
+        assert parent.poll() is None, f"the world did not start: {parent.stderr.read()}"
+        assert time.monotonic() < end, "the world did not start within 60 s"
+        time.sleep(0.1)
+    return parent, _read_pids(tmp_path, 2)
+
+
+def test_kill_9_of_the_parent_takes_every_rank_with_it(tmp_path):
+    parent, pids = _start_hanging_world(tmp_path)
+    parent.kill()
+    parent.wait()
+    _assert_gone(pids)
+
+
+def test_ctrl_c_in_the_parent_stops_every_rank(tmp_path):
+    parent, pids = _start_hanging_world(tmp_path)
+    parent.send_signal(signal.SIGINT)
+    assert parent.wait(timeout=30) != 0
+    assert "KeyboardInterrupt" in parent.stderr.read()
+    _assert_gone(pids, within=1.0)
+
+
+_TEST_THAT_OUTLIVES_PYTEST_TIMEOUT = textwrap.dedent(
+    """
+    import pytest
+    from dojo.world import run_world
+    from dojo.tests.test_harness import _sleep_forever
+
+    @pytest.mark.timeout(3)
+    def test_hangs():
+        run_world(_sleep_forever, 2, {pid_dir!r}, deadline=600)
+    """
+)
+
+
+def test_pytest_timeout_as_the_outer_backstop_leaves_nothing_running(tmp_path):
+    test_file = tmp_path / "test_outer_timeout.py"
+    test_file.write_text(_TEST_THAT_OUTLIVES_PYTEST_TIMEOUT.format(pid_dir=str(tmp_path)))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--rootdir={ROOT}",
+            str(test_file),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and "Timeout" in result.stdout, result.stdout + result.stderr
+    _assert_gone(_read_pids(tmp_path, 2))

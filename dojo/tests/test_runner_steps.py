@@ -1,0 +1,118 @@
+"""How the runner reads a test run: which step a failure is about, and the digest a learner sees.
+In-process and read-only, on k01's shipped files."""
+
+from __future__ import annotations
+
+from dojo import curriculum
+from dojo.runner.runs import RunResult
+from dojo.runner.steps import coverage_problems, steps_of_failure
+
+K01 = curriculum.find("k01")
+TEST = "tests/test_k01_spawn.py"
+
+
+def record(
+    test: str, outcome: str = "failed", text: str = "", when: str = "call", steps=(1,)
+) -> dict:
+    return {
+        "test": f"{TEST}::{test}",
+        "when": when,
+        "outcome": outcome,
+        "text": text,
+        "steps": list(steps),
+    }
+
+
+def test_a_failure_belongs_to_its_todo_or_else_to_its_tests_step_marker():
+    todo = record(
+        "test_launch_names_the_rank_that_failed",
+        text="not implemented yet: k01 step 2 (the greeting)",
+        steps=[4],
+    )
+    assert steps_of_failure(K01, todo) == {2}, (
+        "an unwritten step names itself, whichever test ran into it"
+    )
+    wrong = record(
+        "test_launch_names_the_rank_that_failed",
+        text="E   AssertionError: expected RankProcessFailed",
+        steps=[4],
+    )
+    assert steps_of_failure(K01, wrong) == {4}, (
+        "a real failure belongs to the step its test is marked with"
+    )
+    other = record("test_x", text="not implemented yet: k02 step 1 (set MASTER_ADDR)", steps=[3])
+    assert steps_of_failure(K01, other) == {3}, (
+        "another kata's todo says nothing about this kata's steps"
+    )
+
+
+def test_coverage_names_unmarked_tests_and_steps_without_a_test():
+    collected = [
+        {"test": f"{TEST}::test_a", "steps": [1]},
+        {"test": f"{TEST}::test_b", "steps": []},
+        {"test": f"{TEST}::test_c", "steps": [2, 3]},
+        {"test": f"{TEST}::test_d", "steps": [9]},
+    ]
+    problems = "\n".join(coverage_problems(K01, collected))
+    assert (
+        "test_b says which step it checks with exactly one @pytest.mark.step(N), it has none"
+        in problems
+    ), problems
+    assert "test_c says which step" in problems and "it has [2, 3]" in problems, problems
+    assert "test_d is marked step 9, which the curriculum lacks" in problems, problems
+    assert "no test checks step 4 (spawn, collect, join)" in problems, problems
+
+
+def test_the_digest_shows_the_first_real_failure_in_full_and_counts_the_todos():
+    result = RunResult(
+        K01,
+        1,
+        [
+            record("test_global_rank[0-0-3-0]", "passed"),
+            record(
+                "test_global_rank[1-0-3-3]",
+                text="tests/test_k01_spawn.py:27: in test_global_rank\nE   AssertionError: returned 1, expected 3",
+            ),
+            record("test_global_rank[1-2-3-5]", text="E   AssertionError: returned 3, expected 5"),
+            record("test_greet", text="not implemented yet: k01 step 2 (the greeting)"),
+            record(
+                "test_launch_spawns_and_collects_in_rank_order",
+                text="not implemented yet: k01 step 4 (spawn, collect, join)",
+            ),
+            record(
+                "test_launch_names_the_rank_that_failed",
+                text="not implemented yet: k01 step 4 (spawn, collect, join)",
+            ),
+            record("test_cuda", "skipped"),
+        ],
+    )
+    digest = result.digest()
+    assert (
+        "FAILED test_global_rank[1-0-3-3]\n  tests/test_k01_spawn.py:27: in test_global_rank"
+        in digest
+    ), digest
+    assert "FAILED test_global_rank[1-2-3-5]: AssertionError: returned 3, expected 5" in digest, (
+        digest
+    )
+    assert (
+        "step 2 · the greeting: 1 test" in digest
+        and "step 4 · spawn, collect, join: 2 tests" in digest
+    ), digest
+    assert result.first_failing_step() == 1
+    assert result.describe().startswith(
+        "k01: 1 of 6 tests pass (1 skipped). First failing step: step 1"
+    ), result.describe()
+
+
+def test_a_kata_file_that_does_not_import_is_said_plainly():
+    error = 'E     File "katas/k01_spawn.py", line 116\nE   SyntaxError: invalid syntax'
+    result = RunResult(
+        K01, 1, [record(f"test_global_rank[{i}]", "failed", error, when="setup") for i in range(3)]
+    )
+    assert "FAILED test_global_rank[1] and 1 more: the same error" in result.digest(), (
+        result.digest()
+    )
+    assert (
+        "3 could not start" in result.describe()
+        and "does katas/k01_spawn.py import?" in result.describe()
+    )
