@@ -11,8 +11,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from dojo.commands import dojo
 from dojo.impl import apply_substitutions
-from dojo.todo import find_todo
+from dojo.todo import KataTodo, find_todo
 
 EXIT_TODO = 3  # the program ran into a step the learner has not written yet
 EXIT_INTERRUPTED = 130
@@ -32,19 +33,57 @@ def run_program(
 ) -> None:
     """Run a kata's ``main`` as a program and exit with its status.
 
-    A step that is not written yet ends the program with one line that says which, not a
-    traceback; Ctrl-C ends it quietly (the launcher has already stopped its processes).
+    A step that is not written yet ends the program with one line that says which (and which
+    step to write first, when earlier ones are missing too), not a traceback; a failed rank ends
+    it with the launcher's report; Ctrl-C ends it quietly (the launcher has already said where
+    each rank was, and stopped them).
     """
-    apply_substitutions(sys.modules.get(main.__module__))  # maintainers' mistakes catalogues only
+    module = sys.modules.get(main.__module__)
+    apply_substitutions(module)  # maintainers' mistakes catalogues only
     try:
         code = main(argv)
     except Exception as error:  # a todo may come back from a rank inside another error
         todo = find_todo(error)
-        if todo is None:
+        if todo is not None:
+            print(_todo_message(todo, getattr(module, "__file__", None)), file=sys.stderr)
+            code = EXIT_TODO
+        elif type(error).__name__ == "LaunchFailed":  # dojo.launch's: its message is the report
+            print(str(error), file=sys.stderr)
+            code = 1
+        else:
             raise
-        print(f"{todo}: write that step in the kata's file, then run this again.", file=sys.stderr)
-        code = EXIT_TODO
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
     sys.exit(code or 0)
+
+
+def _todo_message(todo: KataTodo, path: str | None) -> str:
+    """The todo the program ran into, and the first step still unwritten in the kata's file."""
+    message = f"{todo}: write that step in the kata's file, then run this again."
+    first = _first_unwritten_step(path, todo.kata)
+    if first is not None and first[0] < todo.step:
+        shown = os.path.relpath(path) if path else "the kata's file"
+        what = f" ({first[1]})" if first[1] else ""
+        message += (
+            f"\nThe program reached step {todo.step} first, but {shown} still has step {first[0]}{what} "
+            f"to write: start there (`{dojo()} hint {todo.kata}` helps)."
+        )
+    return message
+
+
+def _first_unwritten_step(path: str | None, kata: str) -> tuple[int, str] | None:
+    """The lowest step whose ``KataTodo`` is still raised in the file, and what it says."""
+    import ast
+
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read()) if path else None
+    except (OSError, SyntaxError):
+        return None
+    found = []
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo":
+            values = [a.value for a in node.args[:3] if isinstance(a, ast.Constant)]
+            if len(values) >= 2 and values[0] == kata and isinstance(values[1], int):
+                found.append((values[1], values[2] if len(values) > 2 else ""))
+    return min(found) if found else None

@@ -65,3 +65,17 @@ def apply_substitutions(module: ModuleType | None = None) -> None:
     table = substitutions().get(kata_name_of(module) or "", {})
     for attribute, target in table.items():
         setattr(module, attribute, resolve(target))
+
+
+def apply_substitutions_for(fn) -> None:
+    """The same, in the namespace ``fn`` runs in, when it comes from a program's main module: in a
+    rank, multiprocessing rebuilds that module from a copy of its namespace, so only the
+    function's own globals are the ones its calls see."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is None or namespace.get("__name__") not in ("__main__", "__mp_main__"):
+        return
+    spec = namespace.get("__spec__")
+    package, _, name = (spec.name if spec else "").rpartition(".")
+    if package in PACKAGES:
+        for attribute, target in substitutions().get(name, {}).items():
+            namespace[attribute] = resolve(target)

@@ -16,6 +16,11 @@ from typing import Any
 from dojo.devices import BACKENDS, DEVICES, choose_for_this_machine
 from dojo.world import WorldFailure, run_world
 
+# A program whose ranks make no progress for this long says which ranks wait where, and keeps
+# waiting. Tests of programs set DOJO_HANG_REPORT_S lower and DOJO_HANG_FAILS=1: a hung program
+# then ends at once with that report, as the unit tests' deadlock reports do.
+HANG_REPORT_S = 15.0
+
 
 class LaunchFailed(RuntimeError):
     """A rank of a program's world failed; the message names it and shows why."""
@@ -67,6 +72,8 @@ def launch_world(
             env={"DOJO_DEVICE": device},
             capture_output=False,
             threads=threads,
+            hang_report=float(os.environ.get("DOJO_HANG_REPORT_S") or HANG_REPORT_S),
+            hang_fails=os.environ.get("DOJO_HANG_FAILS") == "1",
             **kwargs,
         )
     except WorldFailure as failure:

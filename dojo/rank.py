@@ -57,20 +57,19 @@ class RankError:
 
 def main(spec: RankSpec, results, lifeline) -> None:
     """Entry point of a rank process (the ``target`` of its ``Process``)."""
-    if hasattr(
-        os, "setpgrp"
-    ):  # own process group: the parent can kill this rank and all it started
+    if hasattr(os, "setpgrp"):  # own group: the parent can kill this rank and all it started
         os.setpgrp()
     if spec.capture_output:
         _redirect_output(spec.log_path)
     else:
         faulthandler.enable(all_threads=True)
+    _answer_stack_requests(stack_path(spec.log_path))
     released = threading.Event()
     threading.Thread(target=_watch_parent, args=(lifeline, released), daemon=True).start()
     os.environ.update(spec.env)
-    from dojo.impl import apply_substitutions
+    from dojo.impl import apply_substitutions_for
 
-    apply_substitutions()  # a program's own functions, when a mistakes catalogue swaps them
+    apply_substitutions_for(spec.fn)  # a program's own functions, when a catalogue swaps them
 
     import torch
     import torch.distributed as dist
@@ -97,8 +96,23 @@ def _redirect_output(log_path: str) -> None:
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults and aborts
-    if hasattr(signal, "SIGUSR1"):  # the parent asks for stacks of stuck ranks this way
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def stack_path(log_path: str) -> str:
+    """Where a rank writes its stacks when the parent asks (beside its log)."""
+    return log_path + ".stacks"
+
+
+_stack_file = None
+
+
+def _answer_stack_requests(path: str) -> None:
+    """SIGUSR1 from the parent (a stuck rank, Ctrl-C) makes faulthandler write every thread's
+    stack to ``path``, even while the rank is blocked inside gloo."""
+    global _stack_file
+    if hasattr(signal, "SIGUSR1"):
+        _stack_file = open(path, "a", buffering=1)
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
 
 
 def _watch_parent(lifeline, released: threading.Event) -> None:

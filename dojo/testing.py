@@ -13,6 +13,10 @@ from dojo.console import EXIT_TODO
 from dojo.curriculum import ROOT
 from dojo.todo import find_todo
 
+# A program under test that makes no progress for this long ends with the harness's report of
+# where each rank waits, as a unit test's deadlock does (dojo.launch reads both).
+PROGRAM_HANG_S = 5.0
+
 
 def run_program(
     module: str, *args: str, timeout: float = 120, env: dict | None = None
@@ -23,15 +27,13 @@ def run_program(
     dotted module name run as it is (``"benchmarks.allreduce"``).
 
     Raises the program's ``KataTodo`` when it stopped at a step not written yet, and fails the
-    test when it runs past ``timeout`` or leaves processes running after it exits.
+    test when its ranks hang (with the report of where each one waits, within seconds), when it
+    runs past ``timeout``, or when it leaves processes running after it exits. Whatever ends the
+    test (a failure, pytest's timeout, Ctrl-C), the program and its ranks go with it.
     """
-    command = [
-        sys.executable,
-        "-m",
-        module if "." in module else f"{impl.current()}.{module}",
-        *args,
-    ]
-    shown = " ".join(command[2:])
+    target = module if "." in module else f"{impl.current()}.{module}"
+    command = [sys.executable, "-m", target, *args]
+    shown = f"python -m {' '.join([target, *args])}"
     process = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -39,7 +41,14 @@ def run_program(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own session: every process it starts can be found and killed
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        preexec_fn=_die_with_parent,  # and if pytest itself is killed, the program dies too
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "DOJO_HANG_REPORT_S": str(PROGRAM_HANG_S),
+            "DOJO_HANG_FAILS": "1",
+            **(env or {}),
+        },
     )
     try:
         out, err = process.communicate(timeout=timeout)
@@ -47,17 +56,34 @@ def run_program(
         _kill_session(process.pid)
         out, err = process.communicate()
         raise AssertionError(
-            f"`python {shown}` did not finish within {timeout:g} s.\nstdout:\n{out}\nstderr:\n{err}"
+            f"`{shown}` did not finish within {timeout:g} s.\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
+    finally:  # an exception (pytest's timeout, Ctrl-C) must not leave the program running
+        if process.poll() is None:
+            _kill_session(process.pid)
+            process.wait()
     leftovers = _wait_for_session_to_end(process.pid)
     if leftovers:
         _kill_session(process.pid)
-        raise AssertionError(f"`python {shown}` exited but left processes running: {leftovers}")
+        raise AssertionError(f"`{shown}` exited but left processes running: {leftovers}")
     if process.returncode == EXIT_TODO:
         todo = find_todo(AssertionError(err))
         if todo is not None:
             raise todo
+    if "deadlock: rank(s)" in err:
+        report = err[err.index("deadlock: rank(s)") :].rstrip()
+        raise AssertionError(f"`{shown}` hung: its ranks stopped making progress.\n{report}")
     return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _die_with_parent() -> None:
+    """In the program's process, before it runs: SIGTERM when its parent (pytest) dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the lifelines of the program's ranks still end them with the program
 
 
 def _session_members(session: int) -> list[int]:

@@ -17,13 +17,12 @@ What it guarantees, whatever the function does:
 
 from __future__ import annotations
 
-import linecache
 import multiprocessing
 import os
 import pickle
-import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -32,8 +31,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from dojo import impl
+from dojo import impl, stacks
 from dojo import rank as _rank
+from dojo.stall import StallWatch
 from dojo.todo import KataTodo
 
 DEFAULT_DEADLINE_S = 20.0
@@ -75,7 +75,11 @@ class _Rank:
     results: Any  # parent's end of the result pipe
     lifeline: Any  # parent's end of the lifeline pipe; closing it tells the rank to die
     log_path: str
-    outcome: tuple | None = None  # ("ok", value) or ("error", RankError)
+    outcome: tuple | None = None
+
+    @property
+    def stack_path(self) -> str:
+        return _rank.stack_path(self.log_path)  # ("ok", value) or ("error", RankError)
 
 
 def run_world(
@@ -89,6 +93,8 @@ def run_world(
     env: dict[str, str] | None = None,
     capture_output: bool = True,
     threads: int = 1,
+    hang_report: float | None = None,
+    hang_fails: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
@@ -99,7 +105,10 @@ def run_world(
     level, so that rank processes can import it. Returns the results in rank order; raises a
     ``WorldFailure`` (or the ``KataTodo`` a rank raised) otherwise.
 
-    ``deadline=None`` waits for ever (programs; Ctrl-C still stops every rank). With
+    ``deadline=None`` waits for ever (programs; Ctrl-C still stops every rank, after saying where
+    each one was). There ``hang_report`` seconds without progress (no rank returns, the waiting
+    ranks idle) print which ranks wait where, and the world keeps waiting; with ``hang_fails``
+    that report ends the world as a ``WorldDeadlock`` instead (a program under test). With
     ``capture_output`` (tests) each rank's output goes to a log that failures quote and that is
     echoed, rank-prefixed, afterwards; without it ranks print straight to the terminal.
     """
@@ -131,7 +140,12 @@ def run_world(
                     threads=threads,
                 )
             )
-        _collect(ranks, deadline, straggler)
+        try:
+            _collect(ranks, deadline, straggler, hang_report, hang_fails)
+        except KeyboardInterrupt:
+            if not capture_output:  # a learner's program: say where every rank was
+                _say(_interrupted_report(ranks))
+            raise
         _release(ranks)
         results = [_load_result(r) for r in ranks]
         if capture_output:
@@ -210,10 +224,17 @@ def _start_rank(
 # --------------------------------------------------------------------------- watching ranks
 
 
-def _collect(ranks: list[_Rank], deadline: float | None, straggler: float | None) -> None:
+def _collect(
+    ranks: list[_Rank],
+    deadline: float | None,
+    straggler: float | None,
+    hang_report: float | None = None,
+    hang_fails: bool = False,
+) -> None:
     """Wait for every rank's outcome; raise on the first error, crash or missed deadline."""
     give_up = time.monotonic() + deadline if deadline is not None else float("inf")
     straggling = False  # some ranks have returned; the rest now have `straggler` seconds
+    watch = StallWatch() if hang_report is not None else None
     while True:
         waiting = [r for r in ranks if r.outcome is None]
         if not waiting:
@@ -224,6 +245,14 @@ def _collect(ranks: list[_Rank], deadline: float | None, straggler: float | None
         timeout = give_up - time.monotonic()
         if timeout <= 0:
             raise _deadlock(ranks, waiting, straggler if straggling else deadline, straggling)
+        if watch is not None:
+            stalled = watch.check([r.process.pid for r in waiting], len(ranks) - len(waiting))
+            if stalled >= hang_report:
+                if hang_fails:
+                    raise _deadlock(ranks, waiting, hang_report, straggling=False, stalled=True)
+                _say(_stall_report(ranks, waiting, stalled))
+                watch.moved()  # the next report after as long again
+            timeout = min(timeout, 1.0)
         pipes = [r.results for r in waiting] + [r.process.sentinel for r in waiting]
         ready = wait(pipes, None if timeout == float("inf") else timeout)
         for rank in waiting:
@@ -297,7 +326,7 @@ def _crashed(rank: _Rank, ranks: list[_Rank]) -> RankCrashed:
             'Put that code under `if __name__ == "__main__":`.'
         )
     if dump:
-        text += f"\n\nwhere it crashed (most recent call last):\n{format_stack_dump(dump)}"
+        text += f"\n\nwhere it crashed (most recent call last):\n{stacks.format_stack_dump(dump)}"
     tail = _tail_of(output, header="its last output")
     return RankCrashed(f"{text}\n\n{tail}" if tail else text)
 
@@ -313,17 +342,23 @@ def _describe_exit(code: int) -> str:
 
 
 def _deadlock(
-    ranks: list[_Rank], stuck: list[_Rank], seconds: float, straggler: bool
+    ranks: list[_Rank], stuck: list[_Rank], seconds: float, straggling: bool, stalled: bool = False
 ) -> WorldDeadlock:
-    stacks = _dump_stacks(stuck)
+    dumps = _dump_stacks(stuck)
     numbers = [r.number for r in stuck]
     finished = [r.number for r in ranks if r.outcome is not None]
-    if straggler:
+    if straggling:
         head = (
             f"deadlock: rank(s) {_join(numbers)} still had not returned {seconds:g} s "
             f"after rank(s) {_join(finished)} had: a rank is probably waiting in a collective or "
             "a recv that its peers never call (every rank must call every collective, in the "
             "same order)."
+        )
+    elif stalled:
+        head = (
+            f"deadlock: rank(s) {_join(numbers)} made no progress for {seconds:g} s (no rank "
+            "returned, none computed). Is every rank calling the same collectives in the same "
+            "order, and does every recv have a matching send?"
         )
     else:
         head = (
@@ -331,82 +366,60 @@ def _deadlock(
             "deadline. Is every rank calling the same collectives in the same order, and does "
             "every recv have a matching send?"
         )
-    body = "\n\n".join(f"rank {n} is waiting here (most recent call last):\n{s}" for n, s in stacks)
+    text = f"{head}\n{stacks.summary(dumps, finished)}\n\n{stacks.grouped_stacks(dumps)}"
     _kill(ranks)
-    return WorldDeadlock(f"{head}\n\n{body}", numbers)
+    return WorldDeadlock(text, numbers)
 
 
-def _dump_stacks(stuck: list[_Rank]) -> list[tuple[int, str]]:
+def _stall_report(ranks: list[_Rank], stuck: list[_Rank], seconds: float) -> str:
+    dumps = _dump_stacks(stuck)
+    finished = [r.number for r in ranks if r.outcome is not None]
+    return (
+        f"no progress for {seconds:.0f} s: {stacks.summary(dumps, finished)}.\n"
+        "Still waiting (Ctrl-C stops every rank). A rank that waits in a collective for ever is "
+        "waiting for a peer that never calls it.\n\n"
+        f"{stacks.grouped_stacks(dumps)}"
+    )
+
+
+def _interrupted_report(ranks: list[_Rank]) -> str:
+    stuck = [r for r in ranks if r.outcome is None and r.process.is_alive()]
+    if not stuck:
+        return "interrupted"
+    dumps = _dump_stacks(stuck)
+    finished = [r.number for r in ranks if r.outcome is not None]
+    return f"interrupted: {stacks.summary(dumps, finished)}\n\n{stacks.grouped_stacks(dumps)}"
+
+
+def _say(text: str) -> None:
+    """A report to the program's terminal, as whole lines (ranks may be printing too)."""
+    data = "".join(f"[main] {line}\n" for line in text.splitlines())
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), data.encode())
+
+
+def _dump_stacks(stuck: list[_Rank]) -> dict[int, str]:
     """Ask every stuck rank for its Python stacks (faulthandler on SIGUSR1) and read them."""
     offsets = {}
     for rank in stuck:
-        offsets[rank.number] = _size(rank.log_path)
+        offsets[rank.number] = _size(rank.stack_path)
         try:
             os.kill(rank.process.pid, signal.SIGUSR1)
         except (OSError, AttributeError):
             pass
     end = time.monotonic() + _STACK_WAIT_S
-    stacks = []
+    dumps = {}
     for rank in stuck:
         text = ""
         while time.monotonic() < end:
-            text = _read_from(rank.log_path, offsets[rank.number])
+            text = _read_from(rank.stack_path, offsets[rank.number])
             if "most recent call first" in text and text.endswith("\n"):
                 time.sleep(0.05)  # let the dump finish
-                text = _read_from(rank.log_path, offsets[rank.number])
+                text = _read_from(rank.stack_path, offsets[rank.number])
                 break
             time.sleep(0.02)
-        stacks.append((rank.number, format_stack_dump(text)))
-    return stacks
-
-
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_HIDDEN = (
-    os.sep + "multiprocessing" + os.sep,
-    os.sep + "dojo" + os.sep + "rank.py",
-    "threading.py",
-)
-
-
-def _is_rank_main(frame: re.Match) -> bool:
-    return frame["func"] == "main" and frame["file"].endswith(os.path.join("dojo", "rank.py"))
-
-
-def format_stack_dump(text: str) -> str:
-    """The main thread's frames from a faulthandler dump, oldest first, with their source lines.
-
-    Harness frames are hidden, and a run of frames inside torch shrinks to the innermost one:
-    the learner needs "my line, waiting in all_reduce", not torch's plumbing.
-    """
-    threads = re.split(
-        r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", text, flags=re.M
-    )
-    for block in threads[1:]:
-        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
-        if not any(_is_rank_main(m) for m in frames):
-            continue  # not the main thread (the lifeline watcher, gloo's threads)
-        shown: list[re.Match] = []
-        for frame in reversed(frames):  # oldest first
-            if frame["file"].startswith("<") or any(part in frame["file"] for part in _HIDDEN):
-                continue
-            if shown and _in_torch(shown[-1]) and _in_torch(frame):
-                shown[-1] = frame  # keep only the innermost torch frame of a run
-                continue
-            shown.append(frame)
-        return (
-            "\n".join(_format_frame(m) for m in shown) or "  (no Python frames outside the harness)"
-        )
-    return "  (no stack: the rank did not answer the request for one)"
-
-
-def _in_torch(frame: re.Match) -> bool:
-    return f"{os.sep}torch{os.sep}" in frame["file"]
-
-
-def _format_frame(frame: re.Match) -> str:
-    line = linecache.getline(frame["file"], int(frame["line"])).strip()
-    head = f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}'
-    return f"{head}\n    {line}" if line else head
+        dumps[rank.number] = text
+    return dumps
 
 
 # --------------------------------------------------------------------------- output and cleanup

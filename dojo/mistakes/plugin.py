@@ -9,6 +9,7 @@ tests included. A catalogue that names a test the spec does not have stops the r
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -89,10 +90,12 @@ def dojo_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     variant = getattr(request, "param", None)
     if variant is not None:
         table = mistakes.swaps(variant.kata, variant.entry)
-        monkeypatch.setenv(impl.SUBSTITUTE_VAR, json.dumps({variant.kata.module: table}))
-        module = impl.load_kata(variant.kata.module)
+        # The reference as it is (load_kata would swap already): monkeypatch must keep the
+        # originals, so the next test of this worker runs against the reference again.
+        module = importlib.import_module(f"solutions.{variant.kata.module}")
         for attribute, target in table.items():
             monkeypatch.setattr(module, attribute, impl.resolve(target))
+        monkeypatch.setenv(impl.SUBSTITUTE_VAR, json.dumps({variant.kata.module: table}))
     return variant
 
 

@@ -120,6 +120,25 @@ def test_a_deadlock_names_the_stuck_rank_and_where_it_waits():
         f"the stuck line is missing from:\n{message}"
     )
     assert "rank(s) 1, 2" in message, "the report should say which ranks had finished"
+    assert "rank 0 waits in all_reduce (dojo/tests/test_harness.py:" in message, message
+    assert "_only_rank_zero_all_reduces); ranks 1, 2 returned" in message, message
+
+
+def _broadcast_or_all_reduce(rank, world_size):
+    if rank == 0:
+        dist.broadcast(torch.ones(1), src=0)
+    else:
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def test_ranks_in_different_collectives_are_named_as_such():
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_broadcast_or_all_reduce, 3, deadline=4)
+    message = str(caught.value)
+    assert "rank 0 waits in broadcast (dojo/tests/test_harness.py:" in message, message
+    assert "ranks 1, 2 wait in all_reduce (" in message, message
+    assert "the ranks called different collectives (all_reduce, broadcast)" in message, message
 
 
 def _everyone_receives_first(rank, world_size, tmp_path):
@@ -133,7 +152,10 @@ def test_a_world_where_every_rank_is_stuck_ends_at_the_deadline(tmp_path):
     with pytest.raises(WorldDeadlock) as caught:
         run_world(_everyone_receives_first, 2, tmp_path, deadline=3)
     assert caught.value.stuck == [0, 1]
-    assert str(caught.value).count("dist.recv(buffer") == 2, str(caught.value)
+    message = str(caught.value)
+    assert "ranks 0, 1 wait in recv (dojo/tests/test_harness.py:" in message, message
+    assert message.count("dist.recv(buffer") == 1, f"one stack for ranks stuck alike:\n{message}"
+    assert "ranks 0, 1 are waiting here" in message, message
     _assert_gone(_read_pids(tmp_path, 2))
     # The next world works.
     assert [r["sum"] for r in run_world(_identify, 2, None)] == [1, 1]

@@ -1,0 +1,130 @@
+"""Where stuck ranks wait: faulthandler's stack dumps, trimmed for a learner and grouped.
+
+    ranks 1, 2, 3 wait in all_reduce (katas/k04_allreduce.py:88, average_gradients); rank 0 returned
+
+A rank's dump is cut to its main thread, harness frames hidden and torch's plumbing shrunk to the
+call the rank is inside; ranks stuck at the same place are shown once; ranks stuck in different
+collectives are named as such.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+from dataclasses import dataclass
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_HIDDEN = (
+    os.sep + "multiprocessing" + os.sep,
+    os.sep + "dojo" + os.sep + "rank.py",
+    "threading.py",
+)
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", re.M)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    @property
+    def in_torch(self) -> bool:
+        return f"{os.sep}torch{os.sep}" in self.file
+
+    @property
+    def shown_path(self) -> str:
+        """Relative to the checkout, or from site-packages on: short enough to read."""
+        if (
+            self.file.startswith(_ROOT + os.sep)
+            and os.sep + "site-packages" + os.sep not in self.file
+        ):
+            return os.path.relpath(self.file, _ROOT)
+        return self.file.split(os.sep + "site-packages" + os.sep, 1)[-1]
+
+    def __str__(self) -> str:
+        source = linecache.getline(self.file, self.line).strip()
+        head = f'  File "{self.shown_path}", line {self.line}, in {self.function}'
+        return f"{head}\n    {source}" if source else head
+
+
+def main_thread_frames(dump: str) -> list[Frame] | None:
+    """The rank's main-thread frames, oldest first, as a learner should see them; None when the
+    dump holds no stack of the rank's main thread."""
+    for block in _THREAD.split(dump)[1:]:
+        matches = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        frames = [Frame(m["file"], int(m["line"]), m["func"]) for m in reversed(matches)]
+        if not any(
+            f.function == "main" and f.file.endswith(os.path.join("dojo", "rank.py"))
+            for f in frames
+        ):
+            continue  # not the main thread (the lifeline watcher, gloo's threads)
+        shown: list[Frame] = []
+        for frame in frames:
+            if frame.file.startswith("<") or any(part in frame.file for part in _HIDDEN):
+                continue
+            if shown and shown[-1].in_torch and frame.in_torch:
+                shown[-1] = frame  # keep only the innermost torch frame of a run
+                continue
+            shown.append(frame)
+        return shown
+    return None
+
+
+def format_stack_dump(dump: str) -> str:
+    """A rank's dump as the report shows it (most recent call last)."""
+    frames = main_thread_frames(dump)
+    if frames is None:
+        return "  (no stack: the rank did not answer the request for one)"
+    return "\n".join(map(str, frames)) or "  (no Python frames outside the harness)"
+
+
+def where(frames: list[Frame] | None) -> str:
+    """``all_reduce (katas/k04_allreduce.py:88, average_gradients)``: the call a rank is inside
+    and the line of its own code that made it."""
+    if not frames:
+        return "an unknown place (no stack)"
+    own = [f for f in frames if not f.in_torch]
+    call = frames[-1].function if frames[-1].in_torch else None
+    if not own:
+        return call or frames[-1].function
+    line = f"{own[-1].shown_path}:{own[-1].line}, {own[-1].function}"
+    return f"{call} ({line})" if call else f"{own[-1].function} ({line})"
+
+
+def ranks_text(numbers: list[int]) -> str:
+    return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+
+
+def summary(dumps: dict[int, str], returned: list[int]) -> str:
+    """One line: which ranks wait where, grouped; a note when they wait in different calls."""
+    groups: dict[str, list[int]] = {}
+    calls: set[str] = set()
+    for number, dump in sorted(dumps.items()):
+        frames = main_thread_frames(dump)
+        groups.setdefault(where(frames), []).append(number)
+        if frames and frames[-1].in_torch:
+            calls.add(frames[-1].function)
+    parts = [
+        f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {place}"
+        for place, numbers in groups.items()
+    ]
+    line = "; ".join(parts)
+    if returned:
+        line += f"; {ranks_text(returned)} returned"
+    if len(calls) > 1:
+        line += f": the ranks called different collectives ({', '.join(sorted(calls))})"
+    return line
+
+
+def grouped_stacks(dumps: dict[int, str]) -> str:
+    """Each distinct stack once, headed by the ranks stuck in it."""
+    groups: dict[str, list[int]] = {}
+    for number, dump in sorted(dumps.items()):
+        groups.setdefault(format_stack_dump(dump), []).append(number)
+    return "\n\n".join(
+        f"{ranks_text(numbers)} {'is' if len(numbers) == 1 else 'are'} waiting here (most recent call last):\n{stack}"
+        for stack, numbers in groups.items()
+    )

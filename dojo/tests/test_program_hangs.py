@@ -1,0 +1,218 @@
+"""A kata program whose ranks hang: under test it ends within seconds with the report of where
+each rank waits; run by a learner it says so and keeps waiting, and Ctrl-C says it again and
+leaves nothing behind, whether it hit the program or the pytest running it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dojo.curriculum import ROOT
+from dojo.testing import run_program
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/proc"), reason="needs /proc to see leftover processes"
+)
+
+# The k04 program, with the tutorial's all-reduce swapped for one only rank 0 calls.
+HANG = {
+    "DOJO_IMPL": "solutions",
+    "DOJO_SUBSTITUTE": json.dumps(
+        {"k04_allreduce": {"tutorial_allreduce": f"{__name__}:only_rank_0_all_reduces"}}
+    ),
+}
+
+
+def only_rank_0_all_reduces(rank, world_size):
+    tensor = torch.tensor([rank])
+    before = tensor.clone()
+    if rank == 0:
+        dist.all_reduce(tensor)  # the others never call it: rank 0 waits for ever
+    return before, tensor
+
+
+def _marked(token: str) -> list[int]:
+    """Processes whose environment holds ``DOJO_TEST_TOKEN=token`` (the program and its ranks)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"DOJO_TEST_TOKEN={token}".encode() in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _gone(token: str, seconds: float = 15) -> list[int]:
+    end = time.monotonic() + seconds
+    while (left := _marked(token)) and time.monotonic() < end:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _wait_for(token: str, count: int, seconds: float = 60) -> None:
+    end = time.monotonic() + seconds
+    while len(_marked(token)) < count:
+        assert time.monotonic() < end, f"the program never started its {count - 1} ranks"
+        time.sleep(0.1)
+
+
+def test_a_hung_program_under_test_ends_within_seconds_saying_where_each_rank_waits():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as caught:
+        run_program(
+            "solutions.k04_allreduce",
+            "--world-size",
+            "4",
+            "--backend",
+            "gloo",
+            "--device",
+            "cpu",
+            env=HANG,
+        )
+    message = str(caught.value)
+    assert time.monotonic() - start < 40, (
+        "a hang must end after seconds of no progress, not at the timeout"
+    )
+    assert "`python -m solutions.k04_allreduce --world-size 4" in message, message
+    assert "hung: its ranks stopped making progress" in message, message
+    assert "rank 0 waits in all_reduce (dojo/tests/test_program_hangs.py:" in message, message
+    assert "ranks 1, 2, 3 wait in barrier (solutions/k04_allreduce.py:" in message, message
+
+
+def test_a_learners_hung_program_says_where_ranks_wait_and_ctrl_c_says_it_again(tmp_path):
+    token = f"program-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, **HANG, "DOJO_HANG_REPORT_S": "2", "DOJO_TEST_TOKEN": token}
+    env.pop("DOJO_HANG_FAILS", None)
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        program = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "solutions.k04_allreduce",
+                "--world-size",
+                "3",
+                "--backend",
+                "gloo",
+                "--device",
+                "cpu",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        end = time.monotonic() + 60
+        while "no progress for" not in err.read_text():
+            assert time.monotonic() < end and program.poll() is None, (
+                f"no report of the hang:\n{err.read_text()}"
+            )
+            time.sleep(0.2)
+        assert program.poll() is None, "the report must not stop the program: it keeps waiting"
+        report = err.read_text()
+        assert "[main] no progress for 2 s: rank 0 waits in all_reduce" in report, report
+        assert "ranks 1, 2 wait in barrier" in report and "Ctrl-C stops every rank" in report, (
+            report
+        )
+        os.killpg(program.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        assert program.wait(timeout=30) == 130
+        said = err.read_text()[len(report) :]
+        assert "[main] interrupted: rank 0 waits in all_reduce" in said, said
+    finally:
+        if program.poll() is None:
+            os.killpg(program.pid, signal.SIGKILL)
+    assert _gone(token) == [], "the program's ranks outlived Ctrl-C"
+
+
+TEST_FILE = """
+import json, os
+from dojo.testing import run_program
+
+def test_hangs():
+    run_program("solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu", timeout=300,
+                env={"DOJO_HANG_REPORT_S": "600"})
+"""
+
+
+def test_ctrl_c_during_a_program_test_leaves_no_process(tmp_path):
+    token = f"pytest-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "test_hanging_program.py").write_text(TEST_FILE)
+    env = {**os.environ, **HANG, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)}
+    pytest_run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(ROOT),
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            str(tmp_path / "test_hanging_program.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(token, 4)  # pytest, the program and its 2 ranks
+        time.sleep(1)
+        os.killpg(pytest_run.pid, signal.SIGINT)  # Ctrl-C reaches pytest's group, not the program's
+        pytest_run.wait(timeout=60)
+    finally:
+        if pytest_run.poll() is None:
+            os.killpg(pytest_run.pid, signal.SIGKILL)
+    assert _gone(token) == [], "Ctrl-C on pytest left the program under test running"
+
+
+def test_a_program_dies_with_the_pytest_that_runs_it(tmp_path):
+    token = f"killed-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "test_hanging_program.py").write_text(TEST_FILE)
+    env = {**os.environ, **HANG, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)}
+    pytest_run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(ROOT),
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            str(tmp_path / "test_hanging_program.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(token, 4)
+        os.kill(pytest_run.pid, signal.SIGKILL)  # no clean-up code runs in pytest
+        pytest_run.wait(timeout=30)
+    finally:
+        if pytest_run.poll() is None:
+            os.killpg(pytest_run.pid, signal.SIGKILL)
+    assert _gone(token) == [], "a program outlived the pytest process that ran it"
