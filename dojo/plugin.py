@@ -16,6 +16,9 @@ import re
 import pytest
 
 from dojo import curriculum, impl
+from dojo.commands import dojo
+from dojo.report import compact
+from dojo.report import wanted as report_for_learners
 from dojo.todo import find_todo
 from dojo.world import run_world
 
@@ -81,6 +84,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         _expect_todo(report, call, todo)
     elif todo is not None:
         report.longrepr = _todo_report(todo)
+    elif report.failed and call.excinfo is not None and report_for_learners(item.config):
+        kata = _kata_of(item)
+        if kata is not None:
+            report.longrepr = compact(item, call.excinfo, kata)
+
+
+def _kata_of(item: pytest.Item) -> curriculum.Kata | None:
+    match = _KATA_FILE.search(os.path.basename(str(item.path)))
+    if not match or os.path.basename(os.path.dirname(str(item.path))) != "tests":
+        return None
+    try:
+        return curriculum.find(match.group(1))
+    except KeyError:
+        return None
 
 
 def _todo_report(todo) -> str:
@@ -95,7 +112,7 @@ def _todo_report(todo) -> str:
     ]
     hints = next((s.hints for s in kata.steps if s.number == todo.step), ())
     if hints:
-        lines.append(f"  hint: {hints[0]}  (more: dojo hint {todo.kata})")
+        lines.append(f"  hint: {hints[0]}  (more: {dojo()} hint {todo.kata})")
     return "\n".join(lines)
 
 

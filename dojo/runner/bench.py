@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from dojo import curriculum
+from dojo.commands import dojo
 from dojo.runner.term import foreground
 
 KNOWN = {
@@ -30,7 +31,7 @@ def bench(name: str, args: list[str]) -> int:
         what = f" ({KNOWN[name]})" if name in KNOWN else ""
         present = sorted(p.stem for p in path.parent.glob("*.py") if not p.stem.startswith("_"))
         print(
-            f"dojo: benchmarks/{name}.py{what} is not in this checkout, so `dojo bench {name}` cannot run. "
+            f"dojo: benchmarks/{name}.py{what} is not in this checkout, so `{dojo()} bench {name}` cannot run. "
             f"Benchmarks here: {', '.join(present) or 'none'}.",
             file=sys.stderr,
         )

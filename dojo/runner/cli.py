@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from dojo import curriculum
+from dojo.commands import dojo, environment_problem
 from dojo.runner import progress
 from dojo.runner.term import fail
 
@@ -53,17 +54,23 @@ def _parser() -> argparse.ArgumentParser:
     goto = command("goto", "make a kata the current one (going back, or skipping ahead on purpose)")
     goto.add_argument("kata")
     hint = command(
-        "hint", "hints in tiers, from a nudge to nearly the answer; each call shows one more"
+        "hint", "hints in tiers, from a nudge to nearly the answer; --more goes one tier further"
     )
     hint.add_argument("kata", nargs="?", help="default: the current kata")
     hint.add_argument("--step", type=int, help="default: the first failing step")
     hint.add_argument(
-        "--level", type=int, help="show tiers 1..LEVEL (default: one more than last time)"
+        "--more",
+        action="store_true",
+        help="one tier more than you have seen (closer to the answer)",
     )
+    hint.add_argument("--level", type=int, help="show tiers 1..LEVEL")
     reset = command("reset", "give a kata its shipped stub back (your file is backed up first)")
     reset.add_argument("kata", nargs="?")
     reset.add_argument("--all", action="store_true", help="every kata you have changed")
     reset.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    reset.add_argument(
+        "--undo", action="store_true", help="bring back the version the last reset backed up"
+    )
     solution = command("solution", "show the reference solution, or --diff it against your file")
     solution.add_argument("kata", nargs="?", help="default: the current kata")
     solution.add_argument(
@@ -126,8 +133,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that run tests or programs, and so need torch and pytest in this Python.
+_NEED_TORCH = (None, "check", "verify", "next", "hint", "watch", "run", "bench", "dev")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in _NEED_TORCH and (problem := environment_problem(argv)):
+        return fail(problem)
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
@@ -142,7 +155,7 @@ def _kata(name: str | None, need_files: bool = True) -> curriculum.Kata:
     if name is None:
         kata = progress.current(progress.load())
         if kata is None:
-            raise _Usage("every kata written so far passes; name one (dojo list shows them)")
+            raise _Usage(f"every kata written so far passes; name one (`{dojo()} list` shows them)")
         return kata
     try:
         kata = curriculum.find(name)
@@ -177,10 +190,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             case "goto":
                 return learn.goto(_kata(args.kata))
             case "hint":
-                return hints.show(_kata(args.kata), args.step, args.level)
+                return hints.show(_kata(args.kata), args.step, args.level, args.more)
             case "reset":
+                if args.undo:
+                    return reset.undo(_kata(args.kata))
                 if args.all == bool(args.kata):
-                    raise _Usage("say which kata to reset (dojo reset k01), or --all")
+                    raise _Usage(f"say which kata to reset (`{dojo()} reset k01`), or --all")
                 katas = progress.available_katas() if args.all else [_kata(args.kata)]
                 return reset.reset(katas, args.yes)
             case "solution":

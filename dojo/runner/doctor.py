@@ -44,6 +44,13 @@ def _python() -> Finding:
     )
 
 
+def _how_to_get_in() -> str:
+    from dojo.commands import environment_problem
+
+    problem = environment_problem(["doctor"])
+    return problem.split(": ", 1)[1] if problem else "install the project with `make learn`"
+
+
 def _torch() -> list[Finding]:
     try:
         import torch
@@ -53,7 +60,7 @@ def _torch() -> list[Finding]:
             Finding(
                 "FAIL",
                 "torch",
-                f"cannot be imported ({error}): install the project with `make learn`",
+                f"cannot be imported ({error}): {_how_to_get_in()}",
             )
         ]
     found = []
@@ -276,7 +283,7 @@ def _packages() -> Finding:
         return Finding(
             "FAIL",
             "test tools",
-            f"missing {', '.join(missing)}: install the project with `make learn`",
+            f"missing {', '.join(missing)}: {_how_to_get_in()}",
         )
     return Finding("ok", "test tools", ", ".join(versions))
 

@@ -1,7 +1,8 @@
 """``dojo hint``: a step's hints in tiers, from a nudge to nearly the answer.
 
 By default the step is the first failing one (from the last test run while the files are
-unchanged, else from a fresh run), and each ``dojo hint`` shows one tier more than the last.
+unchanged, else from a fresh run). ``dojo hint`` shows the tiers already seen (at least the
+nudge) and never climbs by itself: going further is the learner's choice, ``dojo hint --more``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 from dojo import curriculum
+from dojo.commands import dojo
 from dojo.runner import progress, runs
 from dojo.runner.term import fail, paint
 
@@ -24,7 +26,7 @@ def default_step(kata: curriculum.Kata) -> tuple[int | None, str]:
         )
         run = result.summary()
         if passed:
-            print(f"{kata.id} passes: it stays your current kata until `dojo next`.")
+            print(f"{kata.id} passes: it stays your current kata until `{dojo()} next`.")
     if run.get("exit") == 0:
         return None, "it passes"
     return run.get("step"), "the first failing step"
@@ -34,13 +36,12 @@ def show(
     kata: curriculum.Kata,
     step: int | None = None,
     level: int | None = None,
+    more: bool = False,
     why: str = "the step asked for",
     again: str | None = None,
 ) -> int:
-    """Print hints 1..level of a step; ``again`` says how to see the next tier."""
-    again = again or "`dojo hint {}`".format(
-        kata.id + (f" --step {step}" if step is not None else "")
-    )
+    """Print hints 1..N of a step: N the highest tier seen so far (at least 1), one more with
+    ``more``, or ``level``. ``again`` says how to ask for the next tier."""
     if not kata.steps:
         print(f"{kata.id} has no hints yet (its file in dojo/curriculum/ lists no steps).")
         return 1
@@ -57,11 +58,11 @@ def show(
         chosen = kata.step(step)
     except KeyError as error:
         return fail(error.args[0])
-    state = progress.load()
-    seen = state.hints.get(kata.id, {}).get(str(step), 0)
+    again = again or f"`{dojo()} hint {kata.id} --step {step} --more`"
+    seen = progress.load().hints.get(kata.id, {}).get(str(step), 0)
     tiers = len(chosen.hints)
     if level is None:
-        level = min(seen + 1, tiers)
+        level = min(max(seen, 1) + (1 if more and seen else 0), tiers)
     elif not 1 <= level <= tiers:
         return fail(f"{kata.id} step {step} has hint levels 1 to {tiers}, not {level}")
     with progress.editing() as state:
@@ -77,9 +78,11 @@ def show(
         ).lstrip()
         print(f"  {number}. {paint(body, 'cyan') if number == level else body}")
     if level < tiers:
-        print(f"More: {again} shows hint {level + 1} of {tiers}.")
+        print(
+            f"Stuck still? {again} shows hint {level + 1} of {tiers} (it says more of the answer)."
+        )
     else:
         print(
-            f"That was the last hint for this step; `dojo solution {kata.id} --diff` compares with the reference."
+            f"That was the last hint for this step; `{dojo()} solution {kata.id} --diff` compares with the reference."
         )
     return 0

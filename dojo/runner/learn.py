@@ -7,9 +7,11 @@ changes only when the learner says so (``next``, ``goto``): passing never moves 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from dojo import curriculum
+from dojo.commands import dojo
 from dojo.runner import progress, runs
 from dojo.runner.term import bar, foreground, paint
 
@@ -31,7 +33,7 @@ def progress_view(state: progress.State) -> str:
             if status == "later":
                 row += "  (not written yet)"
             elif status == "current" and state.is_done(kata):
-                row += "  (passes: `dojo next` moves on)"
+                row += f"  (passes: `{dojo()} next` moves on)"
             lines.append("  " + paint(row, *_STYLE[status]))
     return "\n".join(lines)
 
@@ -99,7 +101,12 @@ def start() -> int:
         f"\nNext: open katas/{kata.module}.py, read its lesson (the docstring at the top) and write "
         f"{runs.describe_step(kata, step) if step else 'the first failing step'}."
     )
-    print("      `dojo hint` gives a nudge; `dojo watch` re-runs the tests every time you save.")
+    print(
+        f"      `{dojo()} hint` gives a nudge; `{dojo()} watch` re-runs the tests every time you save."
+    )
+    if dojo() != "dojo":  # make learn ran it from .venv without activating it
+        activate = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "activate"))
+        print(f"      (`source {activate}` once per shell, and plain `dojo` works too.)")
     return 0
 
 
@@ -107,7 +114,7 @@ def _after_pass(kata: curriculum.Kata) -> int:
     upcoming = progress.following(progress.load(), kata)
     if upcoming is None:
         return _all_done(progress.load())
-    print(f"Next: `dojo next` moves on to {upcoming.id} · {upcoming.title}.")
+    print(f"Next: `{dojo()} next` moves on to {upcoming.id} · {upcoming.title}.")
     return 0
 
 
@@ -127,7 +134,7 @@ def check_command(kata: curriculum.Kata, solutions: bool = False) -> int:
         if now is not None and now.id == kata.id:
             _after_pass(kata)
     elif not result.passed and not solutions:
-        print(f"`dojo hint {kata.id}` gives a nudge.")
+        print(f"`{dojo()} hint {kata.id}` gives a nudge.")
     return 0 if result.passed else 1
 
 
@@ -169,8 +176,8 @@ def next_kata() -> int:
         result = check(kata)
         if not result.passed:
             print(
-                f"{kata.id} does not pass yet, so you stay on it. `dojo hint` helps; "
-                "`dojo goto kNN` jumps elsewhere on purpose."
+                f"{kata.id} does not pass yet, so you stay on it. `{dojo()} hint` helps; "
+                f"`{dojo()} goto kNN` jumps elsewhere on purpose."
             )
             return 1
     upcoming = progress.following(progress.load(), kata)
@@ -179,14 +186,14 @@ def next_kata() -> int:
     with progress.editing() as state:
         state.focus = upcoming.id
     print(f"\n{kata.id} done. Now: {upcoming.id} · {upcoming.title}")
-    print(f"Open katas/{upcoming.module}.py and read its lesson; `dojo` runs its tests.")
+    print(f"Open katas/{upcoming.module}.py and read its lesson; `{dojo()}` runs its tests.")
     return 0
 
 
 def goto(kata: curriculum.Kata) -> int:
     with progress.editing() as state:
         state.focus = kata.id
-    status = "it already passes" if state.is_done(kata) else "its tests run with `dojo`"
+    status = "it already passes" if state.is_done(kata) else f"its tests run with `{dojo()}`"
     print(f"Now: {kata.id} · {kata.title} (katas/{kata.module}.py); {status}.")
     return 0
 

@@ -9,12 +9,14 @@ who changes a stub cannot ship a stale one.
 from __future__ import annotations
 
 import filecmp
+import re
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from dojo import curriculum
+from dojo.commands import dojo
 from dojo.runner import progress
 from dojo.runner.term import ask
 
@@ -71,9 +73,48 @@ def reset(
         shutil.copyfile(kata.pristine_file, kata.kata_file)
         with progress.editing() as state:
             state.forget(kata)
-        where = f"; your version is in {progress.relative(kept)}" if kept else ""
+        where = (
+            f"; your version is in {progress.relative(kept)} (`{dojo()} reset {kata.id} --undo` "
+            "brings it back)"
+            if kept
+            else ""
+        )
         print(f"{kata.id}: katas/{kata.module}.py is the shipped stub again{where}")
     return 1 if missing else 0
+
+
+def backups(kata: curriculum.Kata) -> list[Path]:
+    """The kata's backups in ``.dojo/backups/``, oldest first."""
+    pattern = re.compile(rf"^{re.escape(kata.module)}-(\d{{8}}-\d{{6}})(?:-(\d+))?\.py$")
+    found = []
+    for path in BACKUP_DIR.glob(f"{kata.module}-*.py"):
+        match = pattern.match(path.name)
+        if match:
+            found.append(((match.group(1), int(match.group(2) or 1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def undo(kata: curriculum.Kata) -> int:
+    """Put the newest backup back in ``katas/`` (the file there is backed up first, so an undo
+    can be undone too); 1 when there is none."""
+    kept = backups(kata)
+    if not kept:
+        print(
+            f"{kata.id}: there is no backup of katas/{kata.module}.py in .dojo/backups/ to bring back"
+        )
+        return 1
+    newest = kept[-1]
+    if kata.kata_file.exists() and filecmp.cmp(newest, kata.kata_file, shallow=False):
+        print(f"{kata.id}: katas/{kata.module}.py is already {progress.relative(newest)}")
+        return 0
+    current = backup(kata) if kata.kata_file.exists() else None
+    shutil.copyfile(newest, kata.kata_file)
+    newest.unlink()
+    with progress.editing() as state:
+        state.forget(kata)
+    also = f" (the file it replaced is in {progress.relative(current)})" if current else ""
+    print(f"{kata.id}: katas/{kata.module}.py is your version from {newest.name} again{also}")
+    return 0
 
 
 # ---------------------------------------------------------------------------- for maintainers

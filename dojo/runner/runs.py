@@ -10,14 +10,17 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 
 from dojo import curriculum, impl
+from dojo.commands import python
 from dojo.runner import testlog
 from dojo.runner.steps import TODO_PATTERN, steps_of_failure
 
@@ -86,13 +89,13 @@ class RunResult:
             lines += ["  " + line for line in first["text"].rstrip().splitlines()]
             groups: dict[str, list[str]] = {}
             for record in real[1:]:
-                groups.setdefault(_message(record["text"]), []).append(_name(record))
+                groups.setdefault(_message(record), []).append(_name(record))
             for message, names in list(groups.items())[:shown]:
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-                if message == _message(first["text"]):
+                if message == _message(first):
                     lines.append(f"FAILED {names[0]}{more}: the same error")
-                else:
-                    lines.append(f"FAILED {names[0]}{more}: {message}")
+                else:  # the whole message: its end is often the advice
+                    lines += _wrapped(f"FAILED {names[0]}{more}: {message}")
             if len(groups) > shown:
                 lines.append("... and more failing tests with other errors")
         if todos:
@@ -102,7 +105,7 @@ class RunResult:
                     f"  {describe_step(self.kata, step)}: {len(found)} test{'s' if len(found) > 1 else ''}"
                 )
         if real or todos:
-            lines.append(f"(every failure in full: python -m pytest {spec_file(self.kata)})")
+            lines.append(f"(every failure in full: {python()} -m pytest {spec_file(self.kata)})")
         return "\n".join(lines)
 
     def describe(self) -> str:
@@ -134,12 +137,21 @@ def _name(record: dict) -> str:
     return record["test"].split("::", 1)[-1]
 
 
-def _message(text: str) -> str:
-    """The first line of the error message in a short traceback (pytest marks it with ``E``)."""
-    for line in text.splitlines():
+def _message(record: dict) -> str:
+    """A failure's message, whole (pytest's ``E`` line where the log has none)."""
+    if record.get("message"):
+        return record["message"]
+    for line in record["text"].splitlines():
         if line.startswith("E "):
-            return line[1:].strip()[:160]
-    return (text.strip().splitlines() or [""])[-1][:160]
+            return line[1:].strip()
+    return (record["text"].strip().splitlines() or [""])[-1]
+
+
+def _wrapped(line: str) -> list[str]:
+    width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
+    return textwrap.wrap(line, width=width, subsequent_indent="    ", break_long_words=False) or [
+        line
+    ]
 
 
 def describe_step(kata: curriculum.Kata, number: int) -> str:

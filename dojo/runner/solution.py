@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 
 from dojo import curriculum
+from dojo.commands import dojo
 from dojo.runner import progress
 from dojo.runner.term import ask, paint
 
@@ -20,7 +21,7 @@ def show(kata: curriculum.Kata, diff: bool = False, yes: bool = False) -> int:
         f"{kata.id} does not pass yet: seeing the reference now gives the answer away. Show it anyway?",
         yes,
     ):
-        print(f"Not shown. `dojo hint {kata.id}` gives a nudge instead.")
+        print(f"Not shown. `{dojo()} hint {kata.id}` gives a nudge instead.")
         return 1
     reference = kata.solution_file.read_text(encoding="utf-8")
     if not diff:

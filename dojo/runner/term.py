@@ -68,7 +68,9 @@ def foreground(command: list[str], cwd) -> int:
 
     Ctrl-C reaches the program too (same terminal), which stops its own ranks: wait for it to.
     """
-    print("$ " + " ".join(["python", *command[1:]]), flush=True)
+    from dojo.commands import python
+
+    print("$ " + " ".join([python(), *command[1:]]), flush=True)
     program = subprocess.Popen(command, cwd=cwd)
     try:
         return program.wait()

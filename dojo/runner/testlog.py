@@ -51,6 +51,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     report.dojo_steps = steps_of(item)
     if call.excinfo is not None and report.failed:
+        report.dojo_message = (call.excinfo.exconly().strip().splitlines() or [""])[0]
         try:  # as --tb=short shows it, pytest's own frames cut away (a private but old API)
             report.dojo_text = str(item._repr_failure_py(call.excinfo, style="short"))
         except Exception:
@@ -75,6 +76,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                 "outcome": report.outcome,
                 "text": text[-_TEXT_LIMIT:],
                 "steps": getattr(report, "dojo_steps", []),
+                "message": getattr(report, "dojo_message", ""),
             }
         )
 

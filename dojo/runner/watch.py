@@ -4,7 +4,8 @@ Saves are noticed by polling modification times (every 0.5 s by default), the on
 that works everywhere without a dependency: file events do not arrive on WSL's Windows drives,
 network drives or some editors' atomic saves, and stat-ing a dozen files twice a second costs
 nothing. Keys: [n]ext (only once the kata passes: the watcher never moves on by itself),
-[h]int, [l]ist, [r]eset (asks first), [c]heck again, [q]uit. A save during a run restarts it;
+[h]int (the tiers seen so far), [m]ore (one hint tier further), [l]ist, [r]eset (asks
+first), [c]heck again, [q]uit. A save during a run restarts it;
 quitting stops pytest and everything it started.
 """
 
@@ -20,7 +21,7 @@ from dojo import curriculum
 from dojo.runner import hints, learn, progress, reset, runs
 from dojo.runner.term import paint
 
-KEYS_HELP = "[h] hint  [l] list  [r] reset  [c] check again  [q] quit"
+KEYS_HELP = "[h] hint  [m] more hint  [l] list  [r] reset  [c] check again  [q] quit"
 
 
 class Keys:
@@ -161,8 +162,8 @@ class Watcher:
             self.stop()
             print("dojo watch stopped.")
             return 0
-        if key == "h":
-            self.hint()
+        if key in ("h", "m"):
+            self.hint(more=key == "m")
         elif key == "l":
             print("\n" + learn.progress_view(progress.load()))
         elif key == "r":
@@ -178,7 +179,7 @@ class Watcher:
         sys.stdout.flush()
         return None
 
-    def hint(self) -> None:
+    def hint(self, more: bool = False) -> None:
         if self.last is None:
             print("\nThe tests are still running: press h again once they finish.")
             return
@@ -191,7 +192,7 @@ class Watcher:
         else:
             why = "the first failing step"
         print()
-        hints.show(self.kata, step, why=why, again="[h] again")
+        hints.show(self.kata, step, more=more, why=why, again="[m]")
 
     def next(self) -> None:
         if not (self.last and self.last.passed):

@@ -88,14 +88,16 @@ def learner_env(**extra: str) -> dict[str, str]:
 
 
 def dojo(
-    root: Path, *args: str, timeout: float = 120, env: dict | None = None
+    root: Path, *args: str, timeout: float = 120, env: dict | None = None, answer: str | None = None
 ) -> subprocess.CompletedProcess:
-    """``python -m dojo ARGS`` in ``root``; stdin is not a terminal, so questions answer no."""
+    """``python -m dojo ARGS`` in ``root``; stdin is not a terminal, so questions answer no, or
+    ``answer`` (piped in, as `yes | dojo ...` does)."""
     return subprocess.run(
         [sys.executable, "-m", "dojo", *args],
         cwd=root,
         env=env or learner_env(),
-        stdin=subprocess.DEVNULL,
+        input=answer,
+        stdin=subprocess.DEVNULL if answer is None else None,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -163,7 +165,8 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
         in verify.stdout
     )
 
-    # Hints: the first failing step, one tier more each time, from the last run (no new run).
+    # Hints: the first failing step, from the last run (no new run); climbing is the learner's
+    # choice (--more), never a side effect of asking twice.
     tiers = hints_of(1)
     hint = dojo(root, "hint")
     assert hint.returncode == 0, hint.stderr
@@ -173,10 +176,15 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
     assert "k01 step 1" in hint.stdout and f"hint 1 of {len(tiers)}" in hint.stdout, hint.stdout
     assert tiers[0][:40] in hint.stdout and tiers[1][:40] not in hint.stdout, hint.stdout
     again = dojo(root, "hint")
-    assert f"hint 2 of {len(tiers)}" in again.stdout and tiers[1][:40] in again.stdout, again.stdout
-    assert all(t[:40] not in again.stdout for t in tiers[2:]), (
-        "the next tier must wait for the next call"
+    assert f"hint 1 of {len(tiers)}" in again.stdout and tiers[1][:40] not in again.stdout, (
+        f"asking again must not give more of the answer away:\n{again.stdout}"
     )
+    assert "hint k01 --step 1 --more` shows hint 2" in again.stdout, again.stdout
+    more = dojo(root, "hint", "--more")
+    assert f"hint 2 of {len(tiers)}" in more.stdout and tiers[1][:40] in more.stdout, more.stdout
+    assert all(t[:40] not in more.stdout for t in tiers[2:]), "--more climbs one tier, no further"
+    kept = dojo(root, "hint")
+    assert f"hint 2 of {len(tiers)}" in kept.stdout, f"a tier seen stays shown:\n{kept.stdout}"
     last = len(hints_of(4))
     step4 = dojo(root, "hint", "k01", "--step", "4", "--level", str(last))
     assert step4.returncode == 0 and all(h[:40] in step4.stdout for h in hints_of(4)), step4.stdout
@@ -230,6 +238,21 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
     katas = listing(root)
     assert katas["k01"]["status"] == "current" and not katas["k01"]["done"], (
         f"after reset k01 is pending: {katas['k01']}"
+    )
+    assert "reset k01 --undo` brings it back" in reset.stdout, reset.stdout
+
+    # Undo brings the backed-up version back (and backs up the stub it replaces).
+    undone = dojo(root, "reset", "k01", "--undo")
+    assert undone.returncode == 0, undone.stdout + undone.stderr
+    solved = (root / "solutions" / f"{KATA}.py").read_bytes()
+    assert (root / "katas" / f"{KATA}.py").read_bytes() == solved, (
+        f"--undo must bring back the file the reset replaced:\n{undone.stdout}"
+    )
+
+    # A piped answer works as it does for other tools: `yes | dojo reset k01`.
+    piped = dojo(root, "reset", "k01", answer="y\n")
+    assert piped.returncode == 0 and (root / "katas" / f"{KATA}.py").read_bytes() == stub, (
+        f"a piped 'y' must answer the question:\n{piped.stdout}"
     )
     assert not wait_until_gone(root), "a command left processes running"
 

@@ -116,3 +116,23 @@ def test_a_kata_file_that_does_not_import_is_said_plainly():
         "3 could not start" in result.describe()
         and "does katas/k01_spawn.py import?" in result.describe()
     )
+
+
+def test_every_failure_after_the_first_keeps_its_whole_message_with_the_advice_at_its_end():
+    advice = "after the SUM all-reduce, divide by the world size, dist.get_world_size()"
+    long = (
+        "AssertionError: with 4 ranks: every rank holds the sum "
+        + "x" * 200
+        + ", not their mean: "
+        + advice
+    )
+    result = RunResult(
+        K01,
+        1,
+        [
+            record("test_a", text="E   AssertionError: first", steps=[1]),
+            {**record("test_b", text="whatever", steps=[1]), "message": long},
+        ],
+    )
+    digest = " ".join(result.digest().split())
+    assert advice in digest, f"the advice at the end of the message was cut off:\n{result.digest()}"

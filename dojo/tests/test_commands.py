@@ -1,0 +1,69 @@
+"""Every command the runner tells a learner to type works as printed, in the shell where
+`make learn` ran (no activated environment); outside the environment it says how to get in."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dojo import commands
+from dojo.curriculum import ROOT
+from dojo.tests.test_runner import dojo, learner_copy, learner_env
+
+
+def _shell_without_the_environment() -> dict[str, str]:
+    """A learner's shell after `make learn`: the environment's bin is not on the PATH."""
+    env = learner_env()
+    bin_dir = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != bin_dir)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def test_the_commands_after_the_first_run_work_as_printed_in_that_shell(tmp_path):
+    root = learner_copy(tmp_path)
+    env = _shell_without_the_environment()
+    first = dojo(root, env=env, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    shown = re.findall(r"`([^`]*\bhint)` gives a nudge", first.stdout)
+    assert shown, f"no hint command in:\n{first.stdout}"
+    hint = subprocess.run(
+        shown[0], shell=True, cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert hint.returncode == 0 and "hint 1 of" in hint.stdout, (
+        f"`{shown[0]}`, typed as printed, did not work:\n{hint.stdout}\n{hint.stderr}"
+    )
+    assert "source " in first.stdout and "activate" in first.stdout, (
+        f"the first run should say how to make plain `dojo` work:\n{first.stdout}"
+    )
+
+
+def test_outside_the_environment_the_runner_says_exactly_how_to_get_in(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    problem = commands.environment_problem(["check", "k02"])
+    assert problem is not None and "has no torch" in problem, problem
+    if (ROOT / ".venv" / "bin" / "dojo").exists():
+        assert "dojo check k02`" in problem and "activate" in problem, problem
+        assert "make learn" in problem, "it should say whose environment this is not"
+    else:
+        assert "`make learn`" in problem, problem
+
+
+def test_the_dojo_command_is_plain_only_where_the_shell_finds_this_one(monkeypatch, tmp_path):
+    script = Path(sys.prefix) / "bin" / "dojo"
+    if not script.exists():
+        pytest.skip("this environment has no dojo console script (pip install -e . makes it)")
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert commands.dojo() == "dojo"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    assert commands.dojo() == str(script), "from elsewhere, the script's full path"
