@@ -67,6 +67,7 @@ RUN IT
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -90,22 +91,27 @@ MOMENTUM = 0.9
 
 def broadcast_buffers(model: nn.Module) -> None:
     """Give this rank's model rank 0's buffers (BatchNorm's running statistics), nothing else."""
-    # TODO: under torch.no_grad(), dist.broadcast(buffer, src=0) for every buffer in
-    # model.buffers(); every rank, rank 0 included, calls it.
+    # TODO: afterwards every rank's buffers (model.buffers(): BatchNorm's running statistics)
+    # hold rank 0's values, and no parameter has changed. Every rank calls it, rank 0 too. The
+    # tests give 3 ranks different buffers, compare them after, and record each rank's calls.
     raise KataTodo("k05", 1, "give every replica rank 0's buffers")
 
 
 def make_replicas_identical(model: nn.Module) -> None:
     """Give this rank's model rank 0's parameters and buffers (every rank must call it)."""
-    # TODO: the same for every parameter in model.parameters(), then broadcast_buffers(model).
+    # TODO: afterwards every rank's parameters and buffers hold exactly rank 0's values (a copy,
+    # not an average; rank 0's own unchanged). Every rank calls it and names the same source. The
+    # tests build 3 different replicas, compare them after, and report which source each rank
+    # used when the ranks disagree or wait for each other.
     raise KataTodo("k05", 1, "give every replica rank 0's weights")
 
 
 def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s own ``num_samples // world_size`` indices of ``range(num_samples)``."""
-    # TODO: ValueError when rank is not in 0..world_size-1 or num_samples < world_size. Then
-    # per_rank = num_samples // world_size (equal shards: the few left over are dropped), and
-    # rank r takes its own block of per_rank indices.
+    # TODO: rank's own share of range(num_samples): num_samples // world_size indices for every
+    # rank (the few left over belong to no rank), no index in two shards, and the same answer
+    # every time (each rank computes it on its own). A rank outside 0..world_size-1, or fewer
+    # samples than ranks, is a ValueError whose message says which number is wrong.
     raise KataTodo("k05", 2, "this rank's shard of the data")
 
 
@@ -113,9 +119,11 @@ def train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor
 ) -> float:
     """One data-parallel step on this rank's part of the batch; returns this rank's loss."""
-    # TODO: the tutorial's step: loss = F.cross_entropy(model(images), labels); zero the old
-    # gradients; loss.backward(); average_gradients(model) (your k04); optimizer.step();
-    # return loss.item().
+    # TODO: one step of this rank's replica on its part of the batch, with the mean
+    # cross-entropy of these images as the loss; the optimizer must step with the gradient
+    # averaged over every rank (your k04), of this batch only (nothing left from earlier steps).
+    # Returns this rank's own loss, before the step, as a float. The tests check that 4 ranks
+    # with 2 images each end with the weights of one process that stepped on all 8.
     raise KataTodo("k05", 3, "one data-parallel training step")
 
 
@@ -152,20 +160,16 @@ def run_training(
     model = ConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
 
-    # TODO:
-    #   1. make_replicas_identical(model): every rank starts from rank 0's weights
-    #   2. shard = shard_indices(len(train_set), rank, world_size); loader = DataLoader(
-    #      Subset(train_set, shard), batch_size=per_rank_batch, shuffle=True, drop_last=True,
-    #      generator=torch.Generator().manual_seed(seed * 1000 + rank));
-    #      _check_steps(len(loader), len(shard), per_rank_batch)
-    #   3. for each epoch: model.train(); for each (images, labels) of the loader: move them to
-    #      device, losses.append(train_step(...)); on rank 0 only (and if show_progress):
-    #      show_step(rank, epoch, epochs, step, len(loader), loss, log_every)
-    #   4. after each epoch: broadcast_buffers(model) (BatchNorm's statistics differ per rank),
-    #      accuracies.append(accuracy(model, test_set, device=device)), the epoch's mean loss;
-    #      on rank 0 only: show_epoch(...)
-    #   5. return {"losses", "epoch_losses", "accuracies", "accuracy" (the last), "shard",
-    #      "state_dict": {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}}
+    # TODO: train ``epochs`` epochs data-parallel and return the dict the docstring describes
+    # (state_dict as CPU copies). What the tests hold it to, on 2 ranks that build different models:
+    #   - every rank starts from rank 0's weights and ends with rank 0's weights and buffers;
+    #   - each rank trains, through train_step, on its own shard only (shard_indices), shuffled
+    #     (seeded with seed * 1000 + rank), in batches of per_rank_batch images, a last partial
+    #     batch dropped (_check_steps says when a shard holds no full batch): one loss per step;
+    #   - after each epoch every rank holds rank 0's BatchNorm statistics before it measures the
+    #     held-out accuracy (accuracy(model, test_set, device=device)), so all ranks agree;
+    #   - only rank 0 shows progress: show_step each step (if show_progress), show_epoch each
+    #     epoch with the epoch's mean loss.
     raise KataTodo("k05", 4, "the training loop")
 
 
@@ -211,22 +215,106 @@ def show_epoch(rank: int, epoch: int, epochs: int, loss: float, held_out_accurac
     )
 
 
-def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
+PLOT_METADATA_KEY = "Description"  # the PNG text chunk that holds what the figure shows, as JSON
+
+
+def save_loss_curve(results: list[dict], data: str, batch_size: int, path: Path) -> Path:
+    """Plot what each rank saw: its own loss at every step (one line per rank, the loss of its
+    own shard's batch) above the held-out accuracy after each epoch; save it as a PNG.
+
+    The PNG also carries what it plots, as JSON under the text key ``PLOT_METADATA_KEY``: the
+    title and, per panel, each line's label and points (read back from the figure itself).
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(range(1, len(losses) + 1), losses)
-    axes.set(
-        xlabel="step",
-        ylabel="rank 0's training loss",
-        title=f"data-parallel ConvNet, {world_size} ranks",
+    world_size = len(results)
+    steps = len(results[0]["losses"])
+    epochs = max(1, len(results[0]["accuracies"]))
+    per_epoch = steps // epochs
+    figure, (losses, held_out) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1.4), layout="constrained"
     )
-    axes.grid(alpha=0.3)
+    for rank, result in enumerate(results):
+        losses.plot(
+            range(1, len(result["losses"]) + 1),
+            result["losses"],
+            label=f"rank {rank}",
+            linewidth=1.2,
+            alpha=0.85,
+        )
+    ends = [per_epoch * epoch for epoch in range(1, epochs + 1)]
+    for end in ends[:-1]:
+        for axes in (losses, held_out):
+            axes.axvline(end + 0.5, color="grey", linestyle=":", linewidth=1)
+    for epoch, end in enumerate(ends, start=1):
+        losses.annotate(
+            f"epoch {epoch}",
+            (end - per_epoch / 2 + 0.5, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -12),
+            textcoords="offset points",
+            ha="center",
+            color="grey",
+            fontsize="small",
+        )
+    losses.set(
+        ylabel="training loss\n(each rank on its own shard)",
+        title="each rank's own loss at every step: different batches, one averaged gradient, "
+        "identical replicas",
+    )
+    losses.title.set_fontsize("medium")
+    losses.set_ylim(bottom=0)
+    losses.legend(loc="center right", fontsize="small")
+    accuracies = [100 * a for a in results[0]["accuracies"]]
+    held_out.plot(
+        ends[: len(accuracies)],
+        accuracies,
+        marker="o",
+        color="black",
+        label="held-out accuracy after each epoch (the same on every rank)",
+    )
+    for end, value in zip(ends, accuracies):
+        held_out.annotate(
+            f"{value:.1f} %",
+            (end, value),
+            textcoords="offset points",
+            xytext=(-6, 6),
+            ha="right",
+            fontsize="small",
+        )
+    held_out.set(xlabel="step", ylabel="held-out accuracy (%)\nafter each epoch")
+    held_out.set_ylim(max(0.0, min(accuracies + [80.0]) - 10), 105)
+    held_out.set_xlim(0.5, steps + 0.5)
+    for axes in (losses, held_out):
+        axes.grid(alpha=0.3)
+    per_rank = batch_size // world_size
+    figure.suptitle(
+        f"data-parallel ConvNet on {data}: {world_size} ranks x {per_rank} images per step "
+        f"(global batch {per_rank * world_size})"
+    )
+    plotted = {
+        "title": figure.get_suptitle(),
+        "panels": [
+            {
+                "ylabel": axes.get_ylabel(),
+                "lines": [
+                    {
+                        "label": line.get_label(),
+                        "x": [float(x) for x in line.get_xdata()],
+                        "y": [float(y) for y in line.get_ydata()],
+                    }
+                    for line in axes.get_lines()
+                    if not line.get_label().startswith("_")  # epoch boundaries
+                ],
+            }
+            for axes in figure.axes
+        ],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    figure.savefig(path, dpi=100, metadata={PLOT_METADATA_KEY: json.dumps(plotted)})
     plt.close(figure)
     return path
 
@@ -294,9 +382,12 @@ def main(argv=None) -> int:
         device=args.device,
     )
     final = results[0]
-    say(None, f"held-out accuracy {final['accuracy']:.1%} after {args.epochs} epoch(s)")
+    say(
+        None,
+        f"held-out accuracy {final['accuracy']:.1%} after {args.epochs} epoch{'' if args.epochs == 1 else 's'}",
+    )
     if not args.no_plot:
-        path = save_loss_curve(final["losses"], args.world_size, args.plot.resolve())
+        path = save_loss_curve(results, args.data, args.batch_size, args.plot.resolve())
         say(None, f"loss curve saved to {path}")
     return 0
 

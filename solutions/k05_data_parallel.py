@@ -67,6 +67,7 @@ RUN IT
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -231,22 +232,106 @@ def show_epoch(rank: int, epoch: int, epochs: int, loss: float, held_out_accurac
     )
 
 
-def save_loss_curve(losses: list[float], world_size: int, path: Path) -> Path:
+PLOT_METADATA_KEY = "Description"  # the PNG text chunk that holds what the figure shows, as JSON
+
+
+def save_loss_curve(results: list[dict], data: str, batch_size: int, path: Path) -> Path:
+    """Plot what each rank saw: its own loss at every step (one line per rank, the loss of its
+    own shard's batch) above the held-out accuracy after each epoch; save it as a PNG.
+
+    The PNG also carries what it plots, as JSON under the text key ``PLOT_METADATA_KEY``: the
+    title and, per panel, each line's label and points (read back from the figure itself).
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(range(1, len(losses) + 1), losses)
-    axes.set(
-        xlabel="step",
-        ylabel="rank 0's training loss",
-        title=f"data-parallel ConvNet, {world_size} ranks",
+    world_size = len(results)
+    steps = len(results[0]["losses"])
+    epochs = max(1, len(results[0]["accuracies"]))
+    per_epoch = steps // epochs
+    figure, (losses, held_out) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1.4), layout="constrained"
     )
-    axes.grid(alpha=0.3)
+    for rank, result in enumerate(results):
+        losses.plot(
+            range(1, len(result["losses"]) + 1),
+            result["losses"],
+            label=f"rank {rank}",
+            linewidth=1.2,
+            alpha=0.85,
+        )
+    ends = [per_epoch * epoch for epoch in range(1, epochs + 1)]
+    for end in ends[:-1]:
+        for axes in (losses, held_out):
+            axes.axvline(end + 0.5, color="grey", linestyle=":", linewidth=1)
+    for epoch, end in enumerate(ends, start=1):
+        losses.annotate(
+            f"epoch {epoch}",
+            (end - per_epoch / 2 + 0.5, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -12),
+            textcoords="offset points",
+            ha="center",
+            color="grey",
+            fontsize="small",
+        )
+    losses.set(
+        ylabel="training loss\n(each rank on its own shard)",
+        title="each rank's own loss at every step: different batches, one averaged gradient, "
+        "identical replicas",
+    )
+    losses.title.set_fontsize("medium")
+    losses.set_ylim(bottom=0)
+    losses.legend(loc="center right", fontsize="small")
+    accuracies = [100 * a for a in results[0]["accuracies"]]
+    held_out.plot(
+        ends[: len(accuracies)],
+        accuracies,
+        marker="o",
+        color="black",
+        label="held-out accuracy after each epoch (the same on every rank)",
+    )
+    for end, value in zip(ends, accuracies):
+        held_out.annotate(
+            f"{value:.1f} %",
+            (end, value),
+            textcoords="offset points",
+            xytext=(-6, 6),
+            ha="right",
+            fontsize="small",
+        )
+    held_out.set(xlabel="step", ylabel="held-out accuracy (%)\nafter each epoch")
+    held_out.set_ylim(max(0.0, min(accuracies + [80.0]) - 10), 105)
+    held_out.set_xlim(0.5, steps + 0.5)
+    for axes in (losses, held_out):
+        axes.grid(alpha=0.3)
+    per_rank = batch_size // world_size
+    figure.suptitle(
+        f"data-parallel ConvNet on {data}: {world_size} ranks x {per_rank} images per step "
+        f"(global batch {per_rank * world_size})"
+    )
+    plotted = {
+        "title": figure.get_suptitle(),
+        "panels": [
+            {
+                "ylabel": axes.get_ylabel(),
+                "lines": [
+                    {
+                        "label": line.get_label(),
+                        "x": [float(x) for x in line.get_xdata()],
+                        "y": [float(y) for y in line.get_ydata()],
+                    }
+                    for line in axes.get_lines()
+                    if not line.get_label().startswith("_")  # epoch boundaries
+                ],
+            }
+            for axes in figure.axes
+        ],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    figure.savefig(path, dpi=100, metadata={PLOT_METADATA_KEY: json.dumps(plotted)})
     plt.close(figure)
     return path
 
@@ -314,9 +399,12 @@ def main(argv=None) -> int:
         device=args.device,
     )
     final = results[0]
-    say(None, f"held-out accuracy {final['accuracy']:.1%} after {args.epochs} epoch(s)")
+    say(
+        None,
+        f"held-out accuracy {final['accuracy']:.1%} after {args.epochs} epoch{'' if args.epochs == 1 else 's'}",
+    )
     if not args.no_plot:
-        path = save_loss_curve(final["losses"], args.world_size, args.plot.resolve())
+        path = save_loss_curve(results, args.data, args.batch_size, args.plot.resolve())
         say(None, f"loss curve saved to {path}")
     return 0
 

@@ -135,14 +135,23 @@ def node_environment(
             "and at least one process per node"
         )
     if not 0 <= node_rank < nnodes:
+        numbering = (
+            "with one node, its node rank is 0 (MASTER_ADDR's host)"
+            if nnodes == 1
+            else f"number the hosts {_numbers(0, nnodes - 1)}, each host its own number, "
+            "MASTER_ADDR's host 0"
+        )
         raise LaunchConfigError(
-            f"--node-rank {node_rank} does not fit --nnodes {nnodes}: number the hosts 0 to "
-            f"{nnodes - 1}, each host its own number, MASTER_ADDR's host 0"
+            f"--node-rank {node_rank} does not fit --nnodes {nnodes}: {numbering}"
         )
     if not 0 <= local_rank < nproc_per_node:
+        numbering = (
+            "the one process of a node is local rank 0"
+            if nproc_per_node == 1
+            else f"local ranks are {_numbers(0, nproc_per_node - 1)}"
+        )
         raise LaunchConfigError(
-            f"local rank {local_rank} does not fit --nproc-per-node {nproc_per_node}: local ranks "
-            f"run from 0 to {nproc_per_node - 1}"
+            f"local rank {local_rank} does not fit --nproc-per-node {nproc_per_node}: {numbering}"
         )
     if not str(master_addr).strip():
         raise LaunchConfigError(
@@ -195,9 +204,14 @@ def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
         if numbers[name] < 0:
             raise LaunchConfigError(f"{name}={numbers[name]}: ranks count from 0")
     if rank >= world_size:
+        numbering = (
+            "a world of one process has rank 0 only"
+            if world_size == 1
+            else f"ranks are {_numbers(0, world_size - 1)}"
+        )
         raise LaunchConfigError(
-            f"RANK={rank} but WORLD_SIZE={world_size}: ranks run from 0 to {world_size - 1}. "
-            "WORLD_SIZE counts the processes of every node together (nnodes x nproc_per_node)"
+            f"RANK={rank} but WORLD_SIZE={world_size}: {numbering}. WORLD_SIZE counts the "
+            "processes of every node together (nnodes x nproc_per_node)"
         )
     if local_world_size > world_size or world_size % local_world_size:
         raise LaunchConfigError(
@@ -205,9 +219,13 @@ def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
             f"{local_world_size} processes: set WORLD_SIZE = nnodes x LOCAL_WORLD_SIZE"
         )
     if local_rank >= local_world_size:
+        numbering = (
+            "a node of one process has local rank 0 only"
+            if local_world_size == 1
+            else f"local ranks are {_numbers(0, local_world_size - 1)} on every node"
+        )
         raise LaunchConfigError(
-            f"LOCAL_RANK={local_rank} but LOCAL_WORLD_SIZE={local_world_size}: local ranks run "
-            f"from 0 to {local_world_size - 1} on every node"
+            f"LOCAL_RANK={local_rank} but LOCAL_WORLD_SIZE={local_world_size}: {numbering}"
         )
     if rank % local_world_size != local_rank:
         raise LaunchConfigError(
@@ -292,8 +310,9 @@ def launch_node(
                 return
             if give_up is not None and time.monotonic() > give_up:
                 running = [env["RANK"] for env, code in zip(environments, codes) if code is None]
+                were = "was" if len(running) == 1 else "were"
                 raise NodeFailed(
-                    f"rank(s) {', '.join(running)} still running after the {timeout:g} s timeout"
+                    f"{_ranks(running)} {were} still running after the {timeout:g} s timeout"
                 )
             time.sleep(0.05)
     finally:
@@ -304,6 +323,21 @@ def _how_it_ended(code: int) -> str:
     if code < 0:
         return f"was killed by signal {signal.Signals(-code).name} (exit status {code})"
     return f"exited with status {code}"
+
+
+def _numbers(first: int, last: int) -> str:
+    """``3``, ``2 and 3``, ``0 to 5``: a run of numbers, said properly however long it is."""
+    if first == last:
+        return str(first)
+    return f"{first} and {last}" if last == first + 1 else f"{first} to {last}"
+
+
+def _ranks(numbers: Sequence) -> str:
+    """``rank 4``, ``ranks 4 and 5``, ``ranks 3, 4 and 5``."""
+    numbers = [str(n) for n in numbers]
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -519,11 +553,14 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     node_environment(
         nnodes, node_rank, nproc, 0, master_addr, master_port
     )  # check the options first
-    say(
-        None,
-        f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
-        f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}",
+    first, last = node_rank * nproc, node_rank * nproc + nproc - 1
+    span = f"rank {first}" if first == last else f"ranks {_numbers(first, last)}"
+    where = (
+        "one node, the whole world: starting " + span
+        if nnodes == 1
+        else f"node {node_rank} of {nnodes}: starting {span} of {nnodes * nproc}"
     )
+    say(None, f"{where}; rank 0 listens at {master_addr}:{master_port}")
     command = [sys.executable, "-m", __spec__.name, "--timeout", str(args.timeout)]
     command += [
         f"--{name}={value}"
@@ -535,7 +572,8 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     # turned into SystemExit, it runs launch_node's clean-up on its way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     launch_node(command, nnodes, node_rank, nproc, master_addr, master_port)
-    say(None, f"node {node_rank}: all {nproc} processes finished")
+    finished = "its process" if nproc == 1 else f"all {nproc} of its processes"
+    say(None, f"node {node_rank}: {finished} finished")
     return 0
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from dojo.impl import load_kata
 from dojo.testing import require_gpus, run_program
 from dojo.todo import KataTodo
-from dojo.world import run_world
+from dojo.world import WorldDeadlock, run_world
 
 KATA = "k04_allreduce"
 
@@ -84,7 +84,7 @@ def _ops(rank, world_size):
     for op in _EXPECTED_OPS:
         tensor = _values(rank).to(_device())
         returned = all_reduce_with(tensor, op)
-        got[op] = (tensor.cpu(), returned is tensor)
+        got[op] = (tensor.cpu(), returned is tensor, _what(returned))
     try:
         all_reduce_with(_values(rank), "median")
         refused = "returned without an error"
@@ -97,13 +97,21 @@ def _ops(rank, world_size):
     return got, refused
 
 
+def _what(value) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"another tensor, {_show(value.cpu())}"
+    return f"a {type(value).__name__}"
+
+
 def check_reduce_ops(world_size: int) -> None:
     results = run_world(_ops, world_size)
     stack = torch.stack([_values(rank) for rank in range(world_size)])
     for op, (what, reduce) in _EXPECTED_OPS.items():
         expected = reduce(stack)
         for rank, (got, _) in enumerate(results):
-            tensor, same = got[op]
+            tensor, same, returned = got[op]
             if torch.equal(tensor, _values(rank)):
                 raise AssertionError(
                     f"all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was "
@@ -115,7 +123,9 @@ def check_reduce_ops(world_size: int) -> None:
                 f"{op!r} map to?"
             )
             assert same, (
-                f"all_reduce_with(tensor, {op!r}) must return the tensor it reduced in place"
+                f"all_reduce_with(tensor, {op!r}) reduced rank {rank}'s tensor but returned "
+                f"{returned}: return the very tensor it reduced in place (callers write "
+                f"t = all_reduce_with(t, {op!r}))"
             )
     refused = results[0][1]
     assert isinstance(refused, tuple), (
@@ -218,8 +228,38 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=0)
 
 
+def _ranks(numbers: list[int]) -> str:
+    """``rank 0``, ``ranks 1 and 2``, ``ranks 1, 2 and 3``."""
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
+
+
+def _run_average(world_size: int, with_none: bool):
+    try:
+        return run_world(_average, world_size, with_none)
+    except WorldDeadlock as failure:
+        stuck = sorted(failure.stuck)
+        returned = [rank for rank in range(world_size) if rank not in stuck]
+        if not returned:
+            raise AssertionError(
+                f"average_gradients never returned on any of the {world_size} ranks: the ranks "
+                "called different collectives, or the same ones in a different order. Every rank "
+                "must make the same dist.all_reduce calls, one per parameter with a gradient, in "
+                f"the order of model.parameters().\n\n{failure}"
+            ) from None
+        were = "was" if len(stuck) == 1 else "were"
+        raise AssertionError(
+            f"average_gradients deadlocked: {_ranks(stuck)} {were} still waiting in a collective "
+            f"after {_ranks(returned)} had returned, so {_ranks(returned)} skipped the "
+            f"all-reduces that {_ranks(stuck)} made. Every rank must call dist.all_reduce for "
+            "every parameter with a gradient (a collective completes only when all ranks call "
+            f"it): no `if rank == ...` around the loop.\n\n{failure}"
+        ) from None
+
+
 def check_average_gradients(world_size: int, with_none: bool = False) -> None:
-    results = run_world(_average, world_size, with_none)
+    results = _run_average(world_size, with_none)
     n = world_size
     averaged, untouched = [], []
     problems = []

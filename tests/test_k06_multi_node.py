@@ -88,9 +88,33 @@ def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
         "MASTER_PORT": "29500",
     }
     wrong = {k: (env[k], v) for k, v in expected.items() if env[k] != v}
-    assert not wrong, (
-        f"{call}: {', '.join(f'{k}={got!r}, expected {want!r}' for k, (got, want) in wrong.items())}. "
-        f"rank = node_rank * nproc_per_node + local_rank = {node} * 3 + {local}; world size = nnodes * nproc_per_node"
+    if not wrong:
+        return
+    why = {
+        "RANK": f"rank = node_rank * nproc_per_node + local_rank = {node} * 3 + {local}: the "
+        f"{node * 3} ranks of the nodes before node {node} come first"
+        if node
+        else "on node 0 the rank is the local rank",
+        "LOCAL_RANK": "the local rank is the process's number on its own node",
+        "WORLD_SIZE": "WORLD_SIZE counts the processes of every node, nnodes * nproc_per_node "
+        "(nproc_per_node alone is LOCAL_WORLD_SIZE)",
+        "LOCAL_WORLD_SIZE": "LOCAL_WORLD_SIZE is the number of processes on one node, nproc_per_node",
+        "MASTER_ADDR": "MASTER_ADDR is the address given, node 0's, where rank 0 listens: the same "
+        "on every host, never this host's own",
+        "MASTER_PORT": "MASTER_PORT is the port given, the same on every host",
+    }
+    if wrong.get("RANK", (None,))[0] == str(node + local) and node:
+        why["RANK"] = (
+            f"{node + local} is node_rank + local_rank: multiply the node rank by nproc_per_node, "
+            f"rank = {node} * 3 + {local} = {rank}"
+        )
+    if wrong.get("RANK", (None,))[0] == str(local) and node:
+        why["RANK"] = f"{local} is the local rank: RANK is the rank in the whole world, {rank}"
+    raise AssertionError(
+        f"{call}:\n"
+        + "\n".join(
+            f"  {k}={got!r}, expected {want!r}: {why[k]}" for k, (got, want) in wrong.items()
+        )
     )
 
 
@@ -149,10 +173,33 @@ def test_read_environment_as_torchrun_sets_it(kata):
         master_addr="10.0.0.1",
         master_port=29500,
     )
-    assert info == expected, (
-        f"read_environment(torchrun's environment for rank 3) returned {info!r}, expected {expected!r} "
-        "(numbers as int, not str)"
-    )
+    if info != expected:
+        texts = [
+            f"{field}={value!r}"
+            for field, value in vars(info).items()
+            if field != "master_addr" and isinstance(value, str)
+        ]
+        if texts:
+            why = (
+                f"{', '.join(texts)} {'is a string' if len(texts) == 1 else 'are strings'}: the "
+                "environment holds only text, so convert every number with int()"
+            )
+        elif info.rank == 1:
+            why = (
+                "rank=1 is LOCAL_RANK, the process's number on its node: RankInfo.rank is RANK, "
+                "the rank in the whole world (3)"
+            )
+        elif info.world_size == 2:
+            why = (
+                "world_size=2 is LOCAL_WORLD_SIZE, one node's processes: RankInfo.world_size is "
+                "WORLD_SIZE, every node's (4)"
+            )
+        else:
+            why = "read each field from the variable of the same name"
+        raise AssertionError(
+            f"read_environment(torchrun's environment for rank 3) returned {info!r}, expected "
+            f"{expected!r}: {why}"
+        )
     assert info.node_rank == 1
 
 
@@ -257,6 +304,19 @@ def test_read_environment_names_every_missing_variable(kata, environ, missing):
         ({"MASTER_PORT": "http"}, ["MASTER_PORT"], "a port that is not a number"),
         ({"MASTER_PORT": "70000"}, ["MASTER_PORT"], "port 70000 (ports end at 65535)"),
     ],
+    ids=[
+        "size-not-a-number",
+        "rank-not-whole",
+        "negative-rank",
+        "rank-beyond-world",
+        "empty-world",
+        "local-rank-beyond-node",
+        "node-bigger-than-world",
+        "world-not-whole-nodes",
+        "rank-and-local-rank-disagree",
+        "port-not-a-number",
+        "port-too-big",
+    ],
 )
 def test_read_environment_rejects_inconsistent_values(kata, change, names, what):
     environ = {**TORCHRUN_RANK_3, **change}
@@ -281,7 +341,101 @@ def test_read_environment_rejects_inconsistent_values(kata, change, names, what)
 # --------------------------------------------------------------------------- step 3
 
 
-def _join_and_report(rank, world_size, port, backend, device_type):
+# Each rank notes the arguments join_world passes to init_process_group before the call runs, in
+# a file: even when the world then fails to form (and the harness stops every rank), the test
+# can say what each rank asked for.
+
+
+class _InitRecorded:
+    def __init__(self, folder: str, rank: int):
+        self.path = os.path.join(folder, f"init-{rank}.json")
+
+    def __enter__(self):
+        import inspect
+
+        import torch.distributed as dist
+
+        self.original = original = dist.init_process_group
+        path = self.path
+
+        def init_process_group(*args, **kwargs):
+            bound = inspect.signature(original).bind(*args, **kwargs).arguments
+            timeout = bound.get("timeout")
+            with open(path, "w") as f:
+                json.dump(
+                    {
+                        "init_method": bound.get("init_method"),
+                        "store": bound.get("store") is not None,
+                        "rank": bound.get("rank", -1),
+                        "world_size": bound.get("world_size", -1),
+                        "timeout": None if timeout is None else timeout.total_seconds(),
+                    },
+                    f,
+                )
+            return original(*args, **kwargs)
+
+        dist.init_process_group = init_process_group
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.init_process_group = self.original
+
+
+def _init_calls(folder: str, world_size: int) -> list:
+    calls = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(folder, f"init-{rank}.json")) as f:
+                calls.append(json.load(f))
+        except (OSError, ValueError):
+            calls.append(None)
+    return calls
+
+
+def _init_problem(calls: list, port: int, complete: bool = True) -> str | None:
+    """What the ranks' init_process_group calls got wrong, in the learner's terms (or None).
+    ``complete``: every rank ran to its end (else a missing call may be a rank stopped early)."""
+    world_size = len(calls)
+    for rank, call in enumerate(calls):
+        if call is None and not complete:
+            continue
+        if call is None:
+            return (
+                f"rank {rank}'s join_world never called dist.init_process_group: joining the "
+                "world is that call"
+            )
+        where = f"tcp://127.0.0.1:{port}"
+        if call["init_method"] != where and not call["store"]:
+            return (
+                f"rank {rank} called init_process_group with init_method={call['init_method']!r}: "
+                "the test gives join_world only a RankInfo (the environment holds no MASTER_ADDR "
+                "or MASTER_PORT), so meet at the info's address: "
+                f'init_method=f"tcp://{{info.master_addr}}:{{info.master_port}}" (here {where!r})'
+            )
+        if call["rank"] != rank:
+            why = (
+                f"0 is info.local_rank, its number on its own node (each node of this world runs "
+                f"one process): pass rank=info.rank ({rank}), the rank in the whole world"
+                if call["rank"] == 0
+                else f"pass rank=info.rank ({rank})"
+            )
+            return f"rank {rank} called init_process_group with rank={call['rank']}: {why}"
+        if call["world_size"] != world_size:
+            why = (
+                f"1 is info.local_world_size, one node's processes: pass "
+                f"world_size=info.world_size ({world_size}), every node's together"
+                if call["world_size"] == 1
+                else f"pass world_size=info.world_size ({world_size})"
+            )
+            return (
+                f"rank {rank} called init_process_group with world_size={call['world_size']}: {why}"
+            )
+    return None
+
+
+def _join_and_report(rank, world_size, port, backend, device_type, folder):
     import torch.distributed as dist
 
     from dojo.impl import load_kata
@@ -290,9 +444,11 @@ def _join_and_report(rank, world_size, port, backend, device_type):
         os.environ.pop(name, None)
     kata = load_kata(KATA)
     device = torch.device(device_type) if device_type == "cpu" else torch.device("cuda", 0)
-    info = kata.RankInfo(rank, rank, world_size, world_size, "127.0.0.1", port)
+    # Laid out as nodes of one process each: the local rank (0) is not the rank.
+    info = kata.RankInfo(rank, 0, world_size, 1, "127.0.0.1", port)
     try:
-        kata.join_world(info, backend, device, timedelta(seconds=20))
+        with _InitRecorded(folder, rank):
+            kata.join_world(info, backend, device, timedelta(seconds=20))
         if not dist.is_initialized():
             return {"initialized": False}
         total = torch.tensor([rank + 1.0], device=device)
@@ -313,27 +469,32 @@ def _join_and_report(rank, world_size, port, backend, device_type):
 def _join_world(world_size, backend="gloo", device_type="cpu"):
     for attempt in range(2):
         port = free_port()
-        try:
-            return run_world(
-                _join_and_report,
-                world_size,
-                port,
-                backend,
-                device_type,
-                init_group=False,
-                deadline=30,
-                env={"GLOO_SOCKET_IFNAME": _loopback()},
-            )
-        except AssertionError as failure:
-            if attempt == 0 and is_port_clash(str(failure)):
-                continue
-            if "expected, but not set" in str(failure):
-                raise AssertionError(
-                    f"join_world read the environment (env://), but the test gave it only a RankInfo: "
-                    f'use init_method=f"tcp://{{info.master_addr}}:{{info.master_port}}" with '
-                    f"rank=info.rank and world_size=info.world_size\n\n{failure}"
-                ) from None
-            raise
+        with tempfile.TemporaryDirectory(prefix="k06-join-") as folder:
+            try:
+                results = run_world(
+                    _join_and_report,
+                    world_size,
+                    port,
+                    backend,
+                    device_type,
+                    folder,
+                    init_group=False,
+                    deadline=30,
+                    env={"GLOO_SOCKET_IFNAME": _loopback()},
+                )
+            except AssertionError as failure:
+                problem = _init_problem(_init_calls(folder, world_size), port, complete=False)
+                if problem:
+                    raise AssertionError(
+                        f"join_world with {world_size} ranks, laid out as {world_size} nodes of "
+                        f"one process: {problem}\n\n{failure}"
+                    ) from None
+                if attempt == 0 and is_port_clash(str(failure)):
+                    continue
+                raise
+            problem = _init_problem(_init_calls(folder, world_size), port)
+        assert not problem, f"join_world with {world_size} ranks: {problem}"
+        return results
 
 
 @pytest.mark.step(3)
@@ -352,7 +513,7 @@ def test_join_world_joins_at_the_given_address(kata):
         )
 
 
-def _join_alone(rank, world_size, port):
+def _join_alone(rank, world_size, port, folder):
     from dojo.impl import load_kata
 
     if rank != 0:
@@ -361,7 +522,8 @@ def _join_alone(rank, world_size, port):
     info = kata.RankInfo(0, 0, world_size, world_size, "127.0.0.1", port)
     start = time.monotonic()
     try:
-        kata.join_world(info, "gloo", torch.device("cpu"), timedelta(seconds=1.5))
+        with _InitRecorded(folder, rank):
+            kata.join_world(info, "gloo", torch.device("cpu"), timedelta(seconds=1.5))
     except KataTodo:
         raise
     except Exception as error:
@@ -370,21 +532,35 @@ def _join_alone(rank, world_size, port):
 
 
 @pytest.mark.step(3)
-def test_join_world_gives_up_after_its_timeout(kata):
+def test_join_world_gives_up_after_its_timeout(kata, tmp_path):
     try:
         [outcome, _] = run_world(
             _join_alone,
             2,
             free_port(),
+            str(tmp_path),
             init_group=False,
             deadline=30,
             straggler=8,
             env={"GLOO_SOCKET_IFNAME": _loopback()},
         )
     except WorldDeadlock as failure:
+        [call, _] = _init_calls(str(tmp_path), 2)
+        if call is None:
+            given = "never called init_process_group, yet did not return"
+        elif call["timeout"] is None:
+            given = (
+                "called init_process_group without a timeout (its default is 30 minutes): pass "
+                "timeout=timeout on"
+            )
+        else:
+            given = (
+                f"gave init_process_group timeout={call['timeout']:g} s: pass timeout=timeout, "
+                "the one join_world was given"
+            )
         raise AssertionError(
-            "join_world(info, timeout=1.5 s) was still waiting 8 s later for a peer that never came: "
-            f"pass timeout=timeout to init_process_group (the default is 30 minutes)\n\n{failure}"
+            "join_world(info, timeout=1.5 s) was still waiting 8 s later for a peer that never "
+            f"came: it {given}\n\n{failure}"
         ) from None
     assert outcome[0] == "raised", (
         "join_world returned although its only peer never came: it must wait for the whole world"
@@ -453,37 +629,60 @@ def test_sum_of_ranks_over_two_nodes_of_three(kata, world):
 
 # --------------------------------------------------------------------------- step 5
 
-# A stand-in for a rank process: cheap (no torch), it reports its environment to a file.
+# A stand-in for a rank process: cheap (no torch), it reports its environment to a file, then
+# behaves as `mode` says. Every mode first waits (like init_process_group) until every process
+# of the node is up, so that a launcher that starts them one at a time shows.
 _STAND_IN = r"""
 import json, os, sys, time
 folder, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rank = os.environ.get("RANK", "unset")
+rank, local = os.environ.get("RANK", "unset"), os.environ.get("LOCAL_RANK")
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "K06_KEPT")
-with open(os.path.join(folder, f"rank-{rank}.json"), "w") as f:
+with open(os.path.join(folder, f".rank-{rank}.json"), "w") as f:
     json.dump({"pid": os.getpid(), **{n: os.environ.get(n) for n in names}}, f)
-if mode == "together":  # like init_process_group: wait until every process of the node is up
-    end = time.monotonic() + 4
-    while len([n for n in os.listdir(folder) if n.startswith("rank-")]) < count:
-        if time.monotonic() > end:
-            open(os.path.join(folder, f"alone-{rank}"), "w").close()
-            sys.exit(5)
-        time.sleep(0.02)
-elif mode == "fail":
-    if rank == "3":
-        time.sleep(0.3)
-        sys.exit(7)
+os.replace(os.path.join(folder, f".rank-{rank}.json"), os.path.join(folder, f"rank-{rank}.json"))
+end = time.monotonic() + ALONE_S
+while len([n for n in os.listdir(folder) if n.startswith("rank-")]) < count:
+    if time.monotonic() > end:
+        open(os.path.join(folder, f"alone-{rank}"), "w").close()
+        sys.exit(5)
+    time.sleep(0.02)
+if mode == "fail" and rank == "3":
+    sys.exit(7)
+if mode == "first-ends" and local == "0":
+    sys.exit(0)
+if mode != "together":
     time.sleep(60)
-elif mode == "sleep":
-    time.sleep(60)
-"""
+""".replace("ALONE_S", "10")
+
+
+def _children() -> dict[int, str]:
+    """This process's children still running (not zombies): pid -> their RANK."""
+    me, found = os.getpid(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me or fields[0] == "Z":
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                names = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (OSError, ValueError, IndexError):
+            continue
+        found[int(entry)] = names.get(b"RANK", b"?").decode()
+    return found
 
 
 def _launch_stand_ins(_rank, _world_size, folder, mode, nproc, timeout):
+    """launch_node on stand-ins as node 1 of 2; right after it returns or raises, before anyone
+    tears anything down, which of the processes it started are still running (then stopped)."""
     from dojo.impl import load_kata
 
     kata = load_kata(KATA)
     os.environ["K06_KEPT"] = "from the launcher"
     command = [sys.executable, "-c", _STAND_IN, folder, mode, str(nproc)]
+    before = set(_children())
     start = time.monotonic()
     try:
         kata.launch_node(command, 2, 1, nproc, "10.0.0.1", 29500, timeout=timeout)
@@ -492,7 +691,27 @@ def _launch_stand_ins(_rank, _world_size, folder, mode, nproc, timeout):
         raise
     except Exception as error:
         outcome = ("raised", type(error).__name__, str(error))
-    return outcome, time.monotonic() - start
+    seconds = time.monotonic() - start
+    leftovers = {pid: rank for pid, rank in _children().items() if pid not in before}
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    return outcome, seconds, sorted(leftovers.values())
+
+
+def _ranks(numbers) -> str:
+    """``rank 4``, ``ranks 4 and 5``, ``ranks 3, 4 and 5``."""
+    numbers = [str(n) for n in numbers]
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
+
+
+def _were(numbers) -> str:
+    return f"{_ranks(numbers)} {'was' if len(numbers) == 1 else 'were'}"
 
 
 def _reports(folder):
@@ -520,17 +739,21 @@ def _still_running(pids):
 
 @pytest.mark.step(5)
 def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
-    [(outcome, _)] = run_world(
-        _launch_stand_ins, 1, str(tmp_path), "together", 3, 20.0, init_group=False, deadline=30
+    [(outcome, _, leftovers)] = run_world(
+        _launch_stand_ins, 1, str(tmp_path), "together", 3, 30.0, init_group=False, deadline=40
     )
     alone = sorted(p.name[len("alone-") :] for p in tmp_path.glob("alone-*"))
     assert not alone, (
-        f"the process(es) with RANK {', '.join(alone)} waited 4 s for the other processes of their node, "
-        "which had not been started: start every process before waiting for any (in a real world each "
-        "one waits in init_process_group for the others)"
+        f"the process(es) with RANK {', '.join(alone)} waited 10 s for the other processes of their "
+        "node, which had not been started: start every process before waiting for any (in a real "
+        "world each one waits in init_process_group for the others)"
     )
     reports = _reports(tmp_path)
     assert outcome[0] == "returned", f"launch_node raised {outcome[1]}: {outcome[2]}"
+    assert not leftovers, (
+        f"launch_node returned while {_were(leftovers)} still running: wait until every process "
+        "has exited"
+    )
     assert sorted(reports) == ["3", "4", "5"], (
         f"node 1 of 2 with 3 processes each started processes with RANK {sorted(reports)}, expected 3, 4, 5"
     )
@@ -555,13 +778,14 @@ def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
 @pytest.mark.step(5)
 def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
     try:
-        [(outcome, seconds)] = run_world(
+        [(outcome, _, leftovers)] = run_world(
             _launch_stand_ins, 1, str(tmp_path), "fail", 2, None, init_group=False, deadline=15
         )
     except WorldDeadlock as failure:
         raise AssertionError(
-            "rank 3 exited with status 7 at once, but launch_node was still waiting 15 s later: watch every "
-            f"process (poll() them in a loop) and stop the rest at the first failure\n\n{failure}"
+            "rank 3 exited with status 7 as soon as rank 2 was up, but launch_node was still waiting "
+            "15 s later (for rank 2, which runs for a minute): watch every process at once (poll() "
+            f"them in a loop) and stop the rest at the first failure\n\n{failure}"
         ) from None
     assert outcome[0] == "raised", (
         "rank 3 exited with status 7, but launch_node returned: it must raise NodeFailed"
@@ -572,31 +796,43 @@ def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
     assert re.search(r"rank 3\b", outcome[2]) and "7" in outcome[2], (
         f"NodeFailed({outcome[2]!r}) must name rank 3 and its exit status 7"
     )
-    leftovers = _still_running(r["pid"] for r in _reports(tmp_path).values())
     assert not leftovers, (
-        f"processes {leftovers} were still running after launch_node raised: stop (terminate, then kill) "
-        "and wait for the others before raising"
+        f"launch_node raised NodeFailed while {_were(leftovers)} still running: stop the others "
+        "(terminate, then kill) and wait for them before raising, or they run on with no one "
+        "watching"
     )
 
 
 @pytest.mark.step(5)
 def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
+    # Rank 3 (local rank 0) ends at once with status 0; ranks 4 and 5 would run for a minute.
     try:
-        [(outcome, seconds)] = run_world(
-            _launch_stand_ins, 1, str(tmp_path), "sleep", 2, 1.0, init_group=False, deadline=15
+        [(outcome, _, leftovers)] = run_world(
+            _launch_stand_ins, 1, str(tmp_path), "first-ends", 3, 2.0, init_group=False, deadline=15
         )
     except WorldDeadlock as failure:
         raise AssertionError(
-            f"launch_node(timeout=1.0) was still waiting 15 s later: check the clock in the polling loop "
-            f"and raise NodeFailed once the timeout has passed\n\n{failure}"
+            "launch_node(timeout=2.0) was still waiting 15 s later: check the clock in the polling "
+            f"loop and raise NodeFailed once the timeout has passed\n\n{failure}"
         ) from None
-    assert outcome[0] == "raised" and outcome[1] == "NodeFailed", (
-        f"launch_node(timeout=1.0) with processes that never end gave {outcome}: raise NodeFailed at the timeout"
+    if outcome[0] == "returned":
+        raise AssertionError(
+            f"launch_node returned while {_were(leftovers)} still running: rank 3 had ended, but "
+            "the others had not. Wait for every process, not the first to end; here ranks 4 and 5 "
+            "never end, so the 2 s timeout must raise NodeFailed"
+            if leftovers
+            else "launch_node returned, but ranks 4 and 5 never end: raise NodeFailed at the timeout"
+        )
+    assert outcome[1] == "NodeFailed", (
+        f"launch_node(timeout=2.0) raised {outcome[1]}: {outcome[2]}; raise the kata's NodeFailed"
     )
-    assert seconds < 8, f"launch_node(timeout=1.0) took {seconds:.1f} s to give up"
-    leftovers = _still_running(r["pid"] for r in _reports(tmp_path).values())
+    named = [r for r in ("4", "5") if re.search(rf"\b{r}\b", outcome[2])]
+    assert named == ["4", "5"], (
+        f"NodeFailed({outcome[2]!r}) at the timeout must name the ranks still running, 4 and 5"
+    )
     assert not leftovers, (
-        f"processes {leftovers} were still running after the timeout: stop them all"
+        f"launch_node raised NodeFailed at its timeout while {_were(leftovers)} still running: "
+        "stop them (terminate, then kill) and wait for them before raising"
     )
 
 

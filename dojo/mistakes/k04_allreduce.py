@@ -33,6 +33,14 @@ def demo_with_max(rank, world_size):
     return before, tensor
 
 
+def demo_reduces_the_returned_copy(rank, world_size):
+    """Right, written another way: keep the original, reduce a copy and return the copy."""
+    before = torch.tensor([rank])
+    after = before.clone()
+    dist.all_reduce(after, op=SUM)
+    return before, after
+
+
 def demo_from_ones(rank, world_size):
     tensor = torch.ones(1)  # the other tutorial's starting point
     before = tensor.clone()
@@ -68,6 +76,20 @@ def ops_on_a_copy(tensor, op):
 
 def ops_key_error(tensor, op):
     dist.all_reduce(tensor, op=_OPS[op])  # an unknown name escapes as a bare KeyError
+    return tensor
+
+
+def ops_returns_nothing(tensor, op):
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r}: use one of {', '.join(_OPS)}")
+    return dist.all_reduce(tensor, op=_OPS[op])  # all_reduce returns None (no async_op)
+
+
+def ops_by_getattr(tensor, op):
+    """Right, written another way: the op's name is the ReduceOp member's, in capitals."""
+    if op not in ("sum", "product", "min", "max"):
+        raise ValueError(f"{op!r} is not a reduce op this function knows: sum, product, min, max")
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()))
     return tensor
 
 
@@ -282,6 +304,12 @@ MISTAKES = [
         says=["name the ops it knows"],
     ),
     Mistake(
+        "ops_returns_nothing",
+        replaces="all_reduce_with",
+        fails=["test_reduce_ops"],
+        says=["returned None", "return the very tensor it reduced in place"],
+    ),
+    Mistake(
         "the_tutorials_own",
         replaces="average_gradients",
         fails=["test_average_gradients_leaves_missing_gradients_alone"],
@@ -346,9 +374,9 @@ MISTAKES = [
         replaces="average_gradients",
         fails=["test_average_gradients_gives_every_rank_the_mean"],
         says=[
-            "deadlock: rank(s) 0 still had not returned",
-            "rank 0 is waiting here",
-            "dist.all_reduce(param.grad",
+            "rank 0 was still waiting in a collective after ranks 1, 2 and 3 had returned",
+            "ranks 1, 2 and 3 skipped the all-reduces",
+            "Every rank must call dist.all_reduce",
         ],
     ),
     Mistake(
@@ -356,9 +384,9 @@ MISTAKES = [
         replaces="average_gradients",
         fails=["test_average_gradients_gives_every_rank_the_mean"],
         says=[
-            "deadlock: rank(s) 1, 2, 3 still had not returned",
-            "rank 3 is waiting here",
-            "dist.all_reduce(param.grad",
+            "ranks 1, 2 and 3 were still waiting in a collective after rank 0 had returned",
+            "rank 0 skipped the all-reduces",
+            "no `if rank == ...`",
         ],
     ),
     Mistake(
@@ -371,6 +399,8 @@ MISTAKES = [
 
 # Each right answer must pass every test of its step.
 RIGHT_ANSWERS = [
+    RightAnswer("demo_reduces_the_returned_copy", replaces="tutorial_allreduce"),
+    RightAnswer("ops_by_getattr", replaces="all_reduce_with"),
     RightAnswer("with_avg_op", replaces="average_gradients"),
     RightAnswer("divided_first", replaces="average_gradients"),
     RightAnswer("one_flat_buffer", replaces="average_gradients"),

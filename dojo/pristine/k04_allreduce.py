@@ -69,23 +69,27 @@ OPS = ("sum", "product", "min", "max")
 
 def tutorial_allreduce(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank holds ``tensor([rank])``; SUM all-reduce it. Returns ``(before, after)``."""
-    # TODO: make torch.tensor([rank]) on rank_device(); keep before = tensor.clone() (all_reduce
-    # overwrites the tensor in place); dist.all_reduce(tensor, op=dist.ReduceOp.SUM) on every rank;
-    # return before, tensor.
+    # TODO: every rank returns two tensors on rank_device(): ``before``, its own tensor([rank])
+    # as it was, and ``after``, that tensor once summed over every rank of the world (4 ranks:
+    # tensor([6]) on every rank). The tests run it on 4 and 3 ranks and check both on each rank.
     raise KataTodo("k04", 1, "the tutorial's all-reduce of every rank's number")
 
 
 def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """All-reduce ``tensor`` in place with the op named ``op`` ("sum", "product", "min", "max")."""
-    # TODO: map each name to its dist.ReduceOp (SUM, PRODUCT, MIN, MAX); an unknown name is a
-    # ValueError that lists the names in OPS. Then all-reduce the tensor with it and return it.
+    # TODO: afterwards the caller's own tensor holds, on every rank, the element-wise sum,
+    # product, smallest or largest over all ranks, and the function returns that same tensor.
+    # A name not in OPS raises ValueError, listing the names it knows, before any communication.
+    # The tests try every op on values that differ per rank, and the name "median".
     raise KataTodo("k04", 2, "all-reduce with a named reduce op")
 
 
 def average_gradients(model: nn.Module) -> None:
     """Replace every parameter's ``.grad`` by its mean over all ranks (``.grad`` None: skipped)."""
-    # TODO: for every parameter of the model whose .grad is not None: SUM all-reduce param.grad
-    # (the gradient, not param.data, the weights), then divide it by dist.get_world_size().
+    # TODO: afterwards, on every rank, each parameter's .grad holds the mean over all ranks of
+    # that parameter's gradient (every layer, weights and biases); the parameters' values are
+    # untouched and a .grad that is None stays None. The tests give every rank different
+    # gradients, on worlds of 4, 3, 2 and 1 ranks.
     raise KataTodo("k04", 3, "average every gradient over the ranks")
 
 

@@ -130,28 +130,26 @@ def node_environment(
     master_port: int,
 ) -> dict[str, str]:
     """The environment for process ``local_rank`` of node ``node_rank`` (all values strings)."""
-    # TODO: first check the options, raising LaunchConfigError with a message that names the
-    #   option and says what to give instead: nnodes >= 1 and nproc_per_node >= 1;
-    #   0 <= node_rank < nnodes; 0 <= local_rank < nproc_per_node; master_addr not blank;
-    #   1 <= master_port <= 65535.
-    # Then return the six variables of ENV_NAMES as strings:
-    #   RANK = node_rank * nproc_per_node + local_rank, WORLD_SIZE = nnodes * nproc_per_node, ...
+    # TODO: the six variables of ENV_NAMES, as strings, that process local_rank of node
+    #   node_rank needs: its rank in the whole world and on its node, the size of the whole world
+    #   and of one node, and node 0's address and port (the same on every host). Bad options (no
+    #   node or no process, a node rank or local rank out of range, a blank address, a port
+    #   outside 1-65535) raise LaunchConfigError naming the option and what to give instead.
+    #   The tests check the 2 x 3 layout of the lesson and each kind of bad option.
     raise KataTodo("k06", 1, "the environment of one process of one node")
 
 
 def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
     """This process's ``RankInfo`` from its environment (``os.environ`` unless given one)."""
     env = os.environ if environ is None else environ
-    # TODO: raise LaunchConfigError (never a bare KeyError or ValueError) when
-    #   - any of ENV_NAMES is missing or blank: name every missing one at once, and say how to
-    #     get them set (HOW_TO_START says it);
-    #   - a number is not a whole number (catch int()'s ValueError: "WORLD_SIZE='four' ...");
-    #   - WORLD_SIZE or LOCAL_WORLD_SIZE < 1, RANK or LOCAL_RANK < 0;
-    #   - RANK >= WORLD_SIZE; WORLD_SIZE is not a multiple of LOCAL_WORLD_SIZE;
-    #     LOCAL_RANK >= LOCAL_WORLD_SIZE; RANK % LOCAL_WORLD_SIZE != LOCAL_RANK;
-    #   - MASTER_PORT outside 1-65535.
-    #   Each message names the variables and their values, and what they should be.
-    # Then return RankInfo(rank, local_rank, world_size, local_world_size, master_addr, master_port).
+    # TODO: this process's RankInfo (numbers as int) from the six variables of ENV_NAMES. Anything
+    #   wrong raises LaunchConfigError (never a bare KeyError or ValueError) whose message names
+    #   the variables, their values and what to set: every missing or blank variable at once
+    #   (and how to get them set, HOW_TO_START), a value that is not a whole number, a size
+    #   below 1 or a negative rank, values that contradict each other (a rank outside the world,
+    #   a world that is not a whole number of nodes, a local rank outside its node, a RANK that
+    #   is not LOCAL_RANK on its node), a port outside 1-65535. The tests try each of these,
+    #   and torchrun's own environment.
     raise KataTodo("k06", 2, "read and check the environment")
 
 
@@ -165,10 +163,11 @@ def join_world(
     import torch
     import torch.distributed as dist
 
-    # TODO: 1. on a CUDA device, torch.cuda.set_device(device) first (NCCL needs it).
-    #       2. dist.init_process_group(backend, init_method="tcp://ADDR:PORT" from the info,
-    #          rank=..., world_size=..., timeout=timeout): with the timeout, a host that never
-    #          comes ends in an error instead of a 30-minute wait.
+    # TODO: afterwards this process is rank info.rank of a world of info.world_size (the default
+    #   process group), having met the others at MASTER_ADDR:MASTER_PORT as the info gives them
+    #   (not the environment); a world that never forms ends in an error once `timeout` has
+    #   passed. On a CUDA device, that device is this process's current one first. The tests
+    #   join 2 ranks laid out as 2 nodes of 1, and one rank whose peer never comes.
     raise KataTodo("k06", 3, "join the world at MASTER_ADDR:MASTER_PORT")
 
 
@@ -177,8 +176,8 @@ def sum_of_ranks(info: RankInfo, device: torch.device) -> float:
     import torch
     import torch.distributed as dist
 
-    # TODO: a tensor holding rank + 1 (a float, on the device), one all_reduce with SUM, and
-    #   return the total as a Python number (.item()).
+    # TODO: every rank contributes its global rank + 1, and every rank returns the total over
+    #   the whole world as a Python number (2 nodes x 3 processes: 21).
     raise KataTodo("k06", 4, "the all-reduce every rank checks")
 
 
@@ -196,15 +195,13 @@ def launch_node(
     Raises ``NodeFailed`` at the first process that exits with a non-zero status (or when
     ``timeout`` seconds pass), after stopping the others.
     """
-    # TODO:
-    #   1. one environment per local rank: {**os.environ, **node_environment(..., local, ...)}
-    #      (keep the launcher's own variables: PATH, PYTHONPATH, ...)
-    #   2. start them all with subprocess.Popen(list(command), env=...), before waiting for any:
-    #      each waits in init_process_group for the others
-    #   3. poll() them in a loop (time.sleep(0.05) between rounds): return when all exited 0;
-    #      at the first non-zero status raise NodeFailed("rank 3 (local rank 1) exited with
-    #      status 7": _how_it_ended(code) words it); at the timeout raise NodeFailed too
-    #   4. in a finally: _stop(processes), so nothing outlives a failure, a timeout or Ctrl-C
+    # TODO: run `command` once per local rank of this node, each process with the launcher's own
+    #   environment plus its node_environment(...), all of them started before waiting for any
+    #   (each waits in init_process_group for the others). Return once every one has exited
+    #   with status 0. At the first non-zero exit raise NodeFailed naming the rank and how it
+    #   ended (_how_it_ended words it); once `timeout` seconds have passed, NodeFailed naming
+    #   the ranks still running. Returning or raising (Ctrl-C too), it leaves no process of
+    #   this node running: the tests look for leftovers the moment launch_node is done.
     raise KataTodo("k06", 5, "start this node's processes and watch them")
 
 
@@ -212,6 +209,21 @@ def _how_it_ended(code: int) -> str:
     if code < 0:
         return f"was killed by signal {signal.Signals(-code).name} (exit status {code})"
     return f"exited with status {code}"
+
+
+def _numbers(first: int, last: int) -> str:
+    """``3``, ``2 and 3``, ``0 to 5``: a run of numbers, said properly however long it is."""
+    if first == last:
+        return str(first)
+    return f"{first} and {last}" if last == first + 1 else f"{first} to {last}"
+
+
+def _ranks(numbers: Sequence) -> str:
+    """``rank 4``, ``ranks 4 and 5``, ``ranks 3, 4 and 5``."""
+    numbers = [str(n) for n in numbers]
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -427,11 +439,14 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     node_environment(
         nnodes, node_rank, nproc, 0, master_addr, master_port
     )  # check the options first
-    say(
-        None,
-        f"node {node_rank} of {nnodes}: starting ranks {node_rank * nproc}..{node_rank * nproc + nproc - 1} "
-        f"of {nnodes * nproc}; rank 0 listens at {master_addr}:{master_port}",
+    first, last = node_rank * nproc, node_rank * nproc + nproc - 1
+    span = f"rank {first}" if first == last else f"ranks {_numbers(first, last)}"
+    where = (
+        "one node, the whole world: starting " + span
+        if nnodes == 1
+        else f"node {node_rank} of {nnodes}: starting {span} of {nnodes * nproc}"
     )
+    say(None, f"{where}; rank 0 listens at {master_addr}:{master_port}")
     command = [sys.executable, "-m", __spec__.name, "--timeout", str(args.timeout)]
     command += [
         f"--{name}={value}"
@@ -443,7 +458,8 @@ def _launch_this_node(args: argparse.Namespace) -> int:
     # turned into SystemExit, it runs launch_node's clean-up on its way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     launch_node(command, nnodes, node_rank, nproc, master_addr, master_port)
-    say(None, f"node {node_rank}: all {nproc} processes finished")
+    finished = "its process" if nproc == 1 else f"all {nproc} of its processes"
+    say(None, f"node {node_rank}: {finished} finished")
     return 0
 
 
