@@ -77,11 +77,12 @@ class Partition(Dataset):
         self.index = list(index)
 
     def __len__(self) -> int:
-        # TODO: how many samples this part holds.
+        # TODO: how many samples this part holds (len(use(i)) equals len(partitions[i])).
         raise KataTodo("k10", 1, "Partition's length")
 
     def __getitem__(self, position: int):
-        # TODO: item `position` of this part is item index[position] of the whole data.
+        # TODO: item `position` of this part is item index[position] of the whole data (the
+        # tests compare use(i)[j] with data[partitions[i][j]]).
         raise KataTodo("k10", 1, "Partition's items")
 
 
@@ -93,15 +94,16 @@ class DataPartitioner:
     """
 
     def __init__(self, data, sizes: Sequence[float] = (0.7, 0.2, 0.1), seed: int = 1234):
-        # TODO: reject negative sizes or sizes summing to more than 1 (ValueError). Then, as the
-        # tutorial does: indexes = list(range(len(data))), shuffled by random.Random(seed), and
-        # one part of int(fraction * len(data)) indexes per fraction, taken in order. Keep
-        # data in self.data and the parts (lists of indexes) in self.partitions.
+        # TODO: sizes that are negative or sum to more than 1 raise ValueError saying what is
+        # wrong. Otherwise keep data in self.data and, in self.partitions, one list of indices per
+        # size: disjoint, part i holding int(sizes[i] * len(data)) of them, exactly the tutorial's
+        # cut (the tests compare with it for several lengths, sizes and seeds). Every rank builds
+        # its own partitioner, so the cut must depend on the seed alone, never on global state.
         raise KataTodo("k10", 1, "shuffle with the seed and cut the parts")
 
     def use(self, partition: int) -> Partition:
         """Part number ``partition`` of the data (a rank uses its rank)."""
-        # TODO
+        # TODO: a Partition of self.data holding exactly the indices of that part.
         raise KataTodo("k10", 1, "a Partition of the part's indices")
 
 
@@ -110,13 +112,16 @@ def per_rank_batch_size(global_batch_size: int, world_size: int) -> int:
 
     A whole number (``DataLoader`` takes no fractions): ``per_rank_batch_size(128, 3)`` is 42.
     """
-    # TODO: raise ValueError when a rank would get no sample (or world_size < 1).
+    # TODO: an int, the largest share every rank can take (128 on 3 ranks: 42). When a rank
+    # would get no sample, or world_size < 1, raise ValueError saying what is wrong.
     raise KataTodo("k10", 2, "a whole-number batch per rank")
 
 
 def shard_size(dataset_length: int, num_replicas: int, drop_last: bool = False) -> int:
     """How many indices each rank gets, as DistributedSampler counts them."""
-    # TODO: the lesson's step 2.
+    # TODO: exactly len(DistributedSampler(range(dataset_length), num_replicas, 0,
+    # drop_last=drop_last)), the lesson's step 2; the tests compare lengths 0 to 13, 31 and 100
+    # on 1 to 5 replicas, with and without drop_last.
     raise KataTodo("k10", 3, "how many indices each rank gets")
 
 
@@ -130,8 +135,10 @@ def shard_indices(
     drop_last: bool = False,
 ) -> list[int]:
     """The indices rank ``rank`` of ``num_replicas`` gets, in DistributedSampler's order."""
-    # TODO: the order (shuffled or not), padded or cut to shard_size(...) * num_replicas, then
-    # every num_replicas-th index starting at rank.
+    # TODO: the very list DistributedSampler(range(dataset_length), num_replicas, rank, shuffle,
+    # seed, drop_last) yields after set_epoch(epoch), padding and order included (the lesson's
+    # steps 1 to 3). The tests compare every rank on the grid of ShardSampler's tests, and call
+    # it twice with the same arguments: the answer must not depend on global random state.
     raise KataTodo("k10", 3, "the indices of one rank's shard")
 
 
@@ -147,22 +154,23 @@ class ShardSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ):
-        # TODO: num_replicas and rank default to the process group's (dist.get_world_size(),
-        # dist.get_rank()); a rank outside 0..num_replicas-1 is a ValueError. Keep every
-        # argument, and start at epoch 0.
+        # TODO: num_replicas and rank default to the process group's (the training test
+        # passes neither); a rank outside 0..num_replicas-1 raises ValueError naming the rank.
+        # Keep every argument for __iter__, and start at epoch 0.
         raise KataTodo("k10", 4, "the sampler's arguments")
 
     def __iter__(self) -> Iterator[int]:
-        # TODO: iterate over this rank's shard for the current epoch.
+        # TODO: an iterator (DataLoader calls iter(sampler)) over this rank's shard for the
+        # current epoch: the same indices, in the same order, as DistributedSampler's, every time.
         raise KataTodo("k10", 4, "iterate over this rank's shard")
 
     def __len__(self) -> int:
-        # TODO
+        # TODO: how many indices __iter__ yields (DataLoader counts batches with it).
         raise KataTodo("k10", 4, "the number of indices this rank gets")
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch: with shuffle, each epoch gets its own order."""
-        # TODO
+        # TODO: from now on __iter__ gives epoch `epoch`'s order.
         raise KataTodo("k10", 4, "remember the epoch")
 
 

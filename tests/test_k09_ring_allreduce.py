@@ -1,12 +1,20 @@
 """k09 ring all-reduce: the chunk arithmetic, the pass-along ring, the bandwidth-optimal ring.
 
-Inside each rank the learner's functions run while ``dist.send``/``dist.isend`` are wrapped to
-count the elements sent, and the collectives are replaced by functions that fail: the kata is
+Inside each rank the learner's functions run while the point-to-point calls are watched (every
+send counted and traced: which chunk went to whom, in which order; every ``dist.isend`` request
+checked for a ``wait()``) and the collectives are replaced by functions that fail: the kata is
 to build all-reduce from point-to-point calls alone.
+
+The integer inputs make a wrong sum readable: rank r holds ``(i + 1) * 100**r`` at element i,
+so any sum of the ranks' values spells, in base 100, how often each rank's value went into it
+("rank 2's value only", "ranks 0 and 1 only", "rank 3's value twice").
 """
 
 import contextlib
 import functools
+import os
+import shutil
+import tempfile
 import threading
 
 import pytest
@@ -14,13 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from dojo import impl
 from dojo.impl import load_kata
 from dojo.testing import run_program
+from dojo.todo import KataTodo
+from dojo.world import WorldDeadlock, run_world
 
 KATA = "k09_ring_allreduce"
 DEADLINE_S = 10.0  # a ring that deadlocks ends as a stuck-rank report, not a hang
 # Lengths that do and do not divide by the world size, and lengths below it.
 LENGTHS = (1, 2, 3, 5, 10, 12, 1001)
+BASE = 100  # rank r's integers are multiples of BASE**r: a sum's base-100 digits count the ranks
 COUNTED = (
     "(sends are counted by wrapping dist.isend and dist.send: call them through the dist module, "
     "not as names imported from it)"
@@ -37,10 +49,11 @@ COLLECTIVES = (
     "all_to_all_single",
     "gather",
     "scatter",
+    "barrier",
 )
 
 
-# ------------------------------------------------------------------ helpers shared by ranks and tests
+# ------------------------------------------------------------------ inputs and chunks
 
 
 def expected_bounds(length, world_size):
@@ -51,10 +64,10 @@ def expected_bounds(length, world_size):
 
 
 def make_input(rank, length, dtype, shape=None):
-    """What rank ``rank`` holds: integers, plain floats, or floats of very different sizes."""
+    """What rank ``rank`` holds: readable integers, plain floats, or floats of very different sizes."""
     generator = torch.Generator().manual_seed(1000 * rank + length)
     if dtype == "int64":
-        data = torch.randint(-1000, 1000, (length,), generator=generator)
+        data = (torch.arange(length) + 1) * BASE**rank
     elif dtype == "float32":
         data = torch.randn(length, generator=generator)
     else:  # "mixed": 1, 1e3, 1e6 by rank, where the order of additions shows in the last bits
@@ -62,11 +75,115 @@ def make_input(rank, length, dtype, shape=None):
     return data.reshape(shape) if shape else data
 
 
+def counts_of(values, start, world_size):
+    """How many times each rank's value went into ``values`` (elements ``start``..), or None
+    when they are no such sum (values from elsewhere, garbage)."""
+    positions = torch.arange(start + 1, start + len(values) + 1)
+    if len(values) == 0 or (values < 0).any() or (values % positions).any():
+        return None
+    multiples = values // positions
+    if not (multiples == multiples[0]).all():
+        return None
+    number, counts = int(multiples[0]), []
+    for _ in range(world_size):
+        number, digit = divmod(number, BASE)
+        counts.append(digit)
+    return None if number else counts
+
+
+def what_it_holds(counts, world_size):
+    """``counts`` in words: "rank 2's value only", "a partial sum of 2 of the 4 ranks (0, 1)"."""
+    if counts is None:
+        return "values that are no sum of the ranks' values at these positions"
+    present = [r for r, c in enumerate(counts) if c]
+    if not present:
+        return "zeros (no rank's value)"
+    if any(c > 1 for c in counts):
+        terms = " + ".join(
+            f"{c} x rank {r}'s" if c > 1 else f"rank {r}'s" for r, c in enumerate(counts) if c
+        )
+        return f"{terms} values"
+    if len(present) == 1:
+        return f"rank {present[0]}'s value only"
+    if len(present) < world_size:
+        return (
+            f"a partial sum of {len(present)} of the {world_size} ranks "
+            f"(ranks {', '.join(map(str, present))})"
+        )
+    return "the sum over every rank"
+
+
+def wrong_place(values, start, bounds, world_size):
+    """The chunk whose values ``values`` are (a chunk written into the wrong place), or None."""
+    for chunk, (a, b) in enumerate(bounds):
+        if a != start and b - a == len(values) and counts_of(values, a, world_size) is not None:
+            return chunk
+    return None
+
+
+def _describe(case):
+    length, dtype, shape = case
+    what = {"int64": "integer", "float32": "float", "mixed": "float of mixed sizes"}[dtype]
+    if length != 1:
+        what = what.replace("integer", "integers").replace("float", "floats")
+    return f"a tensor of shape {tuple(shape)}" if shape else f"{length} {what}"
+
+
+def _span(bounds, chunk):
+    start, stop = bounds[chunk]
+    return f"element {start}" if stop - start == 1 else f"elements {start}..{stop - 1}"
+
+
+# ------------------------------------------------------------------ watching the point-to-point calls
+
+
+class _Request:
+    """A ``dist.isend`` request that remembers whether anyone waited for it."""
+
+    def __init__(self, work):
+        self._work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        self.waited = self.waited or done
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _chunk_of(tensor, given, bounds):
+    """Which chunk of ``given`` a sent or received tensor is: a view of it, or an equal copy."""
+    if given is None or tensor.numel() == 0:
+        return None
+    flat = given.reshape(-1)
+    if tensor.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        start = tensor.storage_offset() - given.storage_offset()
+        span = (start, start + tensor.numel())
+        return bounds.index(span) if span in bounds else f"elements {span[0]}..{span[1] - 1}"
+    for chunk, (a, b) in enumerate(bounds):
+        if b - a == tensor.numel() and torch.equal(tensor.reshape(-1), flat[a:b]):
+            return chunk
+    return None
+
+
 @contextlib.contextmanager
-def watching_sends():
-    """Count the elements this rank sends, and make every collective fail, inside the block."""
-    sent = {"elements": 0, "messages": 0}
-    inside = threading.local()  # dist.send calls dist.isend in some torch versions: count once
+def watching(given=None, trace_path=None):
+    """Inside the block: count and trace this rank's sends and receives, keep every isend request
+    (to check it is waited on), and make every collective fail.
+
+    With ``trace_path`` each call is also written to that file as it starts and ends, so that a
+    deadlocked world can still say which rank was blocked in which call.
+    """
+    world = dist.get_world_size()
+    bounds = expected_bounds(given.numel(), world) if given is not None else []
+    seen = {"elements": 0, "messages": 0, "sends": [], "recvs": [], "requests": []}
+    inside = threading.local()  # dist.send calls dist.isend: count once
+    trace = open(trace_path, "a", encoding="utf-8") if trace_path else None
     patched = []
 
     def patch(name, replacement):
@@ -75,18 +192,42 @@ def watching_sends():
                 patched.append((module, name, getattr(module, name)))
                 setattr(module, name, replacement)
 
-    def counting(original):
-        def send(tensor, *args, **kwargs):
-            if not getattr(inside, "active", False):
-                sent["elements"] += tensor.numel()
-                sent["messages"] += 1
+    def note(text):
+        if trace is not None:
+            trace.write(text + "\n")
+            trace.flush()
+
+    def watched(name, original):
+        sending = "send" in name
+
+        @functools.wraps(original)
+        def call(tensor, *args, **kwargs):
+            if getattr(inside, "active", False):
+                return original(tensor, *args, **kwargs)
+            peer = args[0] if args else kwargs.get("dst" if sending else "src")
+            if peer is None:  # batch_isend_irecv passes the peer as group_dst / group_src
+                peer = kwargs.get("group_dst" if sending else "group_src")
+            chunk = _chunk_of(tensor, given, bounds)
+            entry = {"chunk": chunk, "elements": tensor.numel(), "peer": peer}
+            if sending:
+                seen["elements"] += tensor.numel()
+                seen["messages"] += 1
+                seen["sends"].append(entry)
+            else:
+                seen["recvs"].append(entry)
+            note(f"begin {name} {peer} {tensor.numel()} {chunk}")
             inside.active = True
             try:
-                return original(tensor, *args, **kwargs)
+                work = original(tensor, *args, **kwargs)
             finally:
                 inside.active = False
+            note("end")
+            if name == "isend" and work is not None:
+                work = _Request(work)
+                seen["requests"].append(work)
+            return work
 
-        return send
+        return call
 
     def forbidden(name):
         def collective(*args, **kwargs):
@@ -97,18 +238,140 @@ def watching_sends():
 
         return collective
 
-    for name in ("send", "isend"):
-        patch(name, counting(getattr(dist, name)))
+    for name in ("send", "isend", "recv", "irecv"):
+        patch(name, watched(name, getattr(dist, name)))
     for name in COLLECTIVES:
         patch(name, forbidden(name))
     try:
-        yield sent
+        yield seen
     finally:
         for module, name, original in reversed(patched):
             setattr(module, name, original)
+        if trace is not None:
+            trace.close()
+        requests = seen.pop("requests")
+        seen["isends"] = len(requests)
+        seen["unwaited"] = sum(not r.waited for r in requests)
+        for request in requests:  # finish what the ring left: a freed request can drop its send
+            if not request.waited:
+                with contextlib.suppress(RuntimeError):
+                    request._work.wait()
 
 
-def _run_cases(rank, world_size, function_name, cases):
+def _trace_path(trace_dir, rank):
+    return os.path.join(trace_dir, f"rank{rank}.txt") if trace_dir else None
+
+
+def _blocked_in(trace_dir, world_size):
+    """rank -> (call, peer, elements) it had started but not finished, read from the traces."""
+    blocked = {}
+    for rank in range(world_size):
+        try:
+            with open(_trace_path(trace_dir, rank), encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        if lines and lines[-1].startswith("begin "):
+            _, call, peer, elements, _ = lines[-1].split(" ", 4)
+            blocked[rank] = (call, peer, elements)
+    return blocked
+
+
+def explain_deadlock(trace_dir, world_size):
+    """What the stuck ranks were doing, in the ring's terms."""
+    blocked = _blocked_in(trace_dir, world_size)
+    if not blocked:
+        return (
+            "no rank was inside a dist.send or dist.recv when the world was stopped: is a rank "
+            "waiting on a request (request.wait()) whose matching send or recv never came?"
+        )
+    lines = [
+        f"  rank {rank} was blocked in dist.{call} {'to' if 'send' in call else 'from'} rank {peer} "
+        f"({elements} element{'' if elements == '1' else 's'})"
+        for rank, (call, peer, elements) in sorted(blocked.items())
+    ]
+    calls = {call for call, _, _ in blocked.values()}
+    if calls == {"send"} and len(blocked) == world_size:
+        advice = (
+            "Every rank is blocked in a blocking dist.send and none has reached its dist.recv: "
+            "gloo's dist.send returns only once the receiver has posted the matching recv, so if "
+            "every rank sends first they all wait for ever. Post the send with dist.isend, then "
+            "dist.recv, then wait for the send (or let even ranks send first and odd ranks "
+            "receive first)."
+        )
+    elif "recv" in calls:
+        froms = [(rank, int(peer)) for rank, (call, peer, _) in blocked.items() if call == "recv"]
+        wrong = [(r, p) for r, p in froms if p != (r - 1) % world_size]
+        if wrong:
+            rank, peer = wrong[0]
+            advice = (
+                f"rank {rank} waits for a message from rank {peer}, but in the ring every rank "
+                f"sends to its right neighbour only: receive from the left one, (rank - 1) % N = "
+                f"{(rank - 1) % world_size}."
+            )
+        else:
+            advice = (
+                "the ranks wait in dist.recv for a message their left neighbour never sent: every "
+                "rank must post its send (dist.isend) before it waits in recv, and make as many "
+                "sends as its right neighbour makes receives (an empty chunk is neither sent nor "
+                "received)."
+            )
+    else:
+        advice = "every send needs a matching recv on the neighbour, in the same order."
+    return "\n".join(["the ring deadlocked:", *lines, advice])
+
+
+def run_ring_world(fn, world_size, *args):
+    """``run_world`` with traced calls: a deadlock says which rank was blocked in which call."""
+    trace_dir = tempfile.mkdtemp(prefix="dojo-k09-")
+    try:
+        return run_world(fn, world_size, *args, trace_dir, deadline=DEADLINE_S)
+    except WorldDeadlock as error:
+        raise AssertionError(f"{explain_deadlock(trace_dir, world_size)}\n\n{error}") from error
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def check_requests_waited(by_rank, name):
+    for rank, outcomes in enumerate(by_rank):
+        for outcome in outcomes:
+            seen = outcome["seen"]
+            if seen["unwaited"]:
+                raise AssertionError(
+                    f"{name} on rank {rank} with {_describe(outcome['case'])} posted "
+                    f"{seen['isends']} dist.isend requests and never waited on {seen['unwaited']} "
+                    "of them: keep the request that dist.isend returns and call request.wait() "
+                    "before you reuse the buffer or return. Until then gloo may still be reading "
+                    "the buffer (the neighbour gets changed data), and a request that is freed "
+                    "unwaited can drop its send (the neighbour waits for ever)."
+                )
+
+
+def sent_chunks(seen):
+    return [entry["chunk"] for entry in seen["sends"]]
+
+
+def trace_text(rank, seen, expected):
+    got = sent_chunks(seen)
+    shown = ", ".join("a copy matching no chunk" if c is None else str(c) for c in got)
+    if got == expected:
+        return f"rank {rank} sent chunks {shown}, in the expected order"
+    for step, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            first = f"in step {step} it sent chunk {a}, expected chunk {b}"
+            break
+    else:
+        first = f"it sent {len(got)} chunks, expected {len(expected)}"
+    return (
+        f"rank {rank} sent chunks {shown} (one per step), expected "
+        f"{', '.join(map(str, expected))}: {first}"
+    )
+
+
+# ------------------------------------------------------------------ the rings' answers
+
+
+def _run_cases(rank, world_size, function_name, cases, trace_dir):
     """Run the learner's all-reduce on every case; return what each rank got and sent."""
     ring = getattr(load_kata(KATA), function_name)
     outcomes = []
@@ -117,15 +380,21 @@ def _run_cases(rank, world_size, function_name, cases):
         expected = mine.clone()
         dist.all_reduce(expected)
         given = mine.clone()
-        with watching_sends() as sent:
+        with watching(given, _trace_path(trace_dir, rank)) as seen:
             returned = ring(given)
         outcomes.append(
             {
                 "case": (length, dtype, shape),
+                "mine": mine,
                 "given": given,
                 "expected": expected,
                 "returned_given": returned is given,
-                "sent": dict(sent),
+                "returned": (
+                    returned.detach().clone()
+                    if isinstance(returned, torch.Tensor) and returned is not given
+                    else repr(returned)
+                ),
+                "seen": seen,
             }
         )
     return outcomes
@@ -136,58 +405,207 @@ def _cases():
     return cases + [(21, "int64", (3, 7))]
 
 
-@functools.cache
 def world_outcomes(function_name, world_size):
-    """Every case on one world (a world costs ~0.2 s); tests of the same ring share it.
-
-    A failure is not cached, so each test that needs a failed world reports it.
-    """
-    from dojo.world import run_world
-
-    return run_world(_run_cases, world_size, function_name, _cases(), deadline=DEADLINE_S)
+    """Every case on one world (a world costs ~0.2 s); tests of the same ring share it."""
+    return _world_outcomes(
+        function_name, world_size, impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, "")
+    )
 
 
-def _describe(case):
-    length, dtype, shape = case
-    what = {"int64": "integers", "float32": "floats", "mixed": "floats of mixed sizes"}[dtype]
-    return f"a tensor of shape {tuple(shape)}" if shape else f"{length} {what}"
+@functools.cache
+def _world_outcomes(function_name, world_size, implementation, substitutions):
+    # Keyed on the implementation and the swaps too: a mistakes catalogue runs the same test
+    # against many swaps in one process. A failure is not cached: each test reports it.
+    return run_ring_world(_run_cases, world_size, function_name, _cases())
+
+
+def _expected_ring_sends(rank, world_size, bounds):
+    """The chunks the optimal ring sends, in order (empty chunks are not sent)."""
+    n = world_size
+    order = [(rank - s) % n for s in range(n - 1)] + [(rank + 1 - s) % n for s in range(n - 1)]
+    return [c for c in order if bounds[c][1] > bounds[c][0]]
+
+
+def _diagnose_int(outcome, rank, n, name):
+    """For an integer case that came out wrong: which chunk (or the whole tensor), and why."""
+    got = outcome["given"].reshape(-1)
+    length = got.numel()
+    where = f"{name} on rank {rank} of {n} with {_describe(outcome['case'])}"
+    if name == "pass_along_allreduce":
+        counts = counts_of(got, 0, n)
+        held = what_it_holds(counts, n)
+        if (
+            counts is not None
+            and counts[rank] == 0
+            and all(counts[r] == 1 for r in range(n) if r != rank)
+        ):
+            likely = (
+                "it holds every other rank's tensor but not its own: start the sum from your own "
+                "tensor (add each arrival into the tensor passed in)"
+            )
+        elif counts is not None and any(c > 1 for c in counts):
+            likely = (
+                "a tensor was added more than once: at each hop pass on the tensor that just "
+                "arrived, not your own tensor again nor your running sum"
+            )
+        elif counts is not None and counts[rank] == 1 and sum(counts) == 1:
+            likely = (
+                "it still holds its own tensor: add what arrives into the tensor passed in (in "
+                "place: flat += incoming), N-1 times"
+            )
+        else:
+            likely = "each of the N-1 hops must bring one more rank's tensor: add each arrival once"
+        return (
+            f"{where}: the tensor holds {held}, expected the sum over all {n} ranks. Likely: "
+            f"{likely}"
+        )
+    bounds = expected_bounds(length, n)
+    for chunk, (a, b) in enumerate(bounds):
+        values = got[a:b]
+        if b == a or torch.equal(values, outcome["expected"].reshape(-1)[a:b]):
+            continue
+        counts = counts_of(values, a, n)
+        held = what_it_holds(counts, n)
+        elsewhere = wrong_place(values, a, bounds, n) if counts is None else None
+        if elsewhere is not None:
+            held = f"chunk {elsewhere}'s values ({_span(bounds, elsewhere)}): a chunk landed in the wrong place"
+            likely = (
+                "receive each chunk into its own slice, flat[start:stop] of that chunk's bounds"
+            )
+        elif counts is not None and any(c > 1 for c in counts):
+            likely = (
+                "some values were added more than once. The all-gather must store each "
+                "arriving chunk (it is already the full sum), not add it; and the reduce-scatter "
+                "adds each arriving chunk once"
+            )
+        elif counts is not None and sum(counts) == 1 and counts[rank] == 0:
+            likely = (
+                "a chunk was stored where it should have been added: the reduce-scatter adds the "
+                "arriving chunk (+=), only the all-gather stores it"
+            )
+        else:
+            likely = (
+                "the chunk was passed on before it had every addend, or another chunk was sent: "
+                "in step s send (rank - s) % N in the reduce-scatter, then (owned - s) % N in the "
+                "all-gather"
+            )
+        expected_sends = _expected_ring_sends(rank, n, bounds)
+        return (
+            f"{where}: chunk {chunk} ({_span(bounds, chunk)}) holds {held}, expected the sum over "
+            f"all {n} ranks. Likely: {likely}.\n"
+            f"{trace_text(rank, outcome['seen'], expected_sends)} (reduce-scatter, then "
+            "all-gather)"
+        )
+    return f"{where}: the result differs from dist.all_reduce's"
 
 
 def check_sums(outcomes_by_rank, name):
     """Every rank holds dist.all_reduce's answer: exactly for integers, closely for floats."""
-    for rank, outcomes in enumerate(outcomes_by_rank):
-        for outcome in outcomes:
+    check_requests_waited(outcomes_by_rank, name)
+    n = len(outcomes_by_rank)
+    # The readable integer cases first, the longer ones (every chunk non-empty) before the rest.
+    order = sorted(
+        range(len(outcomes_by_rank[0])),
+        key=lambda i: (
+            outcomes_by_rank[0][i]["case"][1] != "int64",
+            outcomes_by_rank[0][i]["given"].numel() < n,
+        ),
+    )
+    for i in order:
+        for rank, outcomes in enumerate(outcomes_by_rank):
+            outcome = outcomes[i]
             got, expected, (_, dtype, _) = outcome["given"], outcome["expected"], outcome["case"]
-            where = f"{name} on rank {rank} with {_describe(outcome['case'])}"
+            where = f"{name} on rank {rank} of {n} with {_describe(outcome['case'])}"
             assert got.shape == expected.shape and got.dtype == expected.dtype, (
                 f"{where}: the tensor became {got.dtype} of shape {tuple(got.shape)}, expected it "
                 f"to stay {expected.dtype} of shape {tuple(expected.shape)}"
             )
+            returned = outcome["returned"]
+            if not outcome["returned_given"]:
+                if (
+                    isinstance(returned, torch.Tensor)
+                    and torch.equal(got, outcome["mine"])
+                    and n > 1
+                ):
+                    raise AssertionError(
+                        f"{where}: it returned a new tensor, and the tensor passed in still holds "
+                        f"rank {rank}'s own values: work in place (flat += incoming writes into "
+                        "the caller's tensor; tensor = tensor + incoming makes a new one), and "
+                        "return the tensor you were given, like dist.all_reduce"
+                    )
+                raise AssertionError(
+                    f"{where}: it returned {'a new tensor' if isinstance(returned, torch.Tensor) else returned}; "
+                    "return the tensor you were given (it holds the sum, in place, like "
+                    "dist.all_reduce), also when there is nothing to send"
+                )
             if dtype == "int64":
-                wrong = (got != expected).nonzero().flatten()
-                ok = len(wrong) == 0
+                ok = torch.equal(got, expected)
             else:
                 # Sums in another order differ in the last bits only (scaled by the addends' size).
                 scale = 1.0 if dtype == "float32" else 1e6
-                close = torch.isclose(got, expected, rtol=1e-5, atol=1e-5 * scale)
-                wrong = (~close).nonzero().flatten()
-                ok = len(wrong) == 0
-            if not ok:
-                i = int(wrong[0])
-                flat_got, flat_expected = got.reshape(-1), expected.reshape(-1)
-                raise AssertionError(
-                    f"{where}: element {i} holds {flat_got[i].item()!r}, dist.all_reduce gives "
-                    f"{flat_expected[i].item()!r} ({len(wrong)} of {got.numel()} elements wrong). "
-                    "Does the sum work in place on the tensor passed in, and does every rank's "
-                    "tensor reach every other rank?"
-                )
-            assert outcome["returned_given"], (
-                f"{where}: return the tensor you were given (it holds the sum, in place, like "
-                "dist.all_reduce), not a new one"
+                ok = bool(torch.isclose(got, expected, rtol=1e-5, atol=1e-5 * scale).all())
+            if ok:
+                continue
+            if dtype == "int64":
+                raise AssertionError(_diagnose_int(outcome, rank, n, name))
+            flat_got, flat_expected = got.reshape(-1), expected.reshape(-1)
+            close = torch.isclose(flat_got, flat_expected, rtol=1e-5, atol=1e-5 * scale)
+            wrong = (~close).nonzero().flatten()
+            index = int(wrong[0])
+            raise AssertionError(
+                f"{where}: element {index} holds {flat_got[index].item()!r}, dist.all_reduce "
+                f"gives {flat_expected[index].item()!r} ({len(wrong)} of {got.numel()} elements "
+                "wrong), while its integer cases came out right: does the ring work on the "
+                "tensor's own dtype (no int conversion, no rounding)?"
             )
 
 
 # ------------------------------------------------------------------ step 1: chunk arithmetic
+
+
+def why_bounds_differ(got, length, world_size):
+    """What is wrong with ``got`` as chunk bounds, in words."""
+    expected = expected_bounds(length, world_size)
+    try:
+        pairs = [(int(a), int(b)) for a, b in got]
+    except (TypeError, ValueError):
+        return "return a list of (start, stop) pairs, one per chunk"
+    if len(pairs) != world_size:
+        return f"return one (start, stop) per rank: {world_size} chunks, got {len(pairs)}"
+    for index, (start, stop) in enumerate(pairs):
+        if stop < start:
+            return (
+                f"chunk {index} is ({start}, {stop}), it stops before it starts: stop is "
+                "exclusive, as in a slice, and each chunk starts where the previous one stops"
+            )
+    for index in range(1, world_size):
+        if pairs[index][0] != pairs[index - 1][1]:
+            return (
+                f"chunk {index} starts at {pairs[index][0]} but chunk {index - 1} stops at "
+                f"{pairs[index - 1][1]}: stop is exclusive, as in a slice, and each chunk starts "
+                "where the previous one stops"
+            )
+    if pairs[0][0] != 0 or pairs[-1][1] != length:
+        missing = (
+            f"elements {pairs[-1][1]}..{length - 1} are in no chunk"
+            if pairs[-1][1] < length
+            else f"the last chunk runs past the end, to {pairs[-1][1]}"
+        )
+        return f"the chunks must cover 0..{length} exactly: {missing}"
+    sizes = [b - a for a, b in pairs]
+    want = [b - a for a, b in expected]
+    if max(sizes) - min(sizes) > 1:
+        return (
+            f"the chunk sizes {sizes} differ by more than one: spread the remainder "
+            f"({length} % {world_size} = {length % world_size}) one element each over the first "
+            f"chunks, {want}"
+        )
+    if sizes != want:
+        return (
+            f"the chunk sizes {sizes} put the larger chunks last: the larger chunks come first, "
+            f"{want} (torch.tensor_split's rule)"
+        )
+    return "chunk sizes differ by at most one, the larger chunks first"
 
 
 @pytest.mark.step(1)
@@ -205,27 +623,62 @@ def test_chunk_bounds_examples(kata, length, world_size, expected):
     got = kata.chunk_bounds(length, world_size)
     assert [tuple(b) for b in got] == expected, (
         f"chunk_bounds({length}, {world_size}) returned {got!r}, expected {expected}: "
-        "chunk sizes differ by at most one, the larger chunks first"
+        + why_bounds_differ(got, length, world_size)
     )
 
 
 @pytest.mark.step(1)
 def test_chunk_bounds_cover_every_length(kata):
+    wrong = []
     for world_size in range(1, 9):
         for length in range(0, 3 * world_size + 2):
-            got = [tuple(b) for b in kata.chunk_bounds(length, world_size)]
-            expected = expected_bounds(length, world_size)
-            assert got == expected, (
-                f"chunk_bounds({length}, {world_size}) returned {got}, expected {expected} "
-                f"(torch.tensor_split's chunks): {world_size} chunks, in order, covering 0..{length}"
-            )
+            got = kata.chunk_bounds(length, world_size)
+            if [tuple(b) for b in got] != expected_bounds(length, world_size):
+                wrong.append((length, world_size, got))
+    if wrong:
+        # Report the case that shows the mistake best: the most uneven chunks, the longest.
+        def unevenness(case):
+            length, world_size, got = case
+            try:
+                sizes = [int(b) - int(a) for a, b in got]
+            except (TypeError, ValueError):
+                return (0, length)
+            return (max(sizes, default=0) - min(sizes, default=0), length)
+
+        length, world_size, got = max(wrong, key=unevenness)
+        raise AssertionError(
+            f"chunk_bounds gave the wrong chunks for {len(wrong)} of the (length, world_size) "
+            f"pairs tried; chunk_bounds({length}, {world_size}) returned {got}, expected "
+            f"{expected_bounds(length, world_size)}: " + why_bounds_differ(got, length, world_size)
+        )
 
 
 @pytest.mark.step(1)
-@pytest.mark.parametrize("length, world_size", [(10, 0), (-1, 2)])
-def test_chunk_bounds_rejects_bad_input(kata, length, world_size):
-    with pytest.raises(ValueError):
-        kata.chunk_bounds(length, world_size)
+@pytest.mark.parametrize(
+    "length, world_size, named", [(10, 0, "world_size"), (-1, 2, "length"), (10, -3, "world_size")]
+)
+def test_chunk_bounds_rejects_bad_input(kata, length, world_size, named):
+    call = f"chunk_bounds({length}, {world_size})"
+    try:
+        got = kata.chunk_bounds(length, world_size)
+    except ValueError as error:
+        assert named in str(error) or named.replace("_", " ") in str(error), (
+            f"{call} raised ValueError({str(error)!r}): say what is wrong, naming {named} and "
+            "the value it got, so that the caller can fix the call"
+        )
+        return
+    except KataTodo:
+        raise
+    except Exception as error:
+        raise AssertionError(
+            f"{call} raised {type(error).__name__}: {error}. Check the arguments first: "
+            f"{named} out of range must raise ValueError saying what is wrong (world_size >= 1, "
+            "length >= 0)"
+        ) from error
+    raise AssertionError(
+        f"{call} returned {got!r}: {named} out of range must raise ValueError saying what is "
+        "wrong (world_size >= 1, length >= 0)"
+    )
 
 
 # ------------------------------------------------------------------ step 2: the pass-along ring
@@ -239,7 +692,7 @@ def test_pass_along_equals_all_reduce(kata, world_size):
     for rank, outcomes in enumerate(by_rank):
         for outcome in outcomes:
             numel = outcome["given"].numel()
-            sent = outcome["sent"]["elements"]
+            sent = outcome["seen"]["elements"]
             assert sent == (world_size - 1) * numel, (
                 f"pass_along_allreduce on rank {rank} of {world_size} with "
                 f"{_describe(outcome['case'])} sent {sent} elements, expected {world_size - 1} "
@@ -248,18 +701,18 @@ def test_pass_along_equals_all_reduce(kata, world_size):
             )
 
 
-def _three_ranks_cancel(rank, world_size):
+def _three_ranks_cancel(rank, world_size, trace_dir):
     ring = load_kata(KATA).pass_along_allreduce
     mine = torch.tensor([[1e8, 1.0, -1e8][rank]], dtype=torch.float32)
-    with watching_sends():
+    with watching():
         ring(mine)
     return mine.item()
 
 
 @pytest.mark.step(2)
-def test_pass_along_ranks_disagree_in_the_last_bits(world):
+def test_pass_along_ranks_disagree_in_the_last_bits(kata):
     """The lesson's example: 1e8, 1 and -1e8 summed in a different order on each rank."""
-    got = world.run(_three_ranks_cancel, 3, deadline=DEADLINE_S)
+    got = run_ring_world(_three_ranks_cancel, 3)
     assert all(value in (0.0, 1.0) for value in got), (
         f"ranks 0, 1, 2 holding 1e8, 1, -1e8 (float32) ended with {got}: any order of these "
         "additions gives 0 or 1"
@@ -275,7 +728,7 @@ def test_pass_along_ranks_disagree_in_the_last_bits(world):
 # ------------------------------------------------------------------ step 3: reduce-scatter
 
 
-def _reduce_scatter(rank, world_size, lengths):
+def _reduce_scatter(rank, world_size, lengths, trace_dir):
     kata = load_kata(KATA)
     outcomes = []
     for length in lengths:
@@ -283,97 +736,199 @@ def _reduce_scatter(rank, world_size, lengths):
         expected = mine.clone()
         dist.all_reduce(expected)
         given = mine.clone()
-        with watching_sends() as sent:
+        with watching(given, _trace_path(trace_dir, rank)) as seen:
             owned = kata.ring_reduce_scatter(given)
         outcomes.append(
-            {
-                "length": length,
-                "owned": owned,
-                "given": given,
-                "expected": expected,
-                "sent": sent["elements"],
-            }
+            {"length": length, "owned": owned, "given": given, "expected": expected, "seen": seen}
         )
     return outcomes
 
 
+def _owners_text(world_size):
+    return ", ".join(f"rank {r} chunk {(r + 1) % world_size}" for r in range(world_size))
+
+
 @pytest.mark.step(3)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_reduce_scatter_leaves_one_summed_chunk_per_rank(world, world_size):
-    by_rank = world.run(_reduce_scatter, world_size, LENGTHS, deadline=DEADLINE_S)
-    for i, length in enumerate(LENGTHS):
-        bounds = expected_bounds(length, world_size)
+def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
+    n = world_size
+    by_rank = run_ring_world(_reduce_scatter, n, LENGTHS)
+    check_requests_waited(
+        [[{**o, "case": (o["length"], "int64", None)} for o in outcomes] for outcomes in by_rank],
+        "ring_reduce_scatter",
+    )
+    # The lengths where every chunk is sent first: the clearest diagnosis.
+    order = sorted(range(len(LENGTHS)), key=lambda i: LENGTHS[i] < n)
+    for i in order:
+        length = LENGTHS[i]
+        bounds = expected_bounds(length, n)
         owners = [outcomes[i]["owned"] for outcomes in by_rank]
-        assert sorted(owners) == list(range(world_size)), (
-            f"with {length} elements on {world_size} ranks, ring_reduce_scatter returned the chunk "
-            f"indices {owners} (rank 0 first): every chunk must end summed on exactly one rank, so "
-            f"each of 0..{world_size - 1} once"
+        expected_owners = [(r + 1) % n for r in range(n)]
+        assert owners == expected_owners, (
+            f"with {length} elements on {n} ranks, ring_reduce_scatter returned the chunk "
+            f"indices {owners} (rank 0 first), expected {expected_owners}: after N-1 = {n - 1} "
+            f"steps rank r owns chunk (r + 1) % N ({_owners_text(n)}), the chunk it added into "
+            "in its last step. ring_all_gather relies on it: the right neighbour owns chunk "
+            "owned + 1"
         )
         for rank, outcomes in enumerate(by_rank):
             outcome = outcomes[i]
-            start, stop = bounds[outcome["owned"]]
+            owned = outcome["owned"]
+            start, stop = bounds[owned]
             got, expected = outcome["given"][start:stop], outcome["expected"][start:stop]
-            assert torch.equal(got, expected), (
-                f"with {length} integers on {world_size} ranks, rank {rank} says it owns chunk "
-                f"{outcome['owned']} (elements {start}..{stop - 1}), which holds {got.tolist()}, "
-                f"but the sum over all ranks is {expected.tolist()}: add each arriving chunk into "
-                "your own, and pass on the chunk you just summed"
+            if torch.equal(got, expected):
+                continue
+            counts = counts_of(got, start, n)
+            if counts is not None and sum(counts) == 1 and counts[rank] == 1:
+                likely = (
+                    "no addend ever arrived into this chunk: the chunk index must move with the "
+                    "step. In step s send chunk (rank - s) % N and add the arriving chunk "
+                    "(rank - s - 1) % N into its place"
+                )
+            elif counts is not None and sum(counts) == 1:
+                likely = (
+                    "the arriving chunk was stored instead of added: add it into your own "
+                    "(flat[start:stop] += arrived), so that it picks up one addend per rank"
+                )
+            elif counts is not None and any(c > 1 for c in counts):
+                likely = "add each arriving chunk once, into the chunk it is, and nothing else"
+            else:
+                likely = (
+                    "the chunk you send in each step must be the one you just added into: send "
+                    "(rank - s) % N, receive and add (rank - s - 1) % N"
+                )
+            expected_sends = [
+                c for c in ((rank - s) % n for s in range(n - 1)) if bounds[c][1] > bounds[c][0]
+            ]
+            raise AssertionError(
+                f"with {length} integers on {n} ranks, after the reduce-scatter's {n - 1} steps "
+                f"rank {rank} should own chunk {owned} ({_span(bounds, owned)}) summed over all "
+                f"{n} ranks, but it holds {what_it_holds(counts, n)}. Likely: {likely}.\n"
+                f"{trace_text(rank, outcome['seen'], expected_sends)} "
+                f"(after the reduce-scatter {_owners_text(n)})"
             )
-            low, high = (
-                (world_size - 1) * (length // world_size),
-                (world_size - 1) * -(-length // world_size),
+        for rank, outcomes in enumerate(by_rank):
+            sent = outcomes[i]["seen"]["elements"]
+            low, high = (n - 1) * (length // n), (n - 1) * -(-length // n)
+            assert low <= sent <= high, (
+                f"with {length} elements on {n} ranks, rank {rank} sent {sent} elements in the "
+                f"reduce-scatter, expected N-1 = {n - 1} chunks ({low}..{high} elements): send "
+                "one chunk per step, never the whole tensor"
             )
-            assert low <= outcome["sent"] <= high, (
-                f"with {length} elements on {world_size} ranks, rank {rank} sent {outcome['sent']} "
-                f"elements in the reduce-scatter, expected N-1 = {world_size - 1} chunks "
-                f"({low}..{high} elements): send one chunk per step, never the whole tensor"
-            )
-        total = sum(outcomes[i]["sent"] for outcomes in by_rank)
-        assert total == (world_size - 1) * length, (
-            f"with {length} elements on {world_size} ranks the reduce-scatter sent {total} elements "
-            f"in all, expected (N-1) x {length} = {(world_size - 1) * length}: each chunk travels "
-            f"N-1 hops {COUNTED}"
+        total = sum(outcomes[i]["seen"]["elements"] for outcomes in by_rank)
+        assert total == (n - 1) * length, (
+            f"with {length} elements on {n} ranks the reduce-scatter sent {total} elements in "
+            f"all, expected (N-1) x {length} = {(n - 1) * length}: each chunk travels N-1 hops "
+            f"{COUNTED}"
         )
 
 
 # ------------------------------------------------------------------ step 4: all-gather, whole ring
 
 
-def _all_gather(rank, world_size, cases):
-    """Rank r owns chunk (r + shift) % N, holding its final value; the rest is garbage (-1)."""
+def _filler(rank):
+    """What rank ``rank`` holds outside its owned chunk before the all-gather: -(rank + 1)."""
+    return -(rank + 1)
+
+
+def _answer(length):
+    return (torch.arange(length) + 1) * 10
+
+
+def _all_gather(rank, world_size, cases, trace_dir):
+    """Rank r owns chunk (r + shift) % N, holding its final value; the rest is filler."""
     kata = load_kata(KATA)
     results = []
     for length, shift in cases:
-        answer = torch.arange(length) * 10
+        answer = _answer(length)
         owned = (rank + shift) % world_size
         start, stop = expected_bounds(length, world_size)[owned]
-        mine = torch.full((length,), -1)
+        mine = torch.full((length,), _filler(rank))
         mine[start:stop] = answer[start:stop]
-        with watching_sends() as sent:
+        with watching(mine, _trace_path(trace_dir, rank)) as seen:
             kata.ring_all_gather(mine, owned)
-        results.append((mine, answer, sent["elements"]))
+        results.append({"got": mine, "case": (length, "int64", None), "seen": seen})
     return results
+
+
+def _all_gather_problem(got, rank, n, length, shift):
+    """The first wrong chunk of an all-gather's result, in words."""
+    answer = _answer(length)
+    bounds = expected_bounds(length, n)
+    for chunk, (a, b) in enumerate(bounds):
+        values, want = got[a:b], answer[a:b]
+        if torch.equal(values, want):
+            continue
+        span = f"chunk {chunk} ({_span(bounds, chunk)})"
+        owner = next(r for r in range(n) if (r + shift) % n == chunk)
+        fillers = {_filler(r): r for r in range(n)}
+        if (values == values[0]).all() and int(values[0]) in fillers:
+            who = fillers[int(values[0])]
+            if who == rank:
+                return (
+                    f"{span} never arrived on rank {rank}: it still holds its own filler "
+                    f"{_filler(rank)}. Pass on each chunk as it arrives, N-1 steps in all"
+                )
+            return (
+                f"{span} on rank {rank} holds rank {who}'s filler {_filler(who)}: rank {who} "
+                "passed on a chunk it had not received yet. In step s send (owned - s) % N, "
+                "the chunk that arrived in step s-1"
+            )
+        if torch.equal(values, want + _filler(rank)):
+            return (
+                f"{span} on rank {rank} holds the owned value plus what the rank held there "
+                f"before ({_filler(rank)}): the arriving chunk was added. In the all-gather every "
+                "chunk is already final: store it (receive straight into its slice), do not add"
+            )
+        for other, (c, d) in enumerate(bounds):
+            if other != chunk and d - c == b - a and torch.equal(values, answer[c:d]):
+                return (
+                    f"{span} on rank {rank} holds chunk {other}'s values: a chunk landed in "
+                    "the wrong place; receive chunk (owned - s - 1) % N into its own slice"
+                )
+        return (
+            f"{span} on rank {rank} holds {values.tolist()}, expected {want.tolist()} (the "
+            f"value rank {owner} owned)"
+        )
+    return None
 
 
 @pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_all_gather_copies_every_owned_chunk_everywhere(world, world_size):
+def test_all_gather_copies_every_owned_chunk_everywhere(kata, world_size):
+    n = world_size
     cases = [(10, 1), (10, 0), (5, 1), (3, 1)]
-    by_rank = world.run(_all_gather, world_size, cases, deadline=DEADLINE_S)
+    by_rank = run_ring_world(_all_gather, n, cases)
+    check_requests_waited(by_rank, "ring_all_gather")
     for i, (length, shift) in enumerate(cases):
         for rank, results in enumerate(by_rank):
-            got, answer, _ = results[i]
-            assert torch.equal(got, answer), (
-                f"on {world_size} ranks with {length} elements, rank r owning chunk (r + {shift}) % "
-                f"{world_size}, rank {rank} ended with {got.tolist()}, expected {answer.tolist()} "
-                "(-1 marks a chunk that never arrived): send the chunk you own first, then pass on "
-                "each chunk as it arrives, using `owned` rather than assuming which chunk it is"
+            got = results[i]["got"]
+            problem = _all_gather_problem(got, rank, n, length, shift)
+            if problem is None:
+                continue
+            bounds = expected_bounds(length, n)
+            owned = (rank + shift) % n
+            expected_sends = [
+                c for c in ((owned - s) % n for s in range(n - 1)) if bounds[c][1] > bounds[c][0]
+            ]
+            raise AssertionError(
+                f"ring_all_gather on {n} ranks with {length} elements, rank r owning chunk "
+                f"(r + {shift}) % {n} (rank {rank} owns chunk {owned}; elsewhere rank r holds the "
+                f"filler -(r + 1)): rank {rank} ended with {got.tolist()}, expected "
+                f"{_answer(length).tolist()}.\n{problem}.\n"
+                f"{trace_text(rank, results[i]['seen'], expected_sends)}"
+                + (
+                    f"; rank {rank} was told it owns chunk {owned}: use `owned` rather than "
+                    "assuming which chunk a rank owns"
+                    if sent_chunks(results[i]["seen"])[:1] != expected_sends[:1]
+                    else ""
+                )
             )
-        total = sum(results[i][2] for results in by_rank)
-        assert total == (world_size - 1) * length, (
-            f"the all-gather of {length} elements on {world_size} ranks sent {total} elements in "
-            f"all, expected (N-1) x {length} = {(world_size - 1) * length}: each owned chunk "
-            f"travels N-1 hops, once {COUNTED}"
+        total = sum(results[i]["seen"]["elements"] for results in by_rank)
+        assert total == (n - 1) * length, (
+            f"the all-gather of {length} elements on {n} ranks sent {total} elements in all, "
+            f"expected (N-1) x {length} = {(n - 1) * length}: each owned chunk travels N-1 hops, "
+            f"once {COUNTED}"
         )
 
 
@@ -409,7 +964,7 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
     by_rank = world_outcomes("ring_allreduce", world_size)
     n = world_size
     for i, (length, _, _) in enumerate(_cases()):
-        sent = [outcomes[i]["sent"]["elements"] for outcomes in by_rank]
+        sent = [outcomes[i]["seen"]["elements"] for outcomes in by_rank]
         if length % n == 0:
             expected = 2 * (n - 1) * length // n
             assert sent == [expected] * n, (

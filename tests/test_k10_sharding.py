@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dojo.impl import load_kata
 from dojo.testing import run_program
+from dojo.todo import KataTodo
 
 KATA = "k10_sharding"
 
@@ -37,28 +38,66 @@ def describe(length, num_replicas, rank, shuffle, seed, epoch, drop_last):
     )
 
 
-def why_different(got, case):
+def the_order(length, shuffle, seed, epoch):
+    """DistributedSampler's order before padding: a seeded permutation, or range(n)."""
+    if not shuffle:
+        return list(range(length))
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(length, generator=generator).tolist()
+
+
+def why_different(got, case, sampler=False):
     """A hint for the learner from how their index list differs from DistributedSampler's."""
     length, num_replicas, rank, shuffle, seed, epoch, drop_last = case
     expected = torch_indices(*case)
+    n, size = num_replicas, len(expected)
+    total = size * n
+    order = the_order(length, shuffle, seed, epoch)
+    padded = (order * (total // length + 1))[:total] if length else []
     if len(got) != len(expected):
         if drop_last:
             return (
                 f"with drop_last each rank gets ceil((n - N) / N) = {len(expected)} when n is not "
-                "a multiple of N, else n / N; the tail of the order is cut off"
+                "a multiple of N (rounded up, not down), else n / N; the tail of the order is cut "
+                "off"
             )
         return (
             f"without drop_last each rank gets ceil(n / N) = {len(expected)}: pad the order to "
-            f"{len(expected) * num_replicas} by repeating it from its start (several times if "
-            "n is smaller than the padding)"
+            f"{total} by repeating it from its start (several times if n is smaller than the "
+            "padding), so that every rank gets as many indices"
         )
-    if (
-        shuffle
-        and epoch
-        and got == torch_indices(length, num_replicas, rank, shuffle, seed, 0, drop_last)
-    ):
+    if shuffle and epoch and got == torch_indices(length, n, rank, shuffle, seed, 0, drop_last):
+        if sampler:
+            return (
+                f"after set_epoch({epoch}) the sampler still gives epoch 0's order: set_epoch "
+                "must store the epoch, and __iter__ must shuffle with seed + epoch "
+                f"(here {seed} + {epoch})"
+            )
         return (
             f"that is epoch 0's order: seed the generator with seed + epoch (here {seed} + {epoch})"
+        )
+    if shuffle and got == torch_indices(length, n, rank, False, seed, epoch, drop_last):
+        return "that is the unshuffled order: with shuffle=True the order is a seeded torch.randperm(n)"
+    if not shuffle and got == torch_indices(length, n, rank, True, seed, epoch, drop_last):
+        return "that is a shuffled order: with shuffle=False the order is range(n), as it is"
+    if n > 1 and got == padded[rank * size : (rank + 1) * size]:
+        return (
+            f"that is a contiguous block of the order (positions {rank * size}..{(rank + 1) * size - 1}): "
+            "DistributedSampler deals the order out like cards, rank r takes every N-th index "
+            "starting at r, order[r::N]"
+        )
+    pad = total - length
+    if not drop_last and 0 < pad <= length and got == (order + order[-pad:])[rank::n]:
+        return (
+            f"the order was padded with its last {pad} indices: DistributedSampler pads by "
+            f"repeating the order from its start (order + order[:{pad}])"
+        )
+    if drop_last and shuffle and got == the_order(total, shuffle, seed, epoch)[rank::n]:
+        return (
+            f"the indices were cut to the first {total} before shuffling, so the last "
+            f"{length - total} sample(s) are never used in any epoch: shuffle all {length} indices "
+            "first, then cut the tail off the shuffled order"
         )
     strided = "rank r takes every N-th index of the order, starting at r: order[r::N]"
     if not shuffle:
@@ -67,6 +106,49 @@ def why_different(got, case):
         f"the order is torch.randperm(n, generator=g) with g = torch.Generator() and "
         f"g.manual_seed(seed + epoch), padded from its start; {strided}"
     )
+
+
+def check_repeatable(first, again, call):
+    assert first == again, (
+        f"{call} gave {first}, then {again} for the same arguments: the order must depend only "
+        "on seed + epoch. Shuffle with a torch.Generator of your own seeded with seed + epoch, "
+        "not the global random state: every rank's global state differs, so the ranks' shards "
+        "would overlap"
+    )
+
+
+def refused(call, what, named=()):
+    """Fail unless ``call()`` raises ValueError whose text names one of ``named``."""
+    try:
+        got = call()
+    except ValueError as error:
+        text = str(error)
+        assert not named or any(name in text for name in named), (
+            f"{what} raised ValueError({text!r}): say what is wrong, naming "
+            f"{' or '.join(named)} and the value given, so that the caller can fix the call"
+        )
+        return
+    except KataTodo:
+        raise
+    except Exception as error:
+        raise AssertionError(
+            f"{what} raised {type(error).__name__}: {error}. Check the arguments first and raise "
+            "ValueError saying what is wrong"
+        ) from error
+    raise AssertionError(f"{what} returned {got!r}: it must raise ValueError saying what is wrong")
+
+
+def indices_of(sampler, what):
+    """``list(sampler)``, explaining a sampler whose __iter__ is no iterator."""
+    try:
+        return list(sampler)
+    except TypeError as error:
+        if "iter" not in str(error):
+            raise
+        raise AssertionError(
+            f"list({what}) raised TypeError: {error}. __iter__ must return an iterator, as "
+            "DataLoader calls iter(sampler): return iter(indices), or yield from indices"
+        ) from error
 
 
 # ------------------------------------------------------------------ step 1: the tutorial's partitioner
@@ -82,6 +164,31 @@ def tutorial_partitions(length, sizes, seed):
         parts.append(indexes[:part_len])
         indexes = indexes[part_len:]
     return parts
+
+
+def why_partitions_differ(got, expected, length, sizes):
+    got_sizes, want_sizes = [len(p) for p in got], [len(p) for p in expected]
+    if got_sizes != want_sizes:
+        return (
+            f"the parts hold {got_sizes} indices, expected {want_sizes}: part i holds "
+            f"int(sizes[i] * len(data)) indices, rounded down like the tutorial's int(), "
+            "whatever is left over stays unused"
+        )
+    if sorted(i for p in got for i in p) == list(range(sum(want_sizes))):
+        return (
+            "the parts are cut from the unshuffled indices: shuffle list(range(len(data))) "
+            "with random.Random(seed).shuffle first, then cut the parts from the shuffled list"
+        )
+    if [sorted(p) for p in got] == [sorted(p) for p in expected]:
+        return (
+            "each part holds the right indices in another order: keep the shuffled order, "
+            "cut each part as a slice of it"
+        )
+    return (
+        "shuffle list(range(len(data))) with random.Random(seed).shuffle (the tutorial's "
+        "generator, not torch's nor the global random module), then cut int(fraction * "
+        "len(data)) indices per part, in order"
+    )
 
 
 @pytest.mark.step(1)
@@ -100,10 +207,9 @@ def test_data_partitioner_cuts_as_the_tutorial_does(kata, length, sizes, seed):
     partitioner = kata.DataPartitioner(data, sizes, seed)
     expected = tutorial_partitions(length, sizes, seed)
     got = [list(p) for p in partitioner.partitions]
-    assert got == expected, (
-        f"DataPartitioner(data of {length}, sizes={list(sizes)}, seed={seed}).partitions is {got}, "
-        f"expected the tutorial's {expected}: shuffle list(range(len(data))) with "
-        "random.Random(seed).shuffle, then cut int(fraction * len(data)) indices per part, in order"
+    call = f"DataPartitioner(data of {length}, sizes={list(sizes)}, seed={seed})"
+    assert got == expected, f"{call}.partitions is {got}, expected the tutorial's {expected}: " + (
+        why_partitions_differ(got, expected, length, sizes)
     )
     flat = [i for part in got for i in part]
     assert len(flat) == len(set(flat)), f"the parts {got} share indices: they must be disjoint"
@@ -113,8 +219,11 @@ def test_data_partitioner_cuts_as_the_tutorial_does(kata, length, sizes, seed):
 def test_default_partitioner_is_the_tutorials(kata):
     partitioner = kata.DataPartitioner(list(range(20)))
     expected = tutorial_partitions(20, (0.7, 0.2, 0.1), 1234)
-    assert [list(p) for p in partitioner.partitions] == expected, (
-        "DataPartitioner(data) must default to the tutorial's sizes=[0.7, 0.2, 0.1] and seed=1234"
+    got = [list(p) for p in partitioner.partitions]
+    assert got == expected, (
+        f"DataPartitioner(data of 20) gave the parts {got}, expected {expected}: it must default "
+        "to the tutorial's sizes=[0.7, 0.2, 0.1] and seed=1234; "
+        + why_partitions_differ(got, expected, 20, (0.7, 0.2, 0.1))
     )
 
 
@@ -153,8 +262,11 @@ def test_partition_is_a_view_of_its_indices(kata):
 @pytest.mark.step(1)
 @pytest.mark.parametrize("sizes", [[0.7, 0.7], [-0.1, 0.5]])
 def test_partitioner_rejects_impossible_sizes(kata, sizes):
-    with pytest.raises(ValueError):
-        kata.DataPartitioner(list(range(10)), sizes)
+    refused(
+        lambda: kata.DataPartitioner(list(range(10)), sizes).partitions,
+        f"DataPartitioner(10 samples, sizes={sizes})",
+        named=("size", "fraction"),
+    )
 
 
 # ------------------------------------------------------------------ step 2: whole-number batches
@@ -176,8 +288,11 @@ def test_per_rank_batch_size_is_a_whole_number(kata, global_batch, world_size, e
 @pytest.mark.step(2)
 @pytest.mark.parametrize("global_batch, world_size", [(2, 4), (0, 1), (8, 0)])
 def test_per_rank_batch_size_rejects_impossible_shares(kata, global_batch, world_size):
-    with pytest.raises(ValueError):
-        kata.per_rank_batch_size(global_batch, world_size)
+    refused(
+        lambda: kata.per_rank_batch_size(global_batch, world_size),
+        f"per_rank_batch_size({global_batch}, {world_size}), where a rank would get no sample,",
+        named=("batch", "world_size", "rank"),
+    )
 
 
 # ------------------------------------------------------------------ step 3: DistributedSampler's arithmetic
@@ -199,20 +314,40 @@ def test_shard_size_matches_distributed_sampler(kata):
         )
 
 
+def report_clearest(failures, total):
+    """Fail with the failure of the longest data set: there a wrong shard shows its pattern best."""
+    if failures:
+        _, message = max(failures, key=lambda failure: failure[0])
+        raise AssertionError(
+            f"{len(failures)} of the {total} cases tried differ from DistributedSampler; the "
+            f"clearest: {message}"
+        )
+
+
 @pytest.mark.step(3)
 def test_shard_indices_match_distributed_sampler(kata):
+    check_repeatable(
+        list(kata.shard_indices(100, 4, 1, True, 7, 3)),
+        list(kata.shard_indices(100, 4, 1, True, 7, 3)),
+        "shard_indices(100, 4, 1, shuffle=True, seed=7, epoch=3)",
+    )
+    failures, total = [], 0
     for length, world in itertools.product(LENGTHS, WORLD_SIZES):
         for shuffle, seed, epoch, drop_last in SETTINGS:
             for rank in range(world):
-                expected = torch_indices(length, world, rank, shuffle, seed, epoch, drop_last)
-                got = kata.shard_indices(length, world, rank, shuffle, seed, epoch, drop_last)
-                assert list(got) == expected, (
-                    f"shard_indices with {describe(length, world, rank, shuffle, seed, epoch, drop_last)} "
-                    f"returned {list(got)}, DistributedSampler gives {expected}: "
-                    + why_different(
-                        list(got), (length, world, rank, shuffle, seed, epoch, drop_last)
+                case = (length, world, rank, shuffle, seed, epoch, drop_last)
+                expected = torch_indices(*case)
+                got = list(kata.shard_indices(*case))
+                total += 1
+                if got != expected:
+                    failures.append(
+                        (
+                            (length, world),
+                            f"shard_indices with {describe(*case)} returned {got}, "
+                            f"DistributedSampler gives {expected}: " + why_different(got, case),
+                        )
                     )
-                )
+    report_clearest(failures, total)
 
 
 # ------------------------------------------------------------------ step 4: the sampler
@@ -220,11 +355,12 @@ def test_shard_indices_match_distributed_sampler(kata):
 
 @pytest.mark.step(4)
 def test_sampler_matches_distributed_sampler(kata):
+    failures, total = [], 0
     for length, world in itertools.product(LENGTHS, WORLD_SIZES):
         dataset = range(length)
         for shuffle, seed, epoch, drop_last in SETTINGS:
             for rank in range(world):
-                case = describe(length, world, rank, shuffle, seed, epoch, drop_last)
+                case = (length, world, rank, shuffle, seed, epoch, drop_last)
                 sampler = kata.ShardSampler(
                     dataset,
                     num_replicas=world,
@@ -234,32 +370,43 @@ def test_sampler_matches_distributed_sampler(kata):
                     drop_last=drop_last,
                 )
                 sampler.set_epoch(epoch)
-                expected = torch_indices(length, world, rank, shuffle, seed, epoch, drop_last)
-                got = list(sampler)
-                assert got == expected, (
-                    f"ShardSampler with {case}, after set_epoch({epoch}), gave {got}; "
-                    f"DistributedSampler gives {expected}: "
-                    + why_different(got, (length, world, rank, shuffle, seed, epoch, drop_last))
-                )
-                assert len(sampler) == len(expected), (
-                    f"len(ShardSampler) with {case} is {len(sampler)}, but it yields "
-                    f"{len(expected)} indices, as DistributedSampler does: DataLoader uses len() to "
-                    "count batches"
-                )
+                expected = torch_indices(*case)
+                got = indices_of(sampler, "ShardSampler")
+                total += 1
+                if got != expected:
+                    failures.append(
+                        (
+                            (length, world),
+                            f"ShardSampler with {describe(*case)}, after set_epoch({epoch}), "
+                            f"gave {got}; DistributedSampler gives {expected}: "
+                            + why_different(got, case, sampler=True),
+                        )
+                    )
+                elif len(sampler) != len(expected):
+                    failures.append(
+                        (
+                            (length, world),
+                            f"len(ShardSampler) with {describe(*case)} is {len(sampler)}, but "
+                            f"it yields {len(expected)} indices (as DistributedSampler does): "
+                            "DataLoader uses len() to count batches, so len() must count what "
+                            "__iter__ yields",
+                        )
+                    )
+    report_clearest(failures, total)
 
 
 @pytest.mark.step(4)
 def test_set_epoch_reshuffles_and_iterating_again_repeats(kata):
     sampler = kata.ShardSampler(range(40), num_replicas=2, rank=0, shuffle=True, seed=3)
-    first, again = list(sampler), list(sampler)
+    first, again = indices_of(sampler, "ShardSampler"), indices_of(sampler, "ShardSampler")
     assert first == again, (
         f"iterating the same epoch twice gave {first} then {again}: the order must depend only on "
         "seed + epoch (a fresh torch.Generator each time), not on how often it was iterated"
     )
     sampler.set_epoch(1)
     assert list(sampler) != first, (
-        "set_epoch(1) left the order unchanged: seed the generator with seed + epoch, so each "
-        "epoch is shuffled differently"
+        "set_epoch(1) left the order unchanged: set_epoch must store the epoch, and __iter__ "
+        "must seed the generator with seed + epoch, so each epoch is shuffled differently"
     )
 
 
@@ -268,7 +415,10 @@ def test_shards_are_disjoint_and_cover_the_data(kata):
     for length, world in itertools.product(LENGTHS, WORLD_SIZES):
         for drop_last in (False, True):
             shards = [
-                list(kata.ShardSampler(range(length), world, rank, True, 5, drop_last))
+                indices_of(
+                    kata.ShardSampler(range(length), world, rank, True, 5, drop_last),
+                    "ShardSampler",
+                )
                 for rank in range(world)
             ]
             taken = [i for shard in shards for i in shard]
@@ -299,8 +449,12 @@ def test_shards_are_disjoint_and_cover_the_data(kata):
 @pytest.mark.step(4)
 @pytest.mark.parametrize("rank, num_replicas", [(4, 4), (-1, 4)])
 def test_sampler_rejects_a_rank_outside_the_world(kata, rank, num_replicas):
-    with pytest.raises(ValueError):
-        kata.ShardSampler(range(10), num_replicas=num_replicas, rank=rank)
+    refused(
+        lambda: kata.ShardSampler(range(10), num_replicas=num_replicas, rank=rank),
+        f"ShardSampler(range(10), num_replicas={num_replicas}, rank={rank}) (ranks run 0.."
+        f"{num_replicas - 1})",
+        named=("rank",),
+    )
 
 
 # ------------------------------------------------------------------ a data-parallel run on your sampler

@@ -91,8 +91,10 @@ def chunk_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
     ``[(0, 3), (3, 6), (6, 8), (8, 10)]``; ``chunk_bounds(2, 4)`` is
     ``[(0, 1), (1, 2), (2, 2), (2, 2)]``.
     """
-    # TODO: divmod(length, world_size) gives the base size and how many chunks get one more.
-    # Reject world_size < 1 and length < 0 with a ValueError.
+    # TODO: return world_size (start, stop) pairs, in order, that tile 0..length with no gap or
+    # overlap (stop is exclusive, as in a slice): sizes differ by at most one, the larger first.
+    # The tests compare every length from 0 to 3N+1 on 1 to 8 chunks with torch.tensor_split's
+    # chunks; world_size < 1 or length < 0 must raise ValueError naming the bad argument.
     raise KataTodo("k09", 1, "the (start, stop) of each chunk")
 
 
@@ -105,18 +107,21 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def _send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
     """Send ``outgoing`` to the right neighbour while receiving ``incoming`` from the left one."""
-    # TODO: right is (rank + 1) % world, left is (rank - 1) % world. Post the send with
-    # dist.isend, receive with dist.recv, then wait for the send. Send nothing for an
-    # empty outgoing chunk and receive nothing into an empty incoming one: the neighbours work
-    # out the same sizes.
+    # TODO: every rank calls this at the same moment: send `outgoing` to the right neighbour
+    # and fill `incoming` from the left one, without deadlocking, and return only once your send
+    # has finished (its buffer is reused next). An empty tensor is neither sent nor received (the
+    # neighbours work out the same sizes). The tests report a rank stuck in a send or recv, and
+    # a dist.isend request that is never waited on.
     raise KataTodo("k09", 2, "send right while receiving from the left")
 
 
 def pass_along_allreduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place by passing whole tensors around the ring."""
-    # TODO: flat = _flat(tensor); keep what you pass on in a copy of it (flat.clone()) and
-    # receive into another buffer. N-1 times: exchange, add what arrived to flat, and pass on
-    # what just arrived next time. Return tensor (it now holds the sum).
+    # TODO: after N-1 hops of one whole tensor each, the tensor passed in holds the sum over
+    # every rank, each rank's tensor counted once, changed in place and returned. Each rank adds
+    # in the order things arrive, its own tensor first. The tests check the sums (integers
+    # exactly), (N-1) x numel elements sent per rank, and that the lesson's 1e8, 1, -1e8 example
+    # ends differently on different ranks.
     raise KataTodo("k09", 2, "the pass-along ring")
 
 
@@ -125,9 +130,11 @@ def ring_reduce_scatter(tensor: torch.Tensor) -> int:
 
     Rank r ends owning chunk ``(r + 1) % world_size``; its other chunks hold partial sums.
     """
-    # TODO: bounds = chunk_bounds(flat.numel(), world). In step s (0 .. world-2) send chunk
-    # (rank - s) % world, receive chunk (rank - s - 1) % world into a spare buffer and add it
-    # into flat. Return the chunk that received its last addend.
+    # TODO: in N-1 steps, each sending one chunk (chunk_bounds) to the right, leave chunk
+    # (rank + 1) % N of the tensor summed over every rank, and return that index; the other
+    # chunks may hold partial sums. The tests check the owned chunk exactly (integers, lengths
+    # 1 to 1001 on 2 to 4 ranks), the returned indices, N-1 chunks sent per rank, and show the
+    # order of the chunks you sent when a sum is wrong.
     raise KataTodo("k09", 3, "reduce-scatter around the ring")
 
 
@@ -136,14 +143,17 @@ def ring_all_gather(tensor: torch.Tensor, owned: int) -> torch.Tensor:
 
     The right neighbour must own chunk ``owned + 1`` (as ``ring_reduce_scatter`` leaves it).
     """
-    # TODO: in step s send chunk (owned - s) % world and receive chunk (owned - s - 1) % world
-    # straight into its place in flat. Return tensor.
+    # TODO: in N-1 steps, each sending one chunk to the right, give every rank every rank's
+    # owned chunk, in place; each chunk arrives final, so nothing is added. Return tensor. The
+    # tests hand out owned chunks other than (rank + 1) % N too, fill the rest with each rank's
+    # own marker, and count (N-1) x length elements sent in all.
     raise KataTodo("k09", 4, "all-gather around the ring")
 
 
 def ring_allreduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place: reduce-scatter, then all-gather."""
-    # TODO: the two halves, one after the other.
+    # TODO: the tensor passed in holds the sum over every rank (in place, returned), with the
+    # same bits on every rank, sending 2(N-1)/N of the tensor per rank, on 1 to 4 ranks.
     raise KataTodo("k09", 4, "reduce-scatter, then all-gather")
 
 
