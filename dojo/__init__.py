@@ -6,7 +6,8 @@ The kata API (``katas/`` and ``solutions/`` import only these; ``dojo dev check`
     launch     a program's ranks: ``launch_world`` and its command-line options
     devices    which backend and device a world runs on
     data       the offline digits (and MNIST) for the training katas
-    models     the tutorial's ConvNet and the small models the tests share
+    models     the tutorial's ConvNet and its accuracy
+    toy_models small models with a frozen layer, tied weights or a buffer (Parts III-V)
 
 The test API (``tests/`` and the tooling use these too):
     world      the rank harness: ``run_world`` (rank.py is what each rank process runs)

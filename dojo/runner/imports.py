@@ -14,7 +14,15 @@ from pathlib import Path
 
 from dojo import curriculum
 
-KATA_API = ("dojo.console", "dojo.data", "dojo.devices", "dojo.launch", "dojo.models", "dojo.todo")
+KATA_API = (
+    "dojo.console",
+    "dojo.data",
+    "dojo.devices",
+    "dojo.launch",
+    "dojo.models",
+    "dojo.todo",
+    "dojo.toy_models",
+)
 RUNNER = "dojo.runner"
 
 
