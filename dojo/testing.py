@@ -53,18 +53,18 @@ def run_program(
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_session(process.pid)
+        kill_session(process.pid)
         out, err = process.communicate()
         raise AssertionError(
             f"`{shown}` did not finish within {timeout:g} s.\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
     finally:  # an exception (pytest's timeout, Ctrl-C) must not leave the program running
         if process.poll() is None:
-            _kill_session(process.pid)
+            kill_session(process.pid)
             process.wait()
     leftovers = _wait_for_session_to_end(process.pid)
     if leftovers:
-        _kill_session(process.pid)
+        kill_session(process.pid)
         raise AssertionError(f"`{shown}` exited but left processes running: {leftovers}")
     if process.returncode == EXIT_TODO:
         todo = find_todo(AssertionError(err))
@@ -86,7 +86,7 @@ def _die_with_parent() -> None:
         pass  # elsewhere the lifelines of the program's ranks still end them with the program
 
 
-def _session_members(session: int) -> list[int]:
+def session_members(session: int) -> list[int]:
     """Processes of a session, read from /proc (an empty list where there is no /proc)."""
     members = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
@@ -105,14 +105,14 @@ def _wait_for_session_to_end(session: int, grace: float = 5.0) -> list[int]:
     """Ranks notice their parent's exit within moments; give them ``grace`` seconds to go."""
     end = time.monotonic() + grace
     while True:
-        members = _session_members(session)
+        members = session_members(session)
         if not members or time.monotonic() > end:
             return members
         time.sleep(0.05)
 
 
-def _kill_session(session: int) -> None:
-    for pid in _session_members(session) or [session]:
+def kill_session(session: int) -> None:
+    for pid in session_members(session) or [session]:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:

@@ -104,6 +104,26 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="allreduce or harness (a file benchmarks/NAME.py)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
 
+    grade = command(
+        "grade", "instructors: grade a class's katas (checkouts, katas/ folders, zips or tarballs)"
+    )
+    grade.add_argument(
+        "submissions",
+        nargs="+",
+        metavar="SUBMISSION",
+        help="a learner's checkout, katas/ folder or archive",
+    )
+    grade.add_argument("--katas", help="which katas, e.g. k01-k06 or k02,k04 (default: all)")
+    grade.add_argument("--jobs", type=int, default=1, help="learners graded at once (default 1)")
+    grade.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds one kata's tests may take (default 600)",
+    )
+    grade.add_argument(
+        "--out", help="folder for grades.csv/.json/.xml/.html (default: grades-DATE-TIME)"
+    )
     dev = command("dev", "maintainer commands").add_subparsers(
         dest="dev_command", required=True, metavar="DEV_COMMAND"
     )
@@ -125,6 +145,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="EXPR",
         help="only the tests matching this pytest -k expression",
     )
+    dev.add_parser(
+        "classroom",
+        help="rewrite dojo/classroom/autograding.yml (GitHub Classroom) from the curriculum",
+    )
     dev.add_parser("readme", help="rewrite README.md's kata table from dojo/curriculum/")
     dev.add_parser(
         "pristine",
@@ -134,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # Commands that run tests or programs, and so need torch and pytest in this Python.
-_NEED_TORCH = (None, "check", "verify", "next", "hint", "watch", "run", "bench", "dev")
+_NEED_TORCH = (None, "check", "verify", "next", "hint", "watch", "run", "bench", "grade", "dev")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +235,15 @@ def _dispatch(args: argparse.Namespace) -> int:
                 return bench.bench(
                     args.name, args.args[1:] if args.args[:1] == ["--"] else args.args
                 )
+            case "grade":
+                from dojo.runner import grade
+
+                try:
+                    return grade.grade(
+                        args.submissions, args.katas, args.jobs, args.timeout, args.out
+                    )
+                except KeyError as error:
+                    raise _Usage(error.args[0]) from None
             case "dev":
                 return _dev(args, devcheck, reset)
     except _Usage as problem:
@@ -225,6 +258,12 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
         except KeyError as error:
             raise _Usage(error.args[0]) from None
         return devcheck.check(args.repeat, args.workers, katas, args.only, args.select)
+    if args.dev_command == "classroom":
+        from dojo.runner import classroom
+
+        classroom.write()
+        print(f"wrote {curriculum.ROOT.name}/dojo/classroom/autograding.yml from dojo/curriculum/")
+        return 0
     if args.dev_command == "readme":
         from dojo.runner import consistency
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from dojo import curriculum, impl
-from dojo.runner import consistency, imports, runs, steps
+from dojo.runner import classroom, consistency, imports, runs, steps
 
 PARTS = ("consistency", "solutions", "mistakes", "stubs")
 PYTEST_BACKSTOP_S = 1800  # pytest-timeout and the harness's deadlines fire long before this
@@ -39,7 +39,7 @@ def consistency_problems(katas: list[curriculum.Kata] | None = None) -> list[str
     chosen = list(curriculum.katas()) if katas is None else katas
     found = consistency.problems(katas) + step_problems(chosen)
     if katas is None:
-        found += imports.problems() + lint_problems()
+        found += imports.problems() + classroom.problems() + lint_problems()
     return found
 
 

@@ -1,0 +1,169 @@
+"""`dojo grade` on a small class made here: one learner with every kata solved, one half way, one
+whose code deadlocks, one who edited the tests, one with a kata that does not parse, an empty
+archive and a corrupt one. Graded against this project's own specs, with nothing changed in the
+submissions and no process left behind."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from dojo.curriculum import ROOT
+
+KATAS = ("k04_allreduce", "k10_sharding")
+DEADLOCK = (
+    "    size = float(dist.get_world_size())\n",
+    "    size = float(dist.get_world_size())\n    if dist.get_rank() == 0:\n        return  # rank 0 'already has it'\n",
+)
+
+
+def _checkout(folder: Path, solved: dict[str, str | None]) -> Path:
+    """A learner's checkout: katas/ with each kata solved (the reference), as shipped (None), or
+    the given source."""
+    (folder / "katas").mkdir(parents=True)
+    for module, source in solved.items():
+        text = (ROOT / "solutions" / f"{module}.py").read_text() if source == "solved" else source
+        if source is None:
+            text = (ROOT / "dojo" / "pristine" / f"{module}.py").read_text()
+        (folder / "katas" / f"{module}.py").write_text(text)
+    return folder
+
+
+def _digest(path: Path) -> str:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+def _class(tmp_path: Path) -> list[Path]:
+    reference = (ROOT / "solutions" / "k04_allreduce.py").read_text()
+    assert DEADLOCK[0] in reference
+    ada = _checkout(tmp_path / "ada", {m: "solved" for m in KATAS})
+    bo_dir = _checkout(tmp_path / "bo-work", {"k04_allreduce": "solved", "k10_sharding": None})
+    bo = tmp_path / "bo.zip"
+    with zipfile.ZipFile(bo, "w") as bundle:
+        for path in (bo_dir / "katas").iterdir():
+            bundle.write(path, f"katas/{path.name}")
+    cy_dir = _checkout(tmp_path / "cy-work", {"k04_allreduce": reference.replace(*DEADLOCK)})
+    cy = tmp_path / "cy.tar.gz"
+    with tarfile.open(cy, "w:gz") as bundle:
+        bundle.add(cy_dir, arcname="cy-repo")
+    di = _checkout(tmp_path / "di", {"k04_allreduce": None, "k10_sharding": None})
+    (di / "tests").mkdir()
+    (di / "tests" / "test_k04_allreduce.py").write_text("def test_everything():\n    pass\n")
+    fi = _checkout(
+        tmp_path / "fi",
+        {"k04_allreduce": reference.replace("def average_gradients(", "def average_gradients(:")},
+    )
+    ed = tmp_path / "ed.zip"
+    zipfile.ZipFile(ed, "w").close()
+    gus = tmp_path / "gus.zip"
+    gus.write_bytes(b"PK\x03\x04 this is not really a zip")
+    return [ada, bo, cy, di, fi, ed, gus]
+
+
+@pytest.mark.slow  # a pytest per learner and kata: about a minute on two cores
+@pytest.mark.timeout(900)
+def test_a_class_is_graded_against_our_own_specs_and_nothing_is_left_behind(tmp_path):
+    submissions = _class(tmp_path)
+    before = {p.name: _digest(p) for p in submissions}
+    token = f"grade-{os.getpid()}-{time.monotonic_ns()}"
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "dojo", "grade", *map(str, submissions), "--katas", "k04,k10", "--jobs", "2",
+         "--timeout", "300", "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "DOJO_TEST_TOKEN": token}, capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    printed = done.stdout
+    assert done.returncode == 0, printed + done.stderr
+
+    rows = {
+        line.split()[0]: line.split(None, 1)[1]
+        for line in printed.splitlines()
+        if line[:1].isalpha()
+    }
+    assert rows["ada"].endswith("ok  2 of 2") and rows["ada"].startswith("8/8 ok"), printed
+    assert rows["bo"].endswith("1 of 2") and rows["cy"].endswith("0 of 2"), printed
+    assert rows["di"].endswith("0 of 2"), f"edited tests must gain nothing:\n{printed}"
+    assert rows["ed"].startswith("not graded: no kata files in ed.zip"), printed
+    assert rows["gus"].startswith(
+        "not graded: gus.zip is neither a folder nor a readable zip or tar"
+    ), printed
+    assert (
+        "cy k04: step 3 · average every gradient over the ranks: AssertionError: average_gradients deadlocked"
+        in printed
+    )
+
+    by = {}
+    with open(out / "grades.csv", newline="") as grades:
+        for row in csv.DictReader(grades):
+            by[(row["learner"], row["kata"])] = row
+    assert by[("ada", "k04")]["status"] == "passed" and by[("ada", "k10")]["status"] == "passed"
+    assert by[("bo", "k10")]["status"] == "failed" and by[("bo", "k10")][
+        "first_failing_step"
+    ].startswith("step 1")
+    assert "not implemented yet" in by[("bo", "k10")]["reason"]
+    assert by[("cy", "k04")]["status"] == "failed" and "deadlock" in by[("cy", "k04")]["reason"], (
+        by[("cy", "k04")]
+    )
+    assert by[("cy", "k10")]["status"] == "not submitted"
+    assert by[("di", "k04")]["status"] == "failed" and int(by[("di", "k04")]["total"]) > 1
+    assert "does not parse: line" in by[("fi", "k04")]["reason"]
+
+    learners = json.loads((out / "grades.json").read_text())
+    assert [g["learner"] for g in learners] == ["ada", "bo", "cy", "di", "fi", "ed", "gus"]
+    suites = ElementTree.parse(out / "grades.xml").getroot()
+    assert [s.get("name") for s in suites] == ["ada", "bo", "cy", "di", "fi", "ed", "gus"]
+    assert suites[0].get("failures") == "0" and suites[2].find("testcase/failure") is not None
+    assert "<table>" in (out / "grades.html").read_text()
+
+    assert {p.name: _digest(p) for p in submissions} == before, "grading changed a submission"
+    left = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if f"DOJO_TEST_TOKEN={token}".encode() in Path(
+                f"/proc/{entry}/environ"
+            ).read_bytes().split(b"\0"):
+                left.append(entry)
+        except OSError:
+            continue
+    assert not left, f"grading left processes running: {left}"
+    shutil.rmtree(out)
+
+
+def test_kata_ranges_and_bad_submissions_are_read_plainly(tmp_path):
+    from dojo.runner import grade
+
+    assert [k.id for k in grade.select("k02-k04")] == ["k02", "k03", "k04"]
+    assert [k.id for k in grade.select("4,k01")] == ["k04", "k01"]
+    with pytest.raises(KeyError, match="no kata called 'k99'"):
+        grade.select("k01-k99")
+    with pytest.raises(grade.BadSubmission, match="does not exist"):
+        grade.kata_files(tmp_path / "nobody", tmp_path / "x")
+    evil = tmp_path / "evil.zip"
+    with zipfile.ZipFile(evil, "w") as bundle:
+        bundle.writestr("../outside.py", "x = 1")
+    with pytest.raises(grade.BadSubmission, match="a path outside itself"):
+        grade.kata_files(evil, tmp_path / "unpacked")
+    assert not (tmp_path / "outside.py").exists()
+
+
+def test_the_classroom_workflow_grades_every_kata_and_is_current():
+    from dojo import curriculum
+    from dojo.runner import classroom
+
+    text = classroom.workflow()
+    for kata in curriculum.katas():
+        assert f"command: python -m dojo check {kata.id}\n" in text, kata.id
+    assert classroom.problems() == [], "run `python -m dojo dev classroom`"
