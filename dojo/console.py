@@ -24,8 +24,11 @@ def say(rank: int | None, *parts: object) -> None:
     prefix = "[main]" if rank is None else f"[rank {rank}]"
     text = " ".join(str(p) for p in parts)
     data = "".join(f"{prefix} {line}\n" for line in text.splitlines() or [""])
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), data.encode())
+    try:
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), data.encode())
+    except BrokenPipeError:  # `python -m katas.k04_allreduce | head`: the reader has gone
+        pass
 
 
 def run_program(

@@ -18,8 +18,10 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func
 _HIDDEN = (
     os.sep + "multiprocessing" + os.sep,
     os.sep + "dojo" + os.sep + "rank.py",
+    os.sep + "dojo" + os.sep + "calls.py",  # the recorder's wrapper around each call
     "threading.py",
 )
+_KATA_CODE = ("katas", "solutions", os.path.join("dojo", "mistakes"))
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", re.M)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,6 +35,11 @@ class Frame:
     @property
     def in_torch(self) -> bool:
         return f"{os.sep}torch{os.sep}" in self.file
+
+    @property
+    def is_learners(self) -> bool:
+        """In a kata (the learner's, the reference, or a catalogue's stand-in for it)."""
+        return any(f"{os.sep}{folder}{os.sep}" in self.file for folder in _KATA_CODE)
 
     @property
     def shown_path(self) -> str:
@@ -87,6 +94,8 @@ def where(frames: list[Frame] | None) -> str:
     if not frames:
         return "an unknown place (no stack)"
     own = [f for f in frames if not f.in_torch]
+    # The learner's line, not a test's wrapper around torch.distributed (which records calls).
+    own = [f for f in own if f.is_learners] or own
     call = frames[-1].function if frames[-1].in_torch else None
     if not own:
         return call or frames[-1].function

@@ -65,7 +65,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     name = metafunc.function.__name__
     steps = _steps_of(metafunc.definition) | {
-        int(mark.args[0])
+        int(inner.args[0])
         for mark in metafunc.definition.iter_markers("parametrize")
         for value in mark.args[1]
         for inner in getattr(value, "marks", ())
