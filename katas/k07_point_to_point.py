@@ -115,9 +115,10 @@ def ping_pong(rounds: int, device: torch.device | str = "cpu") -> list[int]:
         raise ValueError(f"ping-pong needs at least one round, got rounds={rounds}")
     if rank > 1:
         return []
-    # TODO: ball = torch.zeros(1, dtype=torch.int64, device=device); then, `rounds` times:
-    #   rank 0 sends the ball to rank 1 and receives it back; rank 1 does the opposite.
-    #   Whoever has just received notes int(ball.item()), adds 1 (ball += 1) and sends it back.
+    # TODO: ranks 0 and 1 bat the counter back and forth `rounds` times with blocking send and
+    #   recv, rank 0 serving first. Return what this rank received, as Python ints in the order
+    #   they arrived. The tests expect [1, 3, 5] on rank 0 and [0, 2, 4] on rank 1 after 3
+    #   rounds, no message at all from ranks 2 and up, and no deadlock.
     raise KataTodo("k07", 1, "ping-pong with send and recv")
 
 
@@ -130,9 +131,10 @@ def token_ring(token: int, device: torch.device | str = "cpu") -> int:
     ``token + 1 + 2 + ... + r``; on rank 0, the token after the whole round.
     """
     rank, world_size = _ring_position(2, "a token ring")
-    # TODO: the token travels right: from rank r to (r + 1) % world_size. Keep it in a one-element
-    #   int64 tensor on `device`. One rank must send before it receives (which one, and what
-    #   happens if every rank starts with recv?); the others receive, add, and pass it on.
+    # TODO: the token goes once round the ring, one hop at a time, rightwards, with blocking
+    #   send and recv, and grows by rank + 1 at each rank. Return what reached this rank. The
+    #   tests check every rank's value in rings of 2, 3 and 4 ranks (including the two ends of
+    #   the ring), that each rank makes one recv and one send, and that nothing deadlocks.
     raise KataTodo("k07", 2, "a token round the ring with send and recv")
 
 
@@ -143,8 +145,10 @@ def shift_right(tensor: torch.Tensor) -> torch.Tensor:
     deadlock: post ``isend`` and ``irecv`` first, then ``wait()`` on both requests.
     """
     rank, world_size = _ring_position(2, "a ring shift")
-    # TODO: every rank sends and receives at once. "send, then recv" deadlocks (see the lesson):
-    #   post the non-blocking calls first, then wait on them. Receive into a new tensor.
+    # TODO: return the left neighbour's tensor (same shape and dtype) and leave `tensor` as it
+    #   was. The tests shift 8 MB per rank, so an order in which every rank can sit in a blocking
+    #   send deadlocks, and they check that every request you post is waited on before you
+    #   return.
     raise KataTodo("k07", 3, "shift right with isend, irecv and wait")
 
 
@@ -156,8 +160,10 @@ def receive_while_working(
     Post a non-blocking ``irecv``, call ``work()`` while the message travels, then ``wait()``
     before the buffer is used: ``(buffer, work's result)``.
     """
-    # TODO: post the receive without blocking, call work() while the message travels, and make
-    #   sure the message has arrived before the buffer leaves this function.
+    # TODO: the message must travel while work() runs, and `buffer` must hold it when this
+    #   function returns. The test's sender starts only once work() has begun, and sends only
+    #   when you wait for the message: a receive that blocks before work(), a buffer read
+    #   before the receive has completed, or a request never waited on, all fail.
     raise KataTodo("k07", 4, "irecv, work, then wait before reading")
 
 
@@ -173,10 +179,11 @@ def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"halo_exchange needs a non-empty 1-D strip, got shape {tuple(strip.shape)}"
         )
-    # TODO: four dist.P2POp (two isend of one-element slices, two irecv into new one-element
-    #   tensors), posted together with dist.batch_isend_irecv; wait on every request. Tag each
-    #   message with its direction (TAG_TO_LEFT, TAG_TO_RIGHT): which tag does the message
-    #   from your left neighbour carry?
+    # TODO: return [left neighbour's last, *strip, right neighbour's first] and leave `strip`
+    #   as it was. The four messages go out in one dist.batch_isend_irecv, every request is
+    #   waited on, and each message carries the tag of the direction it travels (TAG_TO_LEFT,
+    #   TAG_TO_RIGHT): the tests run rings of 2, 3 and 4, and on a ring of two both neighbours
+    #   are the same rank.
     raise KataTodo("k07", 5, "a halo exchange with batch_isend_irecv")
 
 

@@ -115,7 +115,9 @@ def broadcast_from(tensor: torch.Tensor, src: int) -> torch.Tensor:
     Works in place and returns ``tensor``.
     """
     _check_rank(src, "src")
-    # TODO: one collective, called by every rank with its own tensor.
+    # TODO: afterwards every rank's `tensor` holds src's values (changed in place, and returned).
+    #   The tests broadcast from the first and from the last rank in worlds of 2, 3 and 4, and
+    #   check which collective each rank called, and with which src.
     raise KataTodo("k08", 1, "broadcast_from: one rank's tensor to every rank")
 
 
@@ -125,7 +127,9 @@ def reduce_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
     (On the other ranks ``tensor`` may be left holding partial sums: nobody should read it.)
     """
     _check_rank(dst, "dst")
-    # TODO: every rank calls the reduce; only dst returns the tensor, the others None.
+    # TODO: dst returns the element-wise sum of every rank's tensor; every other rank returns
+    #   None. The tests reduce onto the first and onto the last rank, and check that every rank
+    #   took part in one collective that brings the sum to dst alone.
     raise KataTodo("k08", 1, "reduce_to: every rank's tensor summed onto dst")
 
 
@@ -138,7 +142,9 @@ def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
     Returns ``tensor``. Any other name raises ``ValueError`` naming the three. (AVG needs a
     floating-point tensor: the mean of integers is not always an integer.)
     """
-    # TODO: map the three names to dist.ReduceOp members; refuse any other name with a ValueError.
+    # TODO: every rank's `tensor` ends up holding the reduction over all ranks (in place, and
+    #   returned). The tests check "sum", "max" and "avg" (on floats) on every rank, and that an
+    #   unknown name raises a ValueError whose message names the three.
     raise KataTodo("k08", 2, "all_reduce with SUM, MAX and AVG")
 
 
@@ -152,15 +158,17 @@ def scatter_rows(table: torch.Tensor | None, src: int, out: torch.Tensor) -> tor
     row; returns ``out``.
     """
     _check_rank(src, "src")
-    # TODO: on src, check the table (_check_table) and split it into a list of rows; the other
-    #   ranks pass None as the list. Every rank calls dist.scatter.
+    # TODO: rank r's `out` receives row r of src's table (and is returned). Only src holds a
+    #   table, and only src refuses a bad one (_check_table raises the ValueError). The tests
+    #   scatter from the first and from the last rank, and give src tables it must refuse.
     raise KataTodo("k08", 3, "scatter_rows: a row to each rank")
 
 
 def gather_rows(row: torch.Tensor, dst: int) -> torch.Tensor | None:
     """Every rank's ``row`` stacked in rank order on ``dst``; ``None`` on the other ranks."""
     _check_rank(dst, "dst")
-    # TODO: dst allocates one empty row per rank to receive into; the others pass None.
+    # TODO: dst returns one tensor, every rank's row stacked in rank order; every other rank
+    #   returns None. The tests gather onto the first and onto the last rank.
     raise KataTodo("k08", 3, "gather_rows: every row onto dst")
 
 
@@ -169,14 +177,16 @@ def gather_rows(row: torch.Tensor, dst: int) -> torch.Tensor | None:
 
 def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
     """Every rank's ``row`` stacked in rank order, on every rank."""
-    # TODO: allocate one empty row per rank, then one collective fills them on every rank.
+    # TODO: every rank returns one tensor: every rank's row, stacked in rank order, gathered by
+    #   one collective.
     raise KataTodo("k08", 4, "all_gather_rows: every row on every rank")
 
 
 def reduce_scatter_rows(table: torch.Tensor) -> torch.Tensor:
     """Every rank holds a ``table`` with one row per rank; rank ``r`` gets the sum of all row ``r``s."""
     _check_table(table)
-    # TODO: the table's rows are the input list; the output is one row.
+    # TODO: rank r returns one row, the sum over all ranks of their row r, from one collective
+    #   that brings each rank the sum of its own row only.
     raise KataTodo("k08", 4, "reduce_scatter_rows: rank r gets the sum of every row r")
 
 
@@ -186,7 +196,8 @@ def reduce_scatter_rows(table: torch.Tensor) -> torch.Tensor:
 def all_to_all_rows(table: torch.Tensor) -> torch.Tensor:
     """Row ``j`` of rank ``i``'s ``table`` becomes row ``i`` of rank ``j``'s result."""
     _check_table(table)
-    # TODO: a list of rows to send (one per rank) and a list of empty rows to receive into.
+    # TODO: rank j returns a table whose row i is row j of rank i's table (a transpose across
+    #   the ranks), from one collective; `table` itself is left as it was.
     raise KataTodo("k08", 5, "all_to_all_rows: the transpose")
 
 
@@ -199,7 +210,10 @@ def prepare_once(path: str, prepare: Callable[[], str]) -> str:
     The pattern of "rank 0 downloads the data set, the others wait": only rank 0 prepares, and
     no rank reads the file before rank 0 has written it.
     """
-    # TODO: rank 0 prepares and writes; then make sure nobody reads before it has written.
+    # TODO: only rank 0 calls prepare() and writes its text to `path`; every rank returns the
+    #   file's text. The test's rank 0 arrives late, so a rank that reads before rank 0 has
+    #   written finds no file: the tests check that every rank waits at a barrier, and that
+    #   rank 0 reaches it only once the file is written.
     raise KataTodo("k08", 6, "prepare_once: rank 0 writes, everyone waits at a barrier")
 
 
@@ -221,8 +235,10 @@ def group_sum(tensor: torch.Tensor, members: list[int]) -> torch.Tensor:
     ``tensor``, summed in place on members.
     """
     members = _check_members(members)
-    # TODO: create the group (on which ranks?), all-reduce on the members only, then free the
-    #   group with dist.destroy_process_group(group).
+    # TODO: the members end with their sum, every other rank with its tensor untouched; free the
+    #   group you create before returning (dist.destroy_process_group(group)). The tests call it
+    #   twice with different members and check, on every rank, which groups it created and
+    #   which group its all-reduce used.
     raise KataTodo("k08", 7, "group_sum: an all-reduce inside a subgroup")
 
 
@@ -231,7 +247,9 @@ def parity_sums(tensor: torch.Tensor) -> torch.Tensor:
 
     Two groups; every rank creates both, in the same order, and all-reduces in its own.
     """
-    # TODO: two groups, the even ranks and the odd ranks. Who creates which, and in what order?
+    # TODO: every rank ends with the sum over the ranks of its own parity, using two groups
+    #   (evens, odds) that are freed before returning. The tests check, on every rank, which
+    #   groups it created, in which order, and which group its all-reduce used.
     raise KataTodo("k08", 7, "parity_sums: two subgroups at once")
 
 

@@ -2,122 +2,521 @@
 
 Each test runs one world per world size and checks one step there: every rank returns what it
 got, and the test compares it with what that rank should hold, naming the rank and the call.
+Every rank also runs inside a ``_Trace``: dojo.calls.recording() notes each torch.distributed call
+(which collective, src/dst, group), filed under the kata call that made it, and the trace lands on
+disk as it happens. So the test proves how the data moved ("rank 1 broadcast from src=1 while rank
+0 used src=0"), and a world that deadlocks or raises is explained from what each rank had called.
+Bad arguments are probed in a world of one rank, where no probe can leave a peer waiting.
 """
 
+import contextlib
+import inspect
+import json
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
+from dojo.calls import CALLS, recording
 from dojo.impl import load_kata
 from dojo.testing import refusal, run_program
-from dojo.world import WorldDeadlock, run_world
+from dojo.todo import KataTodo
+from dojo.world import WorldFailure, run_world
 
 KATA = "k08_collectives"
 DEADLINE_S = 10.0  # correct code finishes in well under a second; a deadlock ends here
 SIZES = [2, 3, 4]
 
+# ------------------------------------------------------------------------------ the trace (in a rank)
 
-def _run(fn, world_size, *args, hint=""):
-    """run_world, with a hint for the learner in front of a deadlock report."""
+
+class _Trace:
+    """What this rank asked of torch.distributed, filed under the kata call that asked it, written
+    to ``<folder>/rank<N>.json`` before every call (so a rank stuck inside one still tells).
+
+    ``label(text, names=..., **peers)`` starts a kata call: ``names`` are the collectives it may
+    use, ``peers`` (src=, dst=) what they must be given; ``groups=`` the groups it must create.
+    """
+
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, f"rank{dist.get_rank()}.json")
+        self.calls: list = []
+        self.labels: list[dict] = []
+        self.marks: dict[str, float] = {}
+        self._depth = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "_Trace":
+        for name in CALLS:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            hooked = self._hook(original)
+            for module in (c10d, dist):
+                setattr(module, name, hooked)
+            self._stack.callback(_restore, name, original)
+        self.calls = self._stack.enter_context(recording())  # recording() wraps the hooks
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self.flush()
+        finally:
+            self._stack.close()
+
+    def label(self, text: str, names: tuple[str, ...] = (), **expected) -> None:
+        self.labels.append({"text": text, "names": list(names), "at": len(self.calls), **expected})
+        self.flush()
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+
+    def flush(self) -> None:
+        data = {
+            "calls": [_record(c) for c in self.calls],
+            "labels": self.labels,
+            "marks": self.marks,
+        }
+        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(self.path + ".tmp", self.path)
+
+    def _hook(self, original):
+        signature = inspect.signature(original)
+
+        def hooked(*args, **kwargs):
+            if self._depth == 0 and self.calls:  # the rank's own call, just recorded
+                call = self.calls[-1]
+                call.group_ranks = _group_ranks(call.group)
+                if call.name == "new_group":
+                    ranks = signature.bind_partial(*args, **kwargs).arguments.get("ranks")
+                    call.ranks = None if ranks is None else sorted(ranks)
+                self.flush()
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                if self._depth == 1 and self.calls and self.calls[-1].end is None:
+                    self.calls[-1].raised = True
+                raise
+            finally:
+                self._depth -= 1
+
+        hooked.__wrapped__ = original
+        hooked.__name__ = original.__name__
+        return hooked
+
+
+def _group_ranks(group):
+    if group is None:
+        return None
+    if isinstance(group, int):
+        return "not a member"  # dist.GroupMember.NON_GROUP_MEMBER, what non-members get back
     try:
-        return run_world(fn, world_size, *args, deadline=DEADLINE_S)
-    except WorldDeadlock as deadlock:
-        report = str(deadlock)
-    pytest.fail(f"{hint}\n\n{report}" if hint else report, pytrace=False)
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return "unknown"
+
+
+def _record(call) -> dict:
+    return {
+        "name": call.name,
+        "peers": call.peers,
+        "op": call.op,
+        "shapes": call.shapes,
+        "group": getattr(call, "group_ranks", None),
+        "ranks": getattr(call, "ranks", None),
+        "done": call.end is not None,
+        "raised": getattr(call, "raised", False),
+    }
+
+
+def _restore(name: str, original) -> None:
+    for module in (c10d, dist):
+        setattr(module, name, original)
 
 
 def _listed(value):
-    """A returned tensor as a list (None stays None), so ranks send back plain values."""
-    return value.tolist() if isinstance(value, torch.Tensor) else value
+    """A returned tensor as a list (None stays None), so ranks send back plain values; a Python
+    list of tensors is named as such."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return f"a Python {type(value).__name__} of {len(value)} tensors"
+    return value
+
+
+# ------------------------------------------------------------------------------ the trace (in the test)
+
+
+def _run(fn, world_size, *args, explain=None):
+    """run_world with every rank traced: (results, traces). A failure (a deadlock, a rank that
+    raised) is explained from the traces in front of the harness's report."""
+    folder = tempfile.mkdtemp(prefix="k08-trace-")
+    try:
+        try:
+            results = run_world(fn, world_size, *args, deadline=DEADLINE_S, trace_dir=folder)
+            return results, _read_traces(folder, world_size)
+        except WorldFailure as failure:
+            traces = _read_traces(folder, world_size)
+            report = str(failure)
+        why = (explain and explain(traces, world_size, report)) or _call_problem(traces, world_size)
+        pytest.fail("\n\n".join([why, report] if why else [report]), pytrace=False)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read_traces(folder: str, world_size: int) -> dict[int, dict]:
+    traces = {}
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(folder, f"rank{rank}.json"), encoding="utf-8") as f:
+                traces[rank] = json.load(f)
+        except (OSError, ValueError):
+            traces[rank] = {"calls": [], "labels": [], "marks": {}}
+    return traces
+
+
+def _calls_in(trace: dict, index: int) -> list[dict] | None:
+    """The calls a rank made inside its ``index``-th kata call (None: it never got there)."""
+    labels = trace["labels"]
+    if index >= len(labels):
+        return None
+    end = labels[index + 1]["at"] if index + 1 < len(labels) else len(trace["calls"])
+    return trace["calls"][labels[index]["at"] : end]
+
+
+def _said(call: dict) -> str:
+    peers = ", ".join(f"{k}={v}" for k, v in call["peers"].items() if k != "tag")
+    return f"dist.{call['name']}({peers})"
+
+
+def _ranks(numbers) -> str:
+    numbers = list(numbers)
+    return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+
+
+_INSTEAD = {  # (what was called, what the kata call should use) -> why
+    (
+        "all_reduce",
+        "reduce",
+    ): "all_reduce gives the sum to every rank; dist.reduce gives it to dst only",
+    ("all_reduce", "reduce_scatter"): (
+        "all_reduce sends every row to every rank, while reduce_scatter gives each rank only the "
+        "sum of its own row (a quarter of the traffic on 4 ranks)"
+    ),
+    ("all_gather", "all_to_all"): (
+        "all_gather moves every row to every rank (N times the data); all_to_all sends each row only "
+        "where it belongs"
+    ),
+}
+
+
+def _call_problem(traces: dict[int, dict], world_size: int) -> str | None:
+    """The first kata call in which the ranks' collectives went wrong, in words; None if none."""
+    count = max(len(traces[r]["labels"]) for r in range(world_size))
+    for index in range(count):
+        label = next(
+            traces[r]["labels"][index]
+            for r in range(world_size)
+            if _calls_in(traces[r], index) is not None
+        )
+        calls = {r: _calls_in(traces[r], index) for r in range(world_size)}
+        calls = {r: c for r, c in calls.items() if c is not None}
+        problem = (
+            _group_problem(label, calls) if "groups" in label else _collective_problem(label, calls)
+        )
+        if problem:
+            return problem
+    return None
+
+
+def _collective_problem(label: dict, calls: dict[int, list[dict]]) -> str | None:
+    names, text = label["names"], label["text"]
+    if not names:
+        return None
+    wanted = f"dist.{names[0]}"
+    for rank, made in calls.items():
+        for call in made:
+            if call["name"] not in names:
+                why = _INSTEAD.get((call["name"], names[0]), "")
+                return (
+                    f"{text} on rank {rank} called dist.{call['name']}: use {wanted}"
+                    + (f" ({why})" if why else "")
+                    + "."
+                )
+    for key in ("src", "dst"):
+        if key not in label:
+            continue
+        used = {
+            rank: call["peers"].get(key)
+            for rank, made in calls.items()
+            for call in made
+            if call["name"] in names
+        }
+        if len(set(used.values())) > 1:
+            (first, first_value), *others = sorted(used.items())
+            odd = next((r, v) for r, v in others if v != first_value)
+            return (
+                f"inside {text}, rank {odd[0]} called {wanted}({key}={odd[1]}) while rank {first} "
+                f"used {key}={first_value}: every rank must pass the same {key}, the {key} it was "
+                f"given ({key}={label[key]}), not its own rank. A collective whose ranks disagree "
+                "on its source or destination waits for ever, or mixes up the data."
+            )
+        wrong = {rank: value for rank, value in used.items() if value != label[key]}
+        if wrong:
+            value = next(iter(wrong.values()))
+            return (
+                f"inside {text}, {_ranks(wrong)} called {wanted}({key}={value}): pass {key} on "
+                f"unchanged, {wanted}({key}={label[key]})."
+            )
+    made = {rank for rank, c in calls.items() if any(call["name"] in names for call in c)}
+    missing = [rank for rank, c in calls.items() if rank not in made and not _stuck(c)]
+    if made and missing:
+        return (
+            f"inside {text}, only {_ranks(sorted(made))} called {wanted}; {_ranks(missing)} never "
+            f"did: a collective is called by every rank of the group, even the ones that only send "
+            "or only receive, or the ones that did call it wait for ever."
+        )
+    return None
+
+
+def _stuck(calls: list[dict]) -> bool:
+    return any(not call["done"] and not call["raised"] for call in calls)
+
+
+def _group_problem(label: dict, calls: dict[int, list[dict]]) -> str | None:
+    text = label["text"]
+    created = {
+        rank: [tuple(c["ranks"] or []) for c in made if c["name"] == "new_group"]
+        for rank, made in calls.items()
+    }
+    every = sorted({group for seq in created.values() for group in seq})
+    for group in every:
+        without = [
+            rank
+            for rank, seq in created.items()
+            if group not in seq and all(c["done"] for c in calls[rank])  # it finished without
+        ]
+        if without:
+            with_it = [rank for rank, seq in created.items() if group in seq]
+            return (
+                f"inside {text}, {_ranks(without)} never called dist.new_group({list(group)}), which "
+                f"{_ranks(with_it)} called: dist.new_group is a collective of the whole world. Every "
+                "rank calls it for every group, members or not, in the same order (a rank outside "
+                "the group gets a placeholder back)."
+            )
+    for n in range(max(map(len, created.values()), default=0)):
+        nth = {rank: seq[n] for rank, seq in created.items() if len(seq) > n}
+        if len(set(nth.values())) > 1:
+            (first, group), *others = sorted(nth.items())
+            other, group_2 = next((r, g) for r, g in others if g != group)
+            return (
+                f"inside {text}, the ranks' dist.new_group calls do not pair up: call number {n + 1} "
+                f"was for {list(group)} on rank {first} but for {list(group_2)} on rank {other}. "
+                "dist.new_group is a collective of the whole world: every rank calls it for every "
+                "group, members or not, in the same order (torch pairs up the n-th new_group call "
+                "of each rank)."
+            )
+    for rank, made in calls.items():
+        for call in made:
+            if call["name"] == "all_reduce" and call["group"] is None:
+                return (
+                    f"inside {text}, rank {rank} called dist.all_reduce on the whole world (no "
+                    "group=): pass group=the group dist.new_group returned, so that only its "
+                    "members take part and sum."
+                )
+    return None
+
+
+# ------------------------------------------------------------------------------ values
 
 
 def _check(results, call, expected, why):
     """Compare what every rank got from ``call`` with ``expected(rank)``."""
     for rank, got in enumerate(results):
         want = expected(rank)
+        if isinstance(got[call], str) and got[call].startswith("a Python"):
+            pytest.fail(
+                f"{call}: rank {rank} returned {got[call]}, expected one tensor {want!r}: stack the "
+                "pieces into one tensor (torch.stack(pieces)) before returning.",
+                pytrace=False,
+            )
         assert got[call] == want, f"{call}: rank {rank} got {got[call]!r}, expected {want!r}: {why}"
 
 
-def _no_refusal_missing(results):
-    for rank, got in enumerate(results):
-        for call, outcome in got.get("bad", {}).items():
-            assert outcome is None, (
-                f"rank {rank}: {call} {outcome}, expected a ValueError that says what is wrong"
+def _check_calls(traces, world_size):
+    problem = _call_problem(traces, world_size)
+    assert problem is None, problem
+
+
+def _refusals(function):
+    """Bad arguments, in a world of one rank (a probe that reaches a collective cannot hang)."""
+    outcomes = run_world(_probe, 1, function, deadline=DEADLINE_S)[0]
+    for call, outcome in outcomes.items():
+        assert outcome is None, f"{call} {outcome}, expected a ValueError that says what is wrong"
+
+
+def _probe(rank, world_size, function):
+    kata = load_kata(KATA)
+    one = torch.tensor([1, 2])
+    if function == "broadcast_and_reduce":
+        kata.broadcast_from(one.clone(), 0)  # the functions work ...
+        kata.reduce_to(one.clone(), 0)
+        return {  # ... and refuse what cannot work
+            "broadcast_from(tensor, src=1) in a world of one": refusal(
+                lambda: kata.broadcast_from(one.clone(), 1)
+            ),
+            "reduce_to(tensor, dst=-1)": refusal(lambda: kata.reduce_to(one.clone(), -1)),
+        }
+    if function == "scatter_rows":
+        kata.scatter_rows(torch.tensor([[1, 2]]), 0, torch.zeros(2, dtype=torch.int64))
+        return {
+            "scatter_rows(table=None) on src": refusal(
+                lambda: kata.scatter_rows(None, 0, torch.zeros(2, dtype=torch.int64))
+            ),
+            "scatter_rows(a table with one row too many) on src": refusal(
+                lambda: kata.scatter_rows(
+                    torch.tensor([[1, 2], [3, 4]]), 0, torch.zeros(2, dtype=torch.int64)
+                )
+            ),
+            "gather_rows(row, dst=1) in a world of one": refusal(lambda: kata.gather_rows(one, 1)),
+        }
+    if function == "reduce_scatter_rows":
+        kata.reduce_scatter_rows(torch.tensor([[1, 2]]))
+        return {
+            "reduce_scatter_rows(a table with one row too many)": refusal(
+                lambda: kata.reduce_scatter_rows(torch.tensor([[1, 2], [3, 4]]))
+            ),
+            "reduce_scatter_rows(a 0-d tensor)": refusal(
+                lambda: kata.reduce_scatter_rows(torch.tensor(5))
+            ),
+        }
+    if function == "all_to_all_rows":
+        kata.all_to_all_rows(torch.tensor([[1, 2]]))
+        return {
+            "all_to_all_rows(a table with one row too many)": refusal(
+                lambda: kata.all_to_all_rows(torch.zeros(2, 2))
             )
+        }
+    if function == "group_sum":
+        kata.group_sum(one.clone(), [0])
+        return {
+            f"group_sum(tensor, members={bad})": refusal(
+                lambda bad=bad: kata.group_sum(one.clone(), bad)
+            )
+            for bad in ([], [0, 0], [1], [-1])
+        }
+    raise AssertionError(f"no probe for {function}")
 
 
 # ------------------------------------------------------------------------------ step 1
 
 
-def _broadcast_and_reduce(rank, world_size):
+def _broadcast_and_reduce(rank, world_size, trace_dir):
     kata, last = load_kata(KATA), world_size - 1
-    mine = lambda: torch.tensor([10 * rank + 1, 10 * rank + 2])  # noqa: E731
-    return {
-        "broadcast_from(src=0)": _listed(kata.broadcast_from(mine(), 0)),
-        f"broadcast_from(src={last})": _listed(kata.broadcast_from(mine(), last)),
-        "reduce_to(dst=0)": _listed(kata.reduce_to(torch.tensor([rank + 1, 100]), 0)),
-        f"reduce_to(dst={last})": _listed(kata.reduce_to(torch.tensor([rank + 1, 100]), last)),
-        "bad": {
-            f"broadcast_from(src={world_size})": refusal(
-                lambda: kata.broadcast_from(mine(), world_size)
-            ),
-            "reduce_to(dst=-1)": refusal(lambda: kata.reduce_to(mine(), -1)),
-        },
-    }
+
+    def mine():
+        return torch.tensor([10 * rank + 1, 10 * rank + 2])
+
+    out = {}
+    with _Trace(trace_dir) as trace:
+        for src in (0, last):
+            call = f"broadcast_from(tensor, src={src})"
+            trace.label(call, ("broadcast",), src=src)
+            out[call] = _listed(kata.broadcast_from(mine(), src))
+        for dst in (0, last):
+            call = f"reduce_to(tensor, dst={dst})"
+            trace.label(call, ("reduce",), dst=dst)
+            out[call] = _listed(kata.reduce_to(torch.tensor([rank + 1, 100]), dst))
+    return out
 
 
 @pytest.mark.step(1)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_broadcast_and_reduce(world_size):
-    results = _run(
-        _broadcast_and_reduce, world_size, hint="a collective deadlocked: every rank must call it."
-    )
+    results, traces = _run(_broadcast_and_reduce, world_size)
+    _check_calls(traces, world_size)
     last = world_size - 1
     for src in (0, last):
         _check(
             results,
-            f"broadcast_from(src={src})",
+            f"broadcast_from(tensor, src={src})",
             lambda r: [10 * src + 1, 10 * src + 2],  # noqa: B023
-            f"every rank ends up with rank {src}'s tensor: dist.broadcast(tensor, src={src}) on every rank",
+            f"every rank ends up with rank {src}'s tensor, in place: dist.broadcast(tensor, src={src}) "
+            "on every rank",
         )
     total = [world_size * (world_size + 1) // 2, 100 * world_size]
     for dst in (0, last):
         _check(
             results,
-            f"reduce_to(dst={dst})",
+            f"reduce_to(tensor, dst={dst})",
             lambda r: total if r == dst else None,  # noqa: B023
             f"rank {dst} returns the sum of every rank's tensor; the other ranks return None, "
             "because after a reduce their tensors hold partial sums that mean nothing",
         )
-    _no_refusal_missing(results)
+
+
+@pytest.mark.step(1)
+def test_broadcast_and_reduce_refuse_ranks_outside_the_world():
+    _refusals("broadcast_and_reduce")
 
 
 # ------------------------------------------------------------------------------ step 2
 
+_OPS = ("sum", "max", "avg")
 
-def _all_reduce_ops(rank, world_size):
-    kata = load_kata(KATA)
+
+def _inputs(rank):
     return {
-        "sum": _listed(kata.all_reduce_with(torch.tensor([rank + 1, -rank]), "sum")),
-        "max": _listed(kata.all_reduce_with(torch.tensor([(rank * 7) % 5, -rank]), "max")),
-        "avg": _listed(kata.all_reduce_with(torch.tensor([2.0 * rank, 6.0]), "avg")),
-        "bad": {
-            "all_reduce_with(t, 'median')": refusal(
-                lambda: kata.all_reduce_with(torch.ones(1), "median")
-            )
-        },
+        "sum": torch.tensor([rank + 1, -rank]),
+        "max": torch.tensor([(rank * 7) % 5, -rank]),
+        "avg": torch.tensor([2.0 * rank, 6.0]),
     }
+
+
+def _all_reduce_ops(rank, world_size, trace_dir):
+    kata = load_kata(KATA)
+    out = {}
+    with _Trace(trace_dir) as trace:
+        for op, tensor in _inputs(rank).items():
+            trace.label(f"all_reduce_with(tensor, {op!r})", ("all_reduce",))
+            returned = kata.all_reduce_with(tensor, op)
+            out[op] = _listed(returned)
+            out[f"{op} in place"] = (returned is tensor, tensor.tolist())
+    try:
+        kata.all_reduce_with(torch.ones(1), "median")
+        out["median"] = "returned without an error"
+    except ValueError as error:
+        out["median"] = ("ValueError", str(error))
+    except KataTodo:
+        raise
+    except Exception as error:
+        out["median"] = f"raised {type(error).__name__}: {error}"
+    return out
 
 
 @pytest.mark.step(2)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_all_reduce_with_sum_max_avg(world_size):
-    results = _run(
-        _all_reduce_ops, world_size, hint="all_reduce deadlocked: every rank must call it."
-    )
+    results, traces = _run(_all_reduce_ops, world_size)
+    _check_calls(traces, world_size)
     ranks = range(world_size)
+    for op in _OPS:
+        for rank, got in enumerate(results):
+            same, tensor = got[f"{op} in place"]
+            if not same and tensor == _inputs(rank)[op].tolist():
+                pytest.fail(
+                    f"all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was and "
+                    f"returned another one: reduce the caller's tensor in place (dist.all_reduce "
+                    "changes the tensor it is given) and return that same tensor.",
+                    pytrace=False,
+                )
     _check(
         results,
         "sum",
@@ -139,7 +538,14 @@ def test_all_reduce_with_sum_max_avg(world_size):
                 pytrace=False,
             )
     _check(results, "avg", lambda r: mean, "every rank holds the element-wise mean: ReduceOp.AVG")
-    _no_refusal_missing(results)
+    refused = results[0]["median"]
+    assert isinstance(refused, tuple), (
+        f"all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError"
+    )
+    assert all(op in refused[1] for op in _OPS), (
+        f"all_reduce_with(tensor, 'median') raised ValueError({refused[1]!r}): name the ops it "
+        f"knows ({', '.join(_OPS)}) so that the caller can fix the call"
+    )
 
 
 # ------------------------------------------------------------------------------ step 3
@@ -150,56 +556,75 @@ def _table(world_size, base=100):
     return torch.tensor([[base + 10 * r + i for i in range(3)] for r in range(world_size)])
 
 
-def _scatter_and_gather(rank, world_size):
+def _scatter_and_gather(rank, world_size, trace_dir):
     kata, last = load_kata(KATA), world_size - 1
     out = {}
-    for src in (0, last):
-        table = _table(world_size) if rank == src else None  # only src has the table
-        out[f"scatter_rows(src={src})"] = _listed(
-            kata.scatter_rows(table, src, torch.zeros(3, dtype=torch.int64))
-        )
-    for dst in (0, last):
-        out[f"gather_rows(dst={dst})"] = _listed(
-            kata.gather_rows(torch.tensor([rank, rank * rank]), dst)
-        )
-    out["bad"] = {
-        "scatter_rows(table=None) on src": refusal(
-            lambda: kata.scatter_rows(None, rank, torch.zeros(3))
-        ),
-        "scatter_rows(a table with one row too many) on src": refusal(
-            lambda: kata.scatter_rows(_table(world_size + 1), rank, torch.zeros(3))
-        ),
-    }
+    with _Trace(trace_dir) as trace:
+        for src in (0, last):
+            table = _table(world_size) if rank == src else None  # only src has the table
+            call = f"scatter_rows(table, src={src}, out)"
+            trace.label(call, ("scatter",), src=src)
+            out[call] = _listed(kata.scatter_rows(table, src, torch.zeros(3, dtype=torch.int64)))
+        for dst in (0, last):
+            call = f"gather_rows(row, dst={dst})"
+            trace.label(call, ("gather",), dst=dst)
+            out[call] = _listed(kata.gather_rows(torch.tensor([rank, rank * rank]), dst))
     return out
+
+
+def _explain_scatter_and_gather(traces, world_size, report):
+    if "needs one row per rank" in report and "got shape None" in report:
+        return (
+            "a rank without the table checked it: only the source rank holds the table, and every "
+            "other rank passes table=None. Check the table (_check_table) and split it into rows "
+            "on src only."
+        )
+    for rank, trace in traces.items():
+        for index, label in enumerate(trace["labels"]):
+            for call in _calls_in(trace, index) or []:
+                role = label.get("src", label.get("dst"))
+                if (
+                    call["name"] in ("scatter", "gather")
+                    and rank != role
+                    and len(call["shapes"]) > 1
+                ):
+                    what = "scatter_list" if call["name"] == "scatter" else "gather_list"
+                    side = "src" if call["name"] == "scatter" else "dst"
+                    return (
+                        f"inside {label['text']}, rank {rank} passed a {what} of "
+                        f"{len(call['shapes']) - 1} tensors, but it is not {side}: only {side} (rank "
+                        f"{role}) gives the list, every other rank passes {what}=None."
+                    )
+    return None
 
 
 @pytest.mark.step(3)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_scatter_and_gather(world_size):
-    results = _run(
-        _scatter_and_gather,
-        world_size,
-        hint="scatter or gather deadlocked: every rank calls it, not only src or dst (the others pass "
-        "None as the list).",
-    )
+    results, traces = _run(_scatter_and_gather, world_size, explain=_explain_scatter_and_gather)
+    _check_calls(traces, world_size)
     rows = _table(world_size).tolist()
     for src in (0, world_size - 1):
         _check(
             results,
-            f"scatter_rows(src={src})",
+            f"scatter_rows(table, src={src}, out)",
             lambda r: rows[r],
-            f"rank r gets row r of rank {src}'s table: dist.scatter(out, scatter_list=list of rows "
-            "(on src only), src=src)",
+            f"rank r gets row r of rank {src}'s table in its out: dist.scatter(out, scatter_list=a "
+            "list of rows (on src only), src=src)",
         )
     for dst in (0, world_size - 1):
         _check(
             results,
-            f"gather_rows(dst={dst})",
+            f"gather_rows(row, dst={dst})",
             lambda r: [[q, q * q] for q in range(world_size)] if r == dst else None,  # noqa: B023
             f"rank {dst} gets every rank's row, in rank order; the others return None "
             "(gather_list is a list of empty rows on dst, None elsewhere)",
         )
-    _no_refusal_missing(results)
+
+
+@pytest.mark.step(3)
+def test_scatter_rows_refuses_bad_tables():
+    _refusals("scatter_rows")
 
 
 # ------------------------------------------------------------------------------ step 4
@@ -210,29 +635,72 @@ def _pieces(rank, world_size):
     return torch.tensor([[100 * rank + j, 1] for j in range(world_size)])
 
 
-def _gather_and_reduce_scatter(rank, world_size):
+def _gather_and_reduce_scatter(rank, world_size, trace_dir):
     kata = load_kata(KATA)
-    summed = kata.reduce_scatter_rows(_pieces(rank, world_size))
-    return {
-        "all_gather_rows": _listed(kata.all_gather_rows(torch.tensor([rank, 10 + rank]))),
-        "reduce_scatter_rows": _listed(summed),
-        "all_gather_rows(reduce_scatter_rows(table))": _listed(kata.all_gather_rows(summed)),
-        "bad": {
-            "reduce_scatter_rows(a table with one row too few)": refusal(
-                lambda: kata.reduce_scatter_rows(_pieces(rank, world_size - 1))
+    out = {}
+    with _Trace(trace_dir) as trace:
+        gather_names = ("all_gather", "all_gather_into_tensor")
+        trace.label("all_gather_rows(row)", gather_names)
+        out["all_gather_rows"] = _listed(kata.all_gather_rows(torch.tensor([rank, 10 + rank])))
+        trace.label("reduce_scatter_rows(table)", ("reduce_scatter", "reduce_scatter_tensor"))
+        summed = kata.reduce_scatter_rows(_pieces(rank, world_size))
+        out["reduce_scatter_rows"] = _listed(summed)
+        trace.label("all_gather_rows(reduce_scatter_rows(table))", gather_names)
+        out["all_gather_rows(reduce_scatter_rows(table))"] = _listed(kata.all_gather_rows(summed))
+    return out
+
+
+def _explain_gather_and_reduce_scatter(traces, world_size, report):
+    if "tensor_list" in report:
+        return (
+            "dist.all_gather fills a list of tensors, one per rank, that you allocate first "
+            "([torch.empty_like(row) for _ in range(world_size)]), not one big tensor: stack the "
+            "list afterwards."
+        )
+    return _reduce_scatter_shapes(traces, world_size)
+
+
+def _reduce_scatter_columns(results, world_size) -> str | None:
+    """rank r got the sum of column r (a table split along dim 1, which fits on two ranks)."""
+    columns = sum(_pieces(q, world_size) for q in range(world_size)).T.tolist()
+    for rank, got in enumerate(results):
+        if rank < len(columns) and got["reduce_scatter_rows"] == columns[rank]:
+            return (
+                f"reduce_scatter_rows: rank {rank} got {got['reduce_scatter_rows']}, the sum of column "
+                f"{rank} of the tables, expected the sum of their row {rank}: split the table into its "
+                "rows (list(table.unbind(0)), dim 0), not its columns."
             )
-        },
-    }
+    return None
+
+
+def _reduce_scatter_shapes(traces, world_size) -> str | None:
+    row = (2,)
+    for rank, trace in traces.items():
+        for call in trace["calls"]:
+            if call["name"] != "reduce_scatter":
+                continue
+            output, pieces = tuple(call["shapes"][0]), [tuple(s) for s in call["shapes"][1:]]
+            if output != row or pieces != [row] * world_size:
+                return (
+                    f"rank {rank} gave dist.reduce_scatter {len(pieces)} pieces of shape "
+                    f"{pieces[0] if pieces else None} for an output of shape {output}; expected "
+                    f"{world_size} pieces, one row of the table per rank, each of shape {row}: split "
+                    "the table into its rows (list(table.unbind(0))) and receive into one row."
+                )
+    return None
 
 
 @pytest.mark.step(4)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_all_gather_and_reduce_scatter(world_size):
-    results = _run(
-        _gather_and_reduce_scatter,
-        world_size,
-        hint="a collective deadlocked: every rank must call it.",
+    results, traces = _run(
+        _gather_and_reduce_scatter, world_size, explain=_explain_gather_and_reduce_scatter
     )
+    _check_calls(traces, world_size)
+    shapes = _reduce_scatter_shapes(traces, world_size) or _reduce_scatter_columns(
+        results, world_size
+    )
+    assert shapes is None, shapes
     ranks = range(world_size)
     _check(
         results,
@@ -253,29 +721,45 @@ def test_all_gather_and_reduce_scatter(world_size):
         lambda r: everything,
         "reduce_scatter then all_gather is an all-reduce: every rank ends with the sum of all tables",
     )
-    _no_refusal_missing(results)
+
+
+@pytest.mark.step(4)
+def test_reduce_scatter_rows_refuses_bad_tables():
+    _refusals("reduce_scatter_rows")
 
 
 # ------------------------------------------------------------------------------ step 5
 
 
-def _all_to_all(rank, world_size):
+def _all_to_all(rank, world_size, trace_dir):
     kata = load_kata(KATA)
     table = torch.tensor([[10 * rank + j, rank] for j in range(world_size)])
-    return {
-        "all_to_all_rows": _listed(kata.all_to_all_rows(table)),
-        "bad": {
-            "all_to_all_rows(a table with one row too many)": refusal(
-                lambda: kata.all_to_all_rows(torch.zeros(world_size + 1, 2))
-            )
-        },
-    }
+    before = table.tolist()
+    with _Trace(trace_dir) as trace:
+        trace.label("all_to_all_rows(table)", ("all_to_all", "all_to_all_single"))
+        got = _listed(kata.all_to_all_rows(table))
+    return {"all_to_all_rows": got, "table": table.tolist(), "before": before}
 
 
 @pytest.mark.step(5)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_all_to_all(world_size):
-    results = _run(_all_to_all, world_size, hint="all_to_all deadlocked: every rank must call it.")
+    results, traces = _run(_all_to_all, world_size)
+    _check_calls(traces, world_size)
+    for rank, got in enumerate(results):
+        if got["table"] != got["before"]:
+            pytest.fail(
+                f"rank {rank}'s table changed from {got['before']} to {got['table']}: "
+                "dist.all_to_all(output_list, input_list) writes into its first argument, so the "
+                "list of empty rows to receive into comes first, the table's rows second.",
+                pytrace=False,
+            )
+        if got["all_to_all_rows"] == got["before"] and world_size > 1:
+            pytest.fail(
+                f"rank {rank} returned its own table unchanged, {got['before']}: return what arrived "
+                "(the output list of dist.all_to_all, stacked), not the rows you sent.",
+                pytrace=False,
+            )
     _check(
         results,
         "all_to_all_rows",
@@ -283,7 +767,11 @@ def test_all_to_all(world_size):
         "row j of rank i becomes row i of rank j (a transpose): rank r collects row r of every "
         "rank, in rank order",
     )
-    _no_refusal_missing(results)
+
+
+@pytest.mark.step(5)
+def test_all_to_all_rows_refuses_bad_tables():
+    _refusals("all_to_all_rows")
 
 
 # ------------------------------------------------------------------------------ step 6
@@ -292,47 +780,64 @@ _LATE_S = 0.3  # rank 0 arrives this late, so a rank that does not wait finds no
 _WAIT_FOR_PEERS_S = 5.0
 
 
-def _prepare_once(rank, world_size, path):
+def _prepare_once(rank, world_size, path, trace_dir):
     calls = []
-
-    def prepare():
-        calls.append(rank)
-        return (
-            "prepared by rank 0"
-            if rank == 0
-            else f"prepared by rank {rank}, which should not prepare"
-        )
-
     arrived = [f"{path}.rank{r}-arrived" for r in range(1, world_size)]
-    if rank == 0:  # late for certain: only after every other rank has arrived, and then some
-        give_up = time.monotonic() + _WAIT_FOR_PEERS_S
-        while not all(map(os.path.exists, arrived)) and time.monotonic() < give_up:
-            time.sleep(0.01)
-        time.sleep(_LATE_S)
-    else:
-        open(arrived[rank - 1], "w").close()
-    try:
-        text = load_kata(KATA).prepare_once(path, prepare)
-    except FileNotFoundError:
-        text = FileNotFoundError
-    return {"text": text, "prepared": bool(calls)}
+    with _Trace(trace_dir) as trace:
+
+        def prepare():
+            calls.append(rank)
+            trace.mark("prepared")
+            return (
+                "prepared by rank 0"
+                if rank == 0
+                else f"prepared by rank {rank}, which should not prepare"
+            )
+
+        if rank == 0:  # late for certain: only after every other rank has arrived, and then some
+            give_up = time.monotonic() + _WAIT_FOR_PEERS_S
+            while not all(map(os.path.exists, arrived)) and time.monotonic() < give_up:
+                time.sleep(0.01)
+            time.sleep(_LATE_S)
+        else:
+            open(arrived[rank - 1], "w").close()
+        trace.label("prepare_once(path, prepare)", ("barrier", "monitored_barrier"))
+        try:
+            text = load_kata(KATA).prepare_once(path, prepare)
+        except FileNotFoundError:
+            text = FileNotFoundError
+    barriers = [c.start for c in trace.calls if c.name in ("barrier", "monitored_barrier")]
+    return {
+        "text": text,
+        "prepared": bool(calls),
+        "prepared_before_barrier": bool(barriers)
+        and trace.marks.get("prepared", 1e300) < barriers[0],
+    }
 
 
 @pytest.mark.step(6)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_prepare_once_waits_at_a_barrier(world_size, tmp_path):
     path = str(tmp_path / "prepared.txt")
-    results = _run(
-        _prepare_once,
-        world_size,
-        path,
-        hint="prepare_once deadlocked: every rank, rank 0 included, must reach the barrier.",
-    )
+    results, traces = _run(_prepare_once, world_size, path)
     for rank, got in enumerate(results):
         assert got["prepared"] == (rank == 0), (
             f"rank {rank} {'called' if got['prepared'] else 'did not call'} prepare(): only rank 0 "
             "prepares (think of a download: once is enough), the others wait for its file"
         )
+    _check_calls(traces, world_size)
+    waited = [r for r in range(world_size) if _calls_in(traces[r], 0)]
+    assert waited == list(range(world_size)), (
+        f"{_ranks(sorted(set(range(world_size)) - set(waited)))} never called dist.barrier() in "
+        "prepare_once: without it, a rank reads the file whether or not rank 0 has written it. "
+        "Call dist.barrier() on every rank between rank 0's write and the reads."
+    )
+    assert results[0]["prepared_before_barrier"], (
+        "rank 0 reached the barrier before it had prepared and written the file, so the barrier "
+        "tells the others nothing: rank 0 writes first, then every rank calls dist.barrier(), "
+        "then every rank reads."
+    )
+    for rank, got in enumerate(results):
         assert got["text"] is not FileNotFoundError, (
             f"rank {rank} looked for the file before rank 0 (which arrived {_LATE_S:g} s late) had "
             "written it: call dist.barrier() on every rank between rank 0's write and the reads"
@@ -348,36 +853,30 @@ def test_prepare_once_waits_at_a_barrier(world_size, tmp_path):
 _MEMBER_SETS = {2: ([1], [0, 1]), 3: ([0, 2], [1, 2]), 4: ([0, 2], [1, 2, 3])}
 
 
-def _groups(rank, world_size):
+def _groups(rank, world_size, trace_dir):
     kata = load_kata(KATA)
     out = {}
-    for members in _MEMBER_SETS[world_size]:
-        out[f"group_sum(members={members})"] = _listed(
-            kata.group_sum(torch.tensor([rank + 1, 1]), members)
-        )
-    out["parity_sums"] = _listed(kata.parity_sums(torch.tensor([rank + 1, 1])))
-    out["bad"] = {
-        f"group_sum(members={bad})": refusal(lambda bad=bad: kata.group_sum(torch.ones(1), bad))
-        for bad in ([], [0, 0], [world_size])
-    }
+    with _Trace(trace_dir) as trace:
+        for members in _MEMBER_SETS[world_size]:
+            call = f"group_sum(tensor, members={members})"
+            trace.label(call, groups=[members])
+            out[call] = _listed(kata.group_sum(torch.tensor([rank + 1, 1]), members))
+        parities = [list(range(p, world_size, 2)) for p in (0, 1)]
+        trace.label("parity_sums(tensor)", groups=parities)
+        out["parity_sums"] = _listed(kata.parity_sums(torch.tensor([rank + 1, 1])))
     return out
 
 
 @pytest.mark.step(7)
 @pytest.mark.parametrize("world_size", SIZES)
 def test_subgroups_touch_only_their_members(world_size):
-    results = _run(
-        _groups,
-        world_size,
-        hint="a subgroup deadlocked. Creating a group is a collective of the whole world: every rank "
-        "calls dist.new_group for every group, members or not, in the same order; then only the "
-        "members call the group's all_reduce.",
-    )
+    results, traces = _run(_groups, world_size)
+    _check_calls(traces, world_size)
     for members in _MEMBER_SETS[world_size]:
         inside = [sum(m + 1 for m in members), len(members)]
         _check(
             results,
-            f"group_sum(members={members})",
+            f"group_sum(tensor, members={members})",
             lambda r: inside if r in members else [r + 1, 1],  # noqa: B023
             f"the members {members} hold their sum; every other rank keeps its own tensor untouched",
         )
@@ -390,7 +889,11 @@ def test_subgroups_touch_only_their_members(world_size):
         ],
         "each rank holds the sum over the ranks of its own parity (evens with evens, odds with odds)",
     )
-    _no_refusal_missing(results)
+
+
+@pytest.mark.step(7)
+def test_group_sum_refuses_bad_members():
+    _refusals("group_sum")
 
 
 # ------------------------------------------------------------------------------ the program
