@@ -149,70 +149,33 @@ def test_hangs():
 """
 
 
-def test_ctrl_c_during_a_program_test_leaves_no_process(tmp_path):
+@pytest.mark.parametrize(
+    "how, ending",
+    [
+        ("ctrl-c", "Ctrl-C on pytest left the program under test running"),
+        ("kill -9", "a program outlived the pytest process that ran it"),
+    ],
+)
+def test_a_program_under_test_ends_with_its_pytest_however_pytest_ends(tmp_path, how, ending):
     token = f"pytest-{os.getpid()}-{time.monotonic_ns()}"
     (tmp_path / "test_hanging_program.py").write_text(TEST_FILE)
-    env = {**os.environ, **HANG, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)}
     pytest_run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            str(ROOT),
-            "-c",
-            str(ROOT / "pyproject.toml"),
-            str(tmp_path / "test_hanging_program.py"),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+         "-c", str(ROOT / "pyproject.toml"), str(tmp_path / "test_hanging_program.py")],
+        cwd=ROOT, env={**os.environ, **HANG, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     try:
         _wait_for(token, 4)  # pytest, the program and its 2 ranks
-        time.sleep(1)
-        os.killpg(pytest_run.pid, signal.SIGINT)  # Ctrl-C reaches pytest's group, not the program's
+        if how == "ctrl-c":
+            time.sleep(1)
+            os.killpg(
+                pytest_run.pid, signal.SIGINT
+            )  # the terminal's Ctrl-C reaches pytest's group only
+        else:
+            os.kill(pytest_run.pid, signal.SIGKILL)  # no clean-up code runs in pytest
         pytest_run.wait(timeout=60)
     finally:
         if pytest_run.poll() is None:
             os.killpg(pytest_run.pid, signal.SIGKILL)
-    assert _gone(token) == [], "Ctrl-C on pytest left the program under test running"
-
-
-def test_a_program_dies_with_the_pytest_that_runs_it(tmp_path):
-    token = f"killed-{os.getpid()}-{time.monotonic_ns()}"
-    (tmp_path / "test_hanging_program.py").write_text(TEST_FILE)
-    env = {**os.environ, **HANG, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)}
-    pytest_run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            str(ROOT),
-            "-c",
-            str(ROOT / "pyproject.toml"),
-            str(tmp_path / "test_hanging_program.py"),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(token, 4)
-        os.kill(pytest_run.pid, signal.SIGKILL)  # no clean-up code runs in pytest
-        pytest_run.wait(timeout=30)
-    finally:
-        if pytest_run.poll() is None:
-            os.killpg(pytest_run.pid, signal.SIGKILL)
-    assert _gone(token) == [], "a program outlived the pytest process that ran it"
+    assert _gone(token) == [], ending
