@@ -96,17 +96,22 @@ def wait_for_world(store, rank: int, world_size: int, join_timeout_s: float) -> 
             raise _too_few(rank, joined, world_size, join_timeout_s) from None
 
 
-def _rank_zero_leaves_last(store, rank: int, joined: int, grace_s: float = 2.0) -> None:
-    """Before giving up, let rank 0 wait (briefly) until every rank that joined has given up too.
+def _rank_zero_leaves_last(store, rank: int, joined: int, grace_s: float = 10.0) -> None:
+    """Before giving up, let rank 0 wait until every rank that joined has given up too.
 
     The store lives in rank 0's process: if rank 0 left first, a peer's next store call would
-    hit a closed socket and print a long C++ warning before your clear error.
+    hit a closed socket and print a long C++ warning before your clear error. Each peer gives up
+    join_timeout_s after it joined, so the wait is short; ``grace_s`` only bounds it, should a
+    peer never give up (it crashed).
     """
     store.add(GAVE_UP_KEY, 1)
     if rank != 0:
         return
     end = time.monotonic() + grace_s
-    while store.add(GAVE_UP_KEY, 0) < joined and time.monotonic() < end:
+    while time.monotonic() < end:
+        everyone = max(joined, store.add(JOINED_KEY, 0))  # latecomers included
+        if store.add(GAVE_UP_KEY, 0) >= everyone:
+            return
         time.sleep(0.05)
 
 

@@ -1,61 +1,154 @@
 """k01 spawn: the rank arithmetic, and a launcher that spawns, collects and joins."""
 
+import json
+import linecache
+import multiprocessing
 import os
 import queue
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
 
 import pytest
 
 from dojo.impl import load_kata
 from dojo.testing import run_program
+from dojo.todo import KataTodo
 from dojo.world import run_world
 
 KATA = "k01_spawn"
 # Set in the launching process only. A spawned child starts a fresh interpreter and imports this
 # module again, so it must see None; a forked child would see the launcher's value.
 _LAUNCHER_MARK = None
+# The folder where the ranks that launch starts leave their pids and say when their work is done.
+_FOLDER_VAR = "DOJO_K01_FOLDER"
+
+# --------------------------------------------------------------------------- step 1: arithmetic
+
+
+def _explain_global_rank(node: int, local: int, per_node: int, got) -> str:
+    expected = node * per_node + local
+    if got == local * per_node + node:
+        return (
+            "node_rank and local_rank are swapped: the node picks the block of nproc_per_node "
+            "ranks (node_rank * nproc_per_node), the local rank the place inside that block"
+        )
+    if got == node + local:
+        return (
+            f"node_rank and local_rank were added: each of the {node} node(s) before this one "
+            "holds nproc_per_node ranks, so multiply node_rank by nproc_per_node"
+        )
+    if got == expected + 1:
+        return "one too many: ranks count from 0 (local rank 0 on node 0 is rank 0)"
+    if node:
+        return f"the {node * per_node} ranks of nodes 0..{node - 1} come first"
+    return "on node 0 the rank is the local rank"
 
 
 @pytest.mark.step(1)
 @pytest.mark.parametrize(
     "node, local, per_node, expected",
     [
-        (0, 0, 3, 0),
-        (0, 2, 3, 2),
-        (1, 0, 3, 3),
-        (1, 2, 3, 5),
-        (3, 1, 4, 13),
-        (0, 0, 1, 0),
-        (5, 0, 1, 5),
+        pytest.param(0, 0, 3, 0, id="node0-local0-of3"),
+        pytest.param(0, 2, 3, 2, id="node0-local2-of3"),
+        pytest.param(1, 0, 3, 3, id="node1-local0-of3"),
+        pytest.param(1, 2, 3, 5, id="node1-local2-of3"),
+        pytest.param(3, 1, 4, 13, id="node3-local1-of4"),
+        pytest.param(0, 0, 1, 0, id="node0-local0-of1"),
+        pytest.param(5, 0, 1, 5, id="node5-local0-of1"),
     ],
 )
 def test_global_rank(kata, node, local, per_node, expected):
     got = kata.global_rank(node, local, per_node)
-    why = (
-        f"the {node * per_node} ranks of nodes 0..{node - 1} come first"
-        if node
-        else "on node 0 the rank is the local rank"
-    )
     assert got == expected, (
         f"global_rank(node_rank={node}, local_rank={local}, nproc_per_node={per_node}) returned "
-        f"{got!r}, expected {expected}: {why}"
+        f"{got!r}, expected {expected}: {_explain_global_rank(node, local, per_node, got)}"
     )
 
 
 @pytest.mark.step(1)
-def test_tutorial_layout_has_world_size_six(kata):
-    got = kata.world_size_of(2, 3)
-    assert got == 6, f"world_size_of(nnodes=2, nproc_per_node=3) returned {got!r}, expected 6"
-    ranks = [kata.global_rank(node, local, 3) for node in range(2) for local in range(3)]
-    assert ranks == list(range(6)), (
-        f"the tutorial's 2 nodes x 3 processes got ranks {ranks}: every rank 0..5 must appear once"
+@pytest.mark.parametrize(
+    "nnodes, per_node, expected",
+    [
+        pytest.param(2, 3, 6, id="2-nodes-of-3"),
+        pytest.param(1, 4, 4, id="1-node-of-4"),
+        pytest.param(4, 8, 32, id="4-nodes-of-8"),
+        pytest.param(3, 1, 3, id="3-nodes-of-1"),
+    ],
+)
+def test_world_size_of(kata, nnodes, per_node, expected):
+    got = kata.world_size_of(nnodes, per_node)
+    if got == nnodes + per_node and got != expected:
+        why = "it looks like nnodes + nproc_per_node: every node runs nproc_per_node processes, so multiply"
+    else:
+        why = "every one of the nnodes nodes runs nproc_per_node processes"
+    assert got == expected, (
+        f"world_size_of(nnodes={nnodes}, nproc_per_node={per_node}) returned {got!r}, expected "
+        f"{expected}: {why}"
+    )
+
+
+@pytest.mark.step(1)
+def test_tutorial_layout_numbers_every_rank_once(kata):
+    layout = [(node, local) for node in range(2) for local in range(3)]
+    ranks = [kata.global_rank(node, local, 3) for node, local in layout]
+    wrong = [(n, lo, r) for (n, lo), r in zip(layout, ranks) if r != n * 3 + lo]
+    assert not wrong, (
+        f"the tutorial's 2 nodes x 3 processes got ranks {ranks} (node 0's local ranks 0, 1, 2, "
+        "then node 1's): expected [0, 1, 2, 3, 4, 5], every rank once; "
+        f"{_explain_global_rank(wrong[0][0], wrong[0][1], 3, wrong[0][2])}"
+    )
+
+
+# --------------------------------------------------------------------------- step 2: the greeting
+
+
+def _explain_greeting(got, rank: int, world_size: int) -> str:
+    expected = f"world size:{world_size}. I'm rank {rank}."
+    if got is None:
+        return (
+            "greet returned None: return the line (print_greeting prints it); did you print it "
+            "instead of returning it?"
+        )
+    if not isinstance(got, str):
+        return f"greet returned a {type(got).__name__}: return the line as a str"
+    if got == f"world size:{rank}. I'm rank {world_size}.":
+        return (
+            "the rank and the world size are swapped: greet(rank, world_size) gets the rank first"
+        )
+    if got.strip() == expected:
+        return "remove the spaces or newline at the ends"
+    if got.replace(" ", "") == expected.replace(" ", ""):
+        return (
+            "only the spaces differ: the tutorial writes no space after 'world size:' and one "
+            "after the full stop"
+        )
+    if got.lower() == expected.lower():
+        return "only capital letters differ: copy the tutorial's text exactly"
+    at = next(
+        (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
+    )
+    return (
+        f"they differ from character {at} on: {got[at : at + 12]!r} where the tutorial has "
+        f"{expected[at : at + 12]!r}"
     )
 
 
 @pytest.mark.step(2)
-def test_greet(kata):
-    assert kata.greet(2, 4) == "world size:4. I'm rank 2.", (
-        f"greet(2, 4) returned {kata.greet(2, 4)!r}, expected the tutorial's \"world size:4. I'm rank 2.\""
+@pytest.mark.parametrize("rank, world_size", [(2, 4), (0, 1)])
+def test_greet(kata, rank, world_size):
+    got = kata.greet(rank, world_size)
+    expected = f"world size:{world_size}. I'm rank {rank}."
+    assert got == expected, (
+        f"greet({rank}, {world_size}) returned {got!r}, expected the tutorial's {expected!r}: "
+        f"{_explain_greeting(got, rank, world_size)}"
     )
+
+
+# --------------------------------------------------------------------------- step 3: one rank
 
 
 def _answer(rank, world_size):
@@ -66,118 +159,547 @@ def _refuse(rank, world_size):
     raise ValueError(f"rank {rank} refuses")
 
 
+def _drain(answers: queue.Queue) -> list:
+    messages = []
+    while not answers.empty():
+        messages.append(answers.get_nowait())
+    return messages
+
+
 @pytest.mark.step(3)
 def test_run_rank_reports_the_answer_with_its_rank(kata):
     answers = queue.Queue()
     kata.run_rank(_answer, 2, 4, answers)
-    got = answers.get_nowait() if not answers.empty() else None
-    assert got == (2, "ok", "2 of 4"), (
-        f"run_rank(fn, rank=2, world_size=4, answers) put {got!r} on the queue, expected "
-        "(2, 'ok', fn(2, 4)): the launcher needs the rank to put answers back in order"
+    messages = _drain(answers)
+    expected = (2, "ok", "2 of 4")
+    assert messages, (
+        "run_rank(fn, rank=2, world_size=4, answers) put nothing on the queue: a spawned process "
+        "cannot return a value to its parent, so put (rank, 'ok', fn(rank, world_size)) on it"
+    )
+    assert len(messages) == 1, (
+        f"run_rank put {len(messages)} messages on the queue ({messages!r}): the launcher reads "
+        "exactly one per rank"
+    )
+    assert messages[0] == expected, (
+        f"run_rank(fn, rank=2, world_size=4, answers) put {messages[0]!r} on the queue, expected "
+        f"{expected!r}: a 3-tuple of the rank (the launcher needs it to put answers back in rank "
+        "order), the status 'ok' and fn(rank, world_size)'s answer"
     )
 
 
 @pytest.mark.step(3)
 def test_run_rank_reports_an_error_instead_of_raising(kata):
     answers = queue.Queue()
+    escaped = None
     try:
         kata.run_rank(_refuse, 1, 3, answers)
-    except ValueError:
+    except KataTodo:
+        raise
+    except Exception as error:
+        escaped = error
+    messages = _drain(answers)
+    if escaped is not None and not messages:
         pytest.fail(
-            "run_rank let fn's ValueError escape: catch it and put (rank, 'error', traceback) on the queue"
+            f"run_rank let fn's {type(escaped).__name__} escape and put nothing on the queue: in a "
+            "spawned process the launcher would wait for an answer that never comes. Catch the "
+            "exception and put (rank, 'error', traceback.format_exc()) on the queue instead"
         )
-    got = answers.get_nowait() if not answers.empty() else None
-    assert got is not None and got[:2] == (1, "error"), (
-        f"when fn raised, run_rank put {got!r} on the queue, expected (1, 'error', traceback_text)"
+    if escaped is not None:
+        pytest.fail(
+            f"run_rank put {messages[0]!r} on the queue, then raised fn's "
+            f"{type(escaped).__name__} again: a spawned process would print a second traceback "
+            "and end with an error. Report the error on the queue and return"
+        )
+    assert len(messages) == 1, (
+        f"when fn raised, run_rank put {len(messages)} messages on the queue ({messages!r}): "
+        "expected exactly one, (1, 'error', traceback_text)"
     )
-    assert "ValueError: rank 1 refuses" in got[2] and "Traceback" in got[2], (
-        f"the error text should be the full traceback (traceback.format_exc()), got {got[2]!r}"
+    got = messages[0]
+    assert isinstance(got, tuple) and len(got) == 3 and got[:2] == (1, "error"), (
+        f"when fn raised, run_rank put {got!r} on the queue, expected (1, 'error', traceback_text): "
+        "the rank, the status 'error' and the traceback's text"
     )
+    assert (
+        isinstance(got[2], str) and "Traceback" in got[2] and "ValueError: rank 1 refuses" in got[2]
+    ), (
+        f"when fn raised ValueError('rank 1 refuses'), run_rank reported {got[2]!r}: report the "
+        "full traceback text, traceback.format_exc(), so the launcher can show where it failed"
+    )
+
+
+# --------------------------------------------------------------------------- step 4: the launcher
+#
+# The functions below run in the processes that the learner's launch starts. Each rank leaves its
+# pid in a folder (the launcher's environment names it), so the test can tell whether the ranks
+# really ran side by side and whether launch joined them. To prove that launch puts the answers in
+# rank order, rank r returns only after rank r + 1's answer is on its way to the queue: the answers
+# then arrive in reverse rank order, every time.
+
+
+def _write(folder: str, name: str, text: str) -> None:
+    path = os.path.join(folder, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _read(folder: str, name: str) -> str | None:
+    try:
+        with open(os.path.join(folder, name)) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _pid_of(folder: str, rank: int) -> int | None:
+    text = _read(folder, f"rank{rank}.pid")
+    return int(text) if text else None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, or None if it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _has_proc() -> bool:
+    return os.path.isdir("/proc/self")
+
+
+def _state(pid: int, parent: int) -> str:
+    """'running', 'zombie' (ended, not joined) or 'gone' (joined), for a child of ``parent``."""
+    stat = _proc_stat(pid)
+    if stat is None or stat[1] != parent:
+        return "gone"
+    return "zombie" if stat[0] in ("Z", "X") else "running"
+
+
+def _spawned_children(parent: int) -> set[int]:
+    """The processes ``parent`` has spawned and that are still running (from /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _proc_stat(int(entry))
+        if stat is None or stat[1] != parent:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.add(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _ranks_started(folder: str, world_size: int, grace: float = 1.0) -> int | None:
+    """How many of the world's processes the launcher has started (None where /proc is missing).
+
+    A launcher that starts every process first has started them all long before any of them gets
+    here (each has imported torch since); one that waits for each rank before starting the next
+    has started only this one.
+    """
+    if not _has_proc():
+        return None
+    end = time.monotonic() + grace
+    while True:
+        known = _spawned_children(os.getppid())
+        known |= {p for p in (_pid_of(folder, r) for r in range(world_size)) if p is not None}
+        if len(known) >= world_size or time.monotonic() > end:
+            return len(known)
+        time.sleep(0.05)
+
+
+def _wait_for(folder: str, rank: int, what: str, limit: float = 30.0) -> bool:
+    """Until rank ``rank`` has sent its answer (``what="sent"``) or its process has ended."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if what == "sent" and _read(folder, f"rank{rank}.sent") is not None:
+            time.sleep(0.3)  # it was being pickled to go on the queue: let it get there first
+            return True
+        pid = _pid_of(folder, rank)
+        if what == "ended" and pid is not None:
+            if _has_proc():
+                if _state(pid, os.getppid()) != "running":
+                    return True
+            elif _read(folder, f"rank{rank}.done") is not None:
+                time.sleep(0.5)  # no /proc: give its answer a moment to reach the queue
+                return True
+        time.sleep(0.02)
+    return False
+
+
+class _Sent:
+    """Part of a rank's answer: when its process pickles it to put it on the queue, it leaves a
+    mark (the launcher receives the text "sent" in its place)."""
+
+    def __init__(self, folder: str, rank: int):
+        self.folder, self.rank = folder, rank
+
+    def __reduce__(self):
+        _write(self.folder, f"rank{self.rank}.sent", "")
+        return (str, ("sent",))
+
+
+def _start_rank(rank: int, world_size: int, *, after: list[int], what: str = "sent") -> dict:
+    """What every test rank does first: leave its pid, then wait for the ranks in ``after``."""
+    folder = os.environ[_FOLDER_VAR]
+    _write(folder, f"rank{rank}.pid", str(os.getpid()))
+    started = _ranks_started(folder, world_size) if _LAUNCHER_MARK is None else None
+    alone = started is not None and started < world_size
+    if not alone:
+        for other in after:
+            _wait_for(folder, other, what)
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "mark": _LAUNCHER_MARK,
+        "started": started,
+        "sent": _Sent(folder, rank),
+    }
+
+
+def _finish_rank(rank: int, report: dict) -> dict:
+    folder = os.environ[_FOLDER_VAR]
+    shown = {k: v for k, v in report.items() if k != "sent"}
+    _write(folder, f"rank{rank}.done", json.dumps({**shown, "at": time.monotonic()}))
+    return report
 
 
 def _identify(rank, world_size):
-    return {"rank": rank, "world_size": world_size, "pid": os.getpid(), "mark": _LAUNCHER_MARK}
+    """Answers in reverse rank order: rank r answers once rank r + 1's answer is on its way."""
+    report = _start_rank(rank, world_size, after=[rank + 1] if rank + 1 < world_size else [])
+    return _finish_rank(rank, report)
+
+
+def _big_answer(rank, world_size):
+    """An answer far bigger than a pipe holds (64 KiB): its process ends only once it is read."""
+    report = _start_rank(rank, world_size, after=[])
+    return {**_finish_rank(rank, report), "blob": b"x" * (512 * 1024)}
 
 
 def _fail_on_rank_two(rank, world_size):
+    """Rank 2 raises at once; the others answer once its process has ended (its error came first)."""
+    report = _start_rank(rank, world_size, after=[] if rank == 2 else [2], what="ended")
     if rank == 2:
+        _finish_rank(rank, report)
         raise ValueError("rank two refuses")
-    return rank
+    return _finish_rank(rank, report)["rank"]
+
+
+class _LaunchStuck(BaseException):
+    """Raised in the launcher's main thread (by a signal) when launch can no longer finish."""
+
+
+# How long a rank that has done its work may stay blocked writing its answer into the queue's
+# pipe while launch is not reading, before the test calls it a deadlock: a launcher that reads
+# unblocks it within moments, whatever the load.
+_STUCK_AFTER_S = 5.0
+
+
+def _blocked_writing(pid: int) -> bool:
+    """Whether a thread of process ``pid`` sleeps in the kernel writing to a full pipe."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/wchan") as f:
+                if "pipe_w" in f.read():  # pipe_write, anon_pipe_write, pipe_wait_writable
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+class _Watchdog(threading.Thread):
+    """Watches the learner's launch from a thread of the launcher process: if ranks that finished
+    their work stay blocked writing their answers while launch does not read them, it interrupts
+    launch with ``_LaunchStuck`` (a deadlock would otherwise last until the harness's deadline)."""
+
+    def __init__(self, folder: str, world_size: int):
+        super().__init__(daemon=True)
+        self.folder, self.world_size = folder, world_size
+        self.main = threading.main_thread().ident
+        self.finished = threading.Event()
+        self.report = ""
+
+    def run(self) -> None:
+        fired, since = 0, {}
+        while not self.finished.wait(0.2) and fired < 3:
+            reading = self._main_thread_place()[0] == "reading"
+            blocked = [] if reading else self._blocked_ranks()
+            since = {rank: since.get(rank, time.monotonic()) for rank in blocked}
+            stuck = [r for r, t in since.items() if time.monotonic() - t > _STUCK_AFTER_S]
+            if stuck:
+                self.report = self._describe(stuck)
+                fired += 1
+                os.kill(os.getpid(), signal.SIGUSR2)
+                since = {}
+
+    def _blocked_ranks(self) -> list[int]:
+        blocked = []
+        for rank in range(self.world_size):
+            pid = _pid_of(self.folder, rank)
+            done = _read(self.folder, f"rank{rank}.done") is not None
+            if pid is not None and done and _blocked_writing(pid):
+                blocked.append(rank)
+        return blocked
+
+    def _main_thread_place(self) -> tuple[str, str]:
+        """("reading" | "joining" | "elsewhere", where in launch) for the launcher's main thread."""
+        frame = sys._current_frames().get(self.main)
+        place, where = "elsewhere", ""
+        while frame is not None:
+            code = frame.f_code
+            path = code.co_filename.replace(os.sep, "/")
+            if code.co_name == "get" and path.endswith("multiprocessing/queues.py"):
+                place = "reading"
+            elif code.co_name == "join" and "multiprocessing/" in path and place != "reading":
+                place = "joining"
+            if code.co_name == "launch" and not where:
+                line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+                where = f"line {frame.f_lineno} of launch, `{line}`"
+            frame = frame.f_back
+        return place, where
+
+    def _describe(self, stuck: list[int]) -> str:
+        ranks = ", ".join(map(str, stuck))
+        place, where = self._main_thread_place()
+        waiting = "waiting in process.join()" if place == "joining" else "not reading them"
+        return (
+            f"rank(s) {ranks} finished fn and are blocked putting their answers (half a MiB "
+            f"each) on the queue, while launch is {waiting}"
+            + (f" ({where})" if where else "")
+            + ". A process that put something on a multiprocessing Queue ends only once the "
+            "other side has read it, so joining before reading the answers deadlocks as soon as "
+            "an answer is bigger than the pipe (64 KiB). Read every answer first "
+            "(answers.get), then join the processes."
+        )
+
+
+def _raise_stuck(signum, frame):
+    raise _LaunchStuck()
+
+
+def _leftovers(folder: str, world_size: int) -> dict[int, str]:
+    """Rank -> 'running' or 'zombie' for every rank process launch did not join."""
+    left = {}
+    if _has_proc():
+        for rank in range(world_size):
+            pid = _pid_of(folder, rank)
+            if pid is not None and (state := _state(pid, os.getpid())) != "gone":
+                left[rank] = state
+    else:
+        alive = {p.pid for p in multiprocessing.active_children()}
+        for rank in range(world_size):
+            if _pid_of(folder, rank) in alive:
+                left[rank] = "running"
+    return left
+
+
+def _kill_leftovers(folder: str, world_size: int) -> None:
+    for rank in range(world_size):
+        pid = _pid_of(folder, rank)
+        if pid is not None and _state(pid, os.getpid()) != "gone":
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (OSError, ChildProcessError):
+                pass
 
 
 def _launch_in_isolation(_rank, _world_size, fn_name, world_size):
     """Runs inside one harness process, so a launcher that hangs or leaks is caught and cleaned."""
     global _LAUNCHER_MARK
     _LAUNCHER_MARK = "set in the launcher"
-    kata = load_kata(KATA)
-    fn = globals()[fn_name]
+    folder = tempfile.mkdtemp(prefix="dojo-k01-")
+    os.environ[_FOLDER_VAR] = folder
     try:
-        answers = kata.launch(world_size, fn)
-        outcome = ("returned", answers)
-    except RuntimeError as error:
-        if "context has already been set" in str(error):
-            raise AssertionError(
-                "launch called mp.set_start_method(), which may run only once per program (the test "
-                "runner had already chosen one). Use mp.get_context('spawn') and start processes "
-                "from that context instead."
-            ) from error
-        outcome = ("raised", type(error).__name__, str(error))
-    import multiprocessing
+        return _launch_and_watch(folder, fn_name, world_size)
+    finally:
+        _kill_leftovers(folder, world_size)
+        shutil.rmtree(folder, ignore_errors=True)
 
-    leftovers = [p.pid for p in multiprocessing.active_children()]
-    return outcome, os.getpid(), leftovers
+
+def _launch_and_watch(folder: str, fn_name: str, world_size: int) -> dict:
+    # As in a real program that has used multiprocessing already, the start method is chosen.
+    method = multiprocessing.get_start_method()
+    kata = load_kata(KATA)
+    watchdog = _Watchdog(folder, world_size)
+    signal.signal(signal.SIGUSR2, _raise_stuck)
+    watchdog.start()
+    try:
+        answers = kata.launch(world_size, globals()[fn_name])
+        outcome = ("returned", answers)
+    except _LaunchStuck:
+        outcome = ("stuck", watchdog.report)
+    except KataTodo:
+        raise
+    except Exception as error:
+        outcome = ("raised", type(error).__name__, str(error))
+    finally:
+        watchdog.finished.set()
+        watchdog.join()
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    return {
+        "outcome": outcome,
+        "launcher": os.getpid(),
+        "leftovers": _leftovers(folder, world_size),
+        "method": (method, multiprocessing.get_start_method(allow_none=True)),
+    }
+
+
+def _launched(fn_name: str, world_size: int) -> dict:
+    [result] = run_world(
+        _launch_in_isolation, 1, fn_name, world_size, init_group=False, deadline=90
+    )
+    return result
+
+
+def _check_launch_did_not_break(result: dict, world_size: int, what: str) -> None:
+    """What every launch must get right, whatever fn did: no set_start_method, no deadlock."""
+    outcome = result["outcome"]
+    if outcome[0] == "raised" and "context has already been set" in outcome[2]:
+        raise AssertionError(
+            f"launch({world_size}, fn) raised {outcome[1]}: {outcome[2]}. launch called "
+            "mp.set_start_method(), which may run only once per program (this one had chosen its "
+            "start method already). Use mp.get_context('spawn') and start processes from that "
+            "context instead."
+        )
+    before, after = result["method"]
+    if before != after:
+        raise AssertionError(
+            f"launch changed the program's start method from {before!r} to {after!r} "
+            "(set_start_method(..., force=True)): that changes it for every other use of "
+            "multiprocessing in the program. Use mp.get_context('spawn') instead."
+        )
+    if outcome[0] == "stuck":
+        raise AssertionError(f"launch({world_size}, fn) never returned{what}: {outcome[1]}")
+
+
+def _check_no_leftovers(result: dict, when: str) -> None:
+    left = result["leftovers"]
+    if not left:
+        return
+    running = sorted(r for r, s in left.items() if s == "running")
+    ended = sorted(r for r, s in left.items() if s == "zombie")
+    states = ([f"rank(s) {', '.join(map(str, running))} still running"] if running else []) + (
+        [f"rank(s) {', '.join(map(str, ended))} ended but never joined"] if ended else []
+    )
+    raise AssertionError(
+        f"launch {when} without joining the processes it started ({'; '.join(states)}): call "
+        "process.join() on every process you started before leaving launch (kill one that does "
+        "not end), on success and on failure alike, so that none is left behind"
+    )
+
+
+def _how_made(answer: dict, launcher: int) -> str | None:
+    """Why a rank was not spawned by the launcher, or None if it was."""
+    if answer["mark"] is not None:
+        return (
+            "it saw the launcher's memory, so it was forked, not spawned (mp.Process without a "
+            "context uses the program's default start method)"
+        )
+    if answer["parent"] != launcher:
+        return (
+            f"its parent is process {answer['parent']}, not the launcher ({launcher}): it was "
+            "made by a forkserver, not spawned (mp.Process without a context uses the program's "
+            "default start method)"
+        )
+    return None
 
 
 @pytest.mark.step(4)
 def test_launch_spawns_and_collects_in_rank_order(kata):
-    [(outcome, launcher_pid, leftovers)] = run_world(
-        _launch_in_isolation, 1, "_identify", 4, init_group=False, deadline=60
-    )
+    result = _launched("_identify", 4)
+    _check_launch_did_not_break(result, 4, "")
+    outcome = result["outcome"]
     assert outcome[0] == "returned", f"launch(4, fn) raised {outcome[1]}: {outcome[2]}"
     answers = outcome[1]
     assert isinstance(answers, list) and len(answers) == 4, (
         f"launch(4, fn) returned {answers!r}: expected a list of the 4 answers"
     )
+    assert all(a["world_size"] == 4 for a in answers), (
+        f"the ranks were told world sizes {[a['world_size'] for a in answers]}: every rank must "
+        "be told world_size=4"
+    )
+    pids = {a["pid"] for a in answers}
+    assert len(pids) == 4 and result["launcher"] not in pids, (
+        f"the 4 ranks ran in processes {sorted(pids)} (launcher {result['launcher']}): each rank "
+        "needs a process of its own"
+    )
+    for answer in answers:
+        wrong = _how_made(answer, result["launcher"])
+        assert wrong is None, (
+            f"rank {answer['rank']} was not spawned: {wrong}. Start processes from "
+            "mp.get_context('spawn')."
+        )
+    alone = [a for a in answers if a["started"] is not None and a["started"] < 4]
+    assert not alone, (
+        f"rank {alone[0]['rank']} ran while only {alone[0]['started']} of the 4 rank processes "
+        "had been started: launch waited for each process before starting the next, so the ranks "
+        "ran one after another instead of side by side. Start every process first, then collect "
+        "the answers, then join."
+    )
     ranks = [a["rank"] for a in answers]
     assert ranks == [0, 1, 2, 3], (
-        f"the answers came back for ranks {ranks}: return them in rank order (the queue delivers "
-        "them in whatever order the processes finish)"
+        f"launch returned the answers of ranks {ranks}, in the order they arrived (here the "
+        "ranks answered 3, 2, 1, 0): return them in rank order, answers[r] being rank r's. The "
+        "queue delivers them in whatever order the processes finish: keep them by the rank each "
+        "message carries."
     )
-    assert all(a["world_size"] == 4 for a in answers), "every rank must be told world_size=4"
-    pids = {a["pid"] for a in answers}
-    assert len(pids) == 4 and launcher_pid not in pids, (
-        f"the 4 ranks ran in processes {sorted(pids)} (launcher {launcher_pid}): each rank needs a "
-        "process of its own"
+    _check_no_leftovers(result, "returned")
+
+
+@pytest.mark.step(4)
+def test_launch_reads_big_answers_before_joining(kata):
+    result = _launched("_big_answer", 2)
+    _check_launch_did_not_break(result, 2, " when each rank answered half a MiB")
+    outcome = result["outcome"]
+    assert outcome[0] == "returned", f"launch(2, fn) raised {outcome[1]}: {outcome[2]}"
+    assert [a["rank"] for a in outcome[1]] == [0, 1], (
+        f"launch(2, fn) returned the answers of ranks {[a['rank'] for a in outcome[1]]}, expected "
+        "[0, 1]"
     )
-    assert all(a["mark"] is None for a in answers), (
-        "a rank saw the launcher's memory, so it was forked, not spawned: start processes from "
-        "mp.get_context('spawn')"
-    )
-    assert not leftovers, (
-        f"processes {leftovers} were still running after launch returned: join them"
-    )
+    sizes = [len(a["blob"]) for a in outcome[1]]
+    assert sizes == [512 * 1024] * 2, f"the answers arrived cut short: {sizes} bytes"
+    _check_no_leftovers(result, "returned")
 
 
 @pytest.mark.step(4)
 def test_launch_names_the_rank_that_failed(kata):
-    [(outcome, _, leftovers)] = run_world(
-        _launch_in_isolation, 1, "_fail_on_rank_two", 3, init_group=False, deadline=60
-    )
+    result = _launched("_fail_on_rank_two", 3)
+    _check_launch_did_not_break(result, 3, "")
+    outcome = result["outcome"]
     assert outcome[0] == "raised", (
         f"rank 2 raised ValueError, but launch returned {outcome[1]!r}: a failed rank must make "
-        "the launcher fail"
+        "launch raise RankProcessFailed naming it, or the program carries on with a hole in its "
+        "answers"
     )
     assert outcome[1] == "RankProcessFailed", (
-        f"launch raised {outcome[1]}, expected the kata's RankProcessFailed"
+        f"launch raised {outcome[1]}: {outcome[2]!r}; expected the kata's RankProcessFailed, "
+        "which callers catch to tell a failed rank from other errors"
     )
     message = outcome[2]
-    assert "rank 2" in message and "rank two refuses" in message, (
-        f"the error must name rank 2 and show its error, got: {message!r}"
+    assert "rank 2" in message, (
+        f"the error must name rank 2, the rank that failed; it said: {message!r}"
+    )
+    assert "rank two refuses" in message and "Traceback" in message, (
+        "the error must show rank 2's traceback (the text run_rank reported, ending in "
+        f"'ValueError: rank two refuses'), so the user sees why it failed; it said: {message!r}"
     )
     assert "rank 0" not in message and "rank 1" not in message, (
         f"only rank 2 failed, but the error names other ranks too: {message!r}"
     )
-    assert not leftovers, f"processes {leftovers} were still running after launch failed: join them"
+    _check_no_leftovers(result, "raised")
 
 
 @pytest.mark.step(4)
@@ -185,7 +707,8 @@ def test_program_prints_the_tutorial_lines(kata):
     """`python -m katas.k01_spawn` does what the tutorial's run_multiprocess.py does."""
     result = run_program(KATA, "--world-size", "4", timeout=90)
     assert result.returncode == 0, (
-        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+        f"`python -m katas.{KATA} --world-size 4` failed (exit {result.returncode}):\n"
+        f"{result.stdout}\n{result.stderr}"
     )
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."

@@ -1,6 +1,8 @@
 """k02 init group: env:// rendezvous with a timeout, a barrier, destroy, two worlds side by side."""
 
+import inspect
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -8,35 +10,87 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dojo.calls import recording
 from dojo.impl import load_kata
 from dojo.testing import free_port, run_program, with_free_port
+from dojo.todo import KataTodo
 from dojo.world import run_world
 
 KATA = "k02_init_group"
+
+# --------------------------------------------------------------------------- step 1: set_master
 
 
 @pytest.mark.step(1)
 def test_set_master_writes_the_environment(kata, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "unset")  # restored after the test
     monkeypatch.setenv("MASTER_PORT", "unset")
-    kata.set_master("127.0.0.1", 29511)
+    try:
+        kata.set_master("127.0.0.1", 29511)
+    except TypeError as error:
+        pytest.fail(
+            f"set_master('127.0.0.1', 29511) raised TypeError: {error}. os.environ holds strings "
+            "only: store the port as str(port)"
+        )
     got = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    if got[1] == "29500":
+        pytest.fail(
+            "after set_master('127.0.0.1', 29511) MASTER_PORT is '29500', the tutorial's port: "
+            "use the port set_master was given (two jobs on one machine need two ports)"
+        )
     assert got == ("127.0.0.1", "29511"), (
-        f"after set_master('127.0.0.1', 29511) the environment holds MASTER_ADDR, MASTER_PORT = {got}; "
-        "env:// reads these two variables, as strings"
+        f"after set_master('127.0.0.1', 29511) the environment holds MASTER_ADDR, MASTER_PORT = "
+        f"{got}, expected ('127.0.0.1', '29511'): env:// reads these two variables, as strings"
     )
+
+
+_WHY_BAD = {
+    0: "a port is a number from 1 to 65535; port 0 asks the system for any free port, which the "
+    "other ranks could not know",
+    70000: "port numbers end at 65535",
+    -1: "port numbers start at 1",
+    "29500": "a port must be an int from 1 to 65535, and this is the str '29500': os.environ "
+    "holds strings, but set_master takes the number, checks it, and converts it itself",
+}
+
+
+def _port_id(port) -> str:
+    return f"{type(port).__name__}-{port!r}"
 
 
 @pytest.mark.step(1)
-@pytest.mark.parametrize("port", [0, 70000, -1, "29500"])
+@pytest.mark.parametrize("port", list(_WHY_BAD), ids=_port_id)
 def test_set_master_refuses_a_bad_port(kata, monkeypatch, port):
     monkeypatch.setenv("MASTER_ADDR", "unset")
     monkeypatch.setenv("MASTER_PORT", "unset")
-    with pytest.raises(ValueError, match="(?i)port") as caught:
+    call = f"set_master('127.0.0.1', {port!r})"
+    try:
         kata.set_master("127.0.0.1", port)
-    assert str(port) in str(caught.value), (
-        f"say which port was wrong; the message was: {caught.value}"
+    except ValueError as error:
+        message = str(error)
+    except KataTodo:
+        raise
+    except Exception as error:
+        pytest.fail(
+            f"{call} raised {type(error).__name__}: {error}. Expected a ValueError that names the "
+            f"port: {_WHY_BAD[port]}. Check the port before using it."
+        )
+    else:
+        pytest.fail(
+            f"{call} returned without an error; expected a ValueError that names the port: "
+            f"{_WHY_BAD[port]}"
+        )
+    assert str(port) in message and "port" in message.lower(), (
+        f"{call} raised ValueError({message!r}): say that the port is wrong and which port it "
+        f"was ({port!r}), so the caller can fix the call"
     )
+    assert os.environ["MASTER_PORT"] == "unset", (
+        f"{call} raised ValueError but left MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
+        "environment: check the port first, and change nothing when it is wrong"
+    )
+
+
+# --------------------------------------------------------------------------- step 2: init
 
 
 def _whoami(rank, world_size):
@@ -47,23 +101,88 @@ def _whoami(rank, world_size):
     }
 
 
+def _call_of(original, args, kwargs) -> dict:
+    """How init_process_group was called, by parameter name."""
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    except TypeError:
+        bound = dict(kwargs)
+    return {
+        name: bound.get(name, default)
+        for name, default in (
+            ("backend", None),
+            ("init_method", None),
+            ("timeout", None),
+            ("world_size", -1),
+            ("rank", -1),
+        )
+    } | {"store": bound.get("store") is not None}
+
+
 def _join(rank, world_size, port):
     """Run the learner's init_process, recording how it called init_process_group."""
     kata = load_kata(KATA)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(name, None)  # env:// must learn them from init_process's arguments
     calls = []
     original = dist.init_process_group
 
-    def recording(*args, **kwargs):
-        calls.append((args, kwargs))
+    def recorded(*args, **kwargs):
+        calls.append(_call_of(original, args, kwargs))
         return original(*args, **kwargs)
 
-    dist.init_process_group = recording
+    dist.init_process_group = recorded
+    seen, error = None, None
     try:
         kata.set_master("127.0.0.1", port)
         seen = kata.init_process(rank, world_size, _whoami, timeout_s=12.5)
+    except KataTodo:
+        raise
+    except Exception as failure:
+        error = f"{type(failure).__name__}: {failure}"
     finally:
         dist.init_process_group = original
-    return {"seen": seen, "calls": calls, "still_initialized": dist.is_initialized()}
+    return {
+        "seen": seen,
+        "error": error,
+        "calls": calls,
+        "still_initialized": dist.is_initialized(),
+    }
+
+
+def _check_the_call(rank: int, call: dict, error: str | None) -> None:
+    if call["rank"] == -1 or call["world_size"] == -1:
+        raise AssertionError(
+            f"rank {rank} called init_process_group without rank= and world_size=, so env:// "
+            "looked for them in the environment variables RANK and WORLD_SIZE, which nobody set "
+            f"here{f' ({error})' if error else ''}. Pass rank=rank and world_size=world_size."
+        )
+    assert (call["rank"], call["world_size"]) == (rank, 4), (
+        f"the process started as rank {rank} of 4 called init_process_group with "
+        f"rank={call['rank']!r}, world_size={call['world_size']!r}: pass init_process's own rank "
+        "and world_size"
+    )
+    timeout = call["timeout"]
+    if timeout is None:
+        raise AssertionError(
+            f"rank {rank} called init_process_group without a timeout: gloo's default would "
+            "freeze a broken world for 30 minutes. Pass timeout=timedelta(seconds=timeout_s)."
+        )
+    if not isinstance(timeout, timedelta):
+        raise AssertionError(
+            f"rank {rank} called init_process_group with timeout={timeout!r}, a "
+            f"{type(timeout).__name__}: it takes a datetime.timedelta (a number raises TypeError). "
+            "Pass timeout=timedelta(seconds=timeout_s)."
+        )
+    if timeout == timedelta(days=12.5):
+        raise AssertionError(
+            f"rank {rank} called init_process_group with timeout={timeout!r}, 12.5 days: "
+            "timedelta's first argument is days. Write timedelta(seconds=timeout_s)."
+        )
+    assert timeout == timedelta(seconds=12.5), (
+        f"init_process(..., timeout_s=12.5) called init_process_group with timeout={timeout!r} "
+        f"on rank {rank}: pass timeout=timedelta(seconds=timeout_s)"
+    )
 
 
 @pytest.mark.step(2)
@@ -71,22 +190,23 @@ def test_four_ranks_join_with_their_rank_a_world_of_four_and_a_timeout(kata):
     results = with_free_port(lambda port: run_world(_join, 4, port, init_group=False))
     for rank, result in enumerate(results):
         assert len(result["calls"]) == 1, (
-            f"rank {rank} called dist.init_process_group {len(result['calls'])} times, expected once "
-            "(call it as dist.init_process_group so the test can see it)"
+            f"rank {rank} called dist.init_process_group {len(result['calls'])} times, expected "
+            "once (call it as dist.init_process_group so the test can see it)"
+            + (f"; init_process raised {result['error']}" if result["error"] else "")
         )
-        args, kwargs = result["calls"][0]
-        timeout = kwargs.get("timeout")
-        assert timeout == timedelta(seconds=12.5), (
-            f"rank {rank} called init_process_group with timeout={timeout!r}; pass "
-            "timeout=timedelta(seconds=timeout_s): gloo's default would freeze a broken world for 30 minutes"
-        )
+        _check_the_call(rank, result["calls"][0], result["error"])
+        assert result["error"] is None, f"rank {rank}: init_process raised {result['error']}"
         seen = result["seen"]
+        assert seen is not None, (
+            f"init_process returned None on rank {rank}: return fn's result, fn(rank, world_size)"
+        )
         assert (seen["rank"], seen["world_size"]) == (rank, 4), (
-            f"the process started as rank {rank} of 4 joined as rank {seen['rank']} of {seen['world_size']}: "
-            "pass rank= and world_size= to init_process_group"
+            f"the process started as rank {rank} of 4 joined as rank {seen['rank']} of "
+            f"{seen['world_size']}: pass rank= and world_size= to init_process_group"
         )
         assert seen["backend"] == "gloo", (
-            f"rank {rank}'s group uses {seen['backend']}, expected gloo"
+            f"rank {rank}'s group uses {seen['backend']}, expected gloo: pass init_process's "
+            "backend on"
         )
         assert not result["still_initialized"], (
             f"rank {rank}'s process group still exists after init_process returned: call "
@@ -94,27 +214,76 @@ def test_four_ranks_join_with_their_rank_a_world_of_four_and_a_timeout(kata):
         )
 
 
+def _sum_of_ranks_plus_one(rank, world_size):
+    t = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _two_worlds(rank, world_size, port_a, port_b):
+    """Harness ranks 0-1 form world A on port_a, ranks 2-3 world B on port_b, at the same time."""
+    kata = load_kata(KATA)
+    kata.set_master("127.0.0.1", port_a if rank < 2 else port_b)
+    return kata.init_process(rank % 2, 2, _sum_of_ranks_plus_one)
+
+
+@pytest.mark.step(2)
+def test_two_worlds_side_by_side_do_not_interfere(kata):
+    results = with_free_port(lambda a: run_world(_two_worlds, 4, a, free_port(), init_group=False))
+    assert results == [3, 3, 3, 3], (
+        f"two worlds of 2 on two ports each summed (its rank + 1) and got {results}, expected 3 in "
+        "each: a world must only meet the ranks that share its MASTER_PORT"
+    )
+
+
+# --------------------------------------------------------------------------- step 3: leave
+
+
+_RECORD = {}  # inside a rank: the calls recorded so far, and how many there were when fn ended
+
+
 def _slow_rank_zero(rank, world_size):
     if rank == 0:
         time.sleep(1.0)
+    _RECORD["at_fn_end"] = len(_RECORD["calls"])
     return time.monotonic()  # CLOCK_MONOTONIC is shared by every process on the machine
 
 
 def _timed_join(rank, world_size, port):
     kata = load_kata(KATA)
     kata.set_master("127.0.0.1", port)
-    finished_work = kata.init_process(rank, world_size, _slow_rank_zero)
-    return finished_work, time.monotonic()
+    with recording() as calls:
+        _RECORD.update(calls=calls, at_fn_end=None)
+        finished_work = kata.init_process(rank, world_size, _slow_rank_zero)
+    collectives = [c.name for c in calls]
+    end = _RECORD["at_fn_end"]
+    return {
+        "finished_work": finished_work,
+        "left": time.monotonic(),
+        "before_fn_end": collectives[:end] if end is not None else collectives,
+        "after_fn_end": collectives[end:] if end is not None else [],
+    }
 
 
 @pytest.mark.step(3)
 def test_barrier_keeps_every_rank_until_the_slowest_has_finished(kata):
     results = with_free_port(lambda port: run_world(_timed_join, 3, port, init_group=False))
-    slowest_done = results[0][0]
-    for rank, (_, left) in enumerate(results[1:], start=1):
-        assert left >= slowest_done, (
-            f"rank {rank} left init_process {slowest_done - left:.2f} s before rank 0 had finished "
-            "its work: call dist.barrier() after fn, so no rank leaves while another still works"
+    for rank, result in enumerate(results):
+        if not result["after_fn_end"]:
+            early = "barrier" in result["before_fn_end"]
+            raise AssertionError(
+                f"rank {rank} called "
+                + ("dist.barrier() before fn, not after it" if early else "no dist.barrier()")
+                + ": a rank whose fn finished first then left init_process (and destroyed its "
+                "group) while rank 0's fn was still working. Call dist.barrier() after fn, so "
+                "that no rank leaves before every rank has finished."
+            )
+    slowest_done = results[0]["finished_work"]
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["left"] >= slowest_done, (
+            f"rank {rank} left init_process {slowest_done - result['left']:.2f} s before rank 0 "
+            "had finished its work: call dist.barrier() after fn, so no rank leaves while another "
+            "still works"
         )
 
 
@@ -141,32 +310,44 @@ def test_group_is_destroyed_even_when_fn_raises(kata):
     results = with_free_port(lambda port: run_world(_join_failing, 2, port, init_group=False))
     for rank, result in enumerate(results):
         assert result["raised"], (
-            f"fn raised ValueError on rank {rank}, but init_process swallowed it"
+            f"fn raised ValueError on rank {rank}, but init_process returned as if all was well: "
+            "let fn's error through to the caller (clean up in a finally block, do not catch it)"
         )
         assert not result["still_initialized"], (
-            f"fn raised on rank {rank} and the group was left behind: destroy it in a finally block"
+            f"fn raised on rank {rank} and the group was left behind: call "
+            "dist.destroy_process_group() in a finally block, which runs when fn raises too"
         )
 
 
-def _sum_of_ranks_plus_one(rank, world_size):
-    t = torch.tensor([dist.get_rank() + 1])
-    dist.all_reduce(t)
-    return int(t.item())
-
-
-def _two_worlds(rank, world_size, port_a, port_b):
-    """Harness ranks 0-1 form world A on port_a, ranks 2-3 world B on port_b, at the same time."""
+def _join_a_taken_port(rank, world_size):
+    """Rank 0 of a world of 1, on a port another program is listening on."""
     kata = load_kata(KATA)
-    kata.set_master("127.0.0.1", port_a if rank < 2 else port_b)
-    return kata.init_process(rank % 2, 2, _sum_of_ranks_plus_one)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        kata.set_master("127.0.0.1", taken.getsockname()[1])
+        try:
+            kata.init_process(0, 1, _whoami, timeout_s=10.0)
+        except KataTodo:
+            raise
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+    return None
 
 
-@pytest.mark.step(2)
-def test_two_worlds_side_by_side_do_not_interfere(kata):
-    results = with_free_port(lambda a: run_world(_two_worlds, 4, a, free_port(), init_group=False))
-    assert results == [3, 3, 3, 3], (
-        f"two worlds of 2 on two ports each summed (its rank + 1) and got {results}, expected 3 in "
-        "each: a world must only meet the ranks that share its MASTER_PORT"
+@pytest.mark.step(3)
+def test_a_failed_init_is_reported_as_itself(kata):
+    [error] = run_world(_join_a_taken_port, 1, init_group=False)
+    assert error is not None, (
+        "init_process returned although MASTER_PORT was taken by another program: "
+        "init_process_group's error must reach the caller"
+    )
+    assert "address already in use" in error.lower(), (
+        "MASTER_PORT was taken by another program, so dist.init_process_group failed with "
+        "'address already in use'; but init_process raised something else:\n"
+        f"  {error.splitlines()[0]}\n"
+        "The cleanup ran although no group was ever made, and its own error hid the real one. "
+        "Call init_process_group before the try: only a group that exists can be destroyed."
     )
 
 
@@ -176,7 +357,8 @@ def test_program_prints_every_rank_from_the_group(kata):
         lambda port: run_program(KATA, "--world-size", "4", "--master-port", str(port), timeout=90)
     )
     assert result.returncode == 0, (
-        f"the program failed (exit {result.returncode}):\n{result.stderr}"
+        f"`python -m katas.{KATA} --world-size 4` failed (exit {result.returncode}):\n"
+        f"{result.stdout}\n{result.stderr}"
     )
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."

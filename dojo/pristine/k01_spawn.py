@@ -60,39 +60,46 @@ class RankProcessFailed(RuntimeError):
 
 def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
     """The rank, in the whole world, of process ``local_rank`` on node ``node_rank``."""
-    # TODO: every node before this one holds nproc_per_node ranks.
+    # TODO: return this process's number in the whole world, counting from 0: all the ranks of
+    # the nodes before this one come first, then this node's processes in local-rank order. The
+    # tests check the tutorial's 2 nodes x 3 processes (ranks 0..5, each once) and other layouts.
     raise KataTodo("k01", 1, "global rank from node rank and local rank")
 
 
 def world_size_of(nnodes: int, nproc_per_node: int) -> int:
     """How many processes a job of ``nnodes`` nodes with ``nproc_per_node`` each has."""
-    # TODO
+    # TODO: return how many processes the whole job runs (the tutorial's 2 x 3 runs 6).
     raise KataTodo("k01", 1, "world size from nodes and processes per node")
 
 
 def greet(rank: int, world_size: int) -> str:
     """The tutorial's line for this process, for example ``world size:4. I'm rank 2.``"""
-    # TODO: return the exact text, spaces and punctuation included.
+    # TODO: return (not print) the tutorial's line for this rank, character for character: the
+    # tests compare greet(2, 4) with "world size:4. I'm rank 2." and greet(0, 1) likewise.
     raise KataTodo("k01", 2, "the greeting")
 
 
 def run_rank(fn: Callable[[int, int], Any], rank: int, world_size: int, answers) -> None:
     """Run ``fn(rank, world_size)`` in this process and report the outcome on ``answers``."""
-    # TODO: call fn; put (rank, "ok", answer) on the queue. If it raises, put
-    # (rank, "error", traceback.format_exc()) instead, so the launcher never waits in vain.
+    # TODO: this runs in a child process, which cannot return a value to its parent: report the
+    # outcome on `answers` instead, exactly one message per call. The tests expect
+    # (rank, "ok", fn's answer) when fn returns, and (rank, "error", the full traceback text)
+    # when fn raises; then run_rank returns normally (an error that escapes, or a message never
+    # sent, leaves the launcher waiting for an answer that cannot come).
     raise KataTodo("k01", 3, "run one rank and report its answer")
 
 
 def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: float = 60.0) -> list:
     """Run ``fn(rank, world_size)`` on ``world_size`` spawned processes; answers in rank order."""
-    # TODO:
-    #   1. context = mp.get_context("spawn"); answers = context.Queue()
-    #   2. one context.Process(target=run_rank, args=(fn, rank, world_size, answers)) per rank;
-    #      start them all
-    #   3. answers.get(timeout=timeout) once per rank (they arrive in any order)
-    #   4. join every process (kill one that does not end)
-    #   5. raise RankProcessFailed naming each failed rank with its traceback, or return the
-    #      answers in rank order
+    # TODO: run run_rank for every rank in world_size processes that run side by side, and wait
+    # for them. The tests hold launch to this:
+    #   - each rank runs in a fresh process of its own made with the *spawn* start method, and the
+    #     program's own start method is left as it was (set_start_method may run once per program);
+    #   - it returns the answers in rank order, whatever order they arrive in;
+    #   - it still works when answers are big (more than the 64 KiB a pipe holds);
+    #   - when it returns or raises, every process it started has ended and been joined;
+    #   - when ranks failed, it raises RankProcessFailed naming each failed rank (and no other)
+    #     with its traceback; no answer waits longer than `timeout` seconds.
     raise KataTodo("k01", 4, "spawn, collect, join")
 
 
