@@ -38,13 +38,14 @@ def _explain_global_rank(node: int, local: int, per_node: int, got) -> str:
         )
     if got == node + local:
         return (
-            f"node_rank and local_rank were added: each of the {node} node(s) before this one "
+            f"node_rank and local_rank were added: each node before this one "
             "holds nproc_per_node ranks, so multiply node_rank by nproc_per_node"
         )
     if got == expected + 1:
         return "one too many: ranks count from 0 (local rank 0 on node 0 is rank 0)"
     if node:
-        return f"the {node * per_node} ranks of nodes 0..{node - 1} come first"
+        nodes = {1: "node 0", 2: "nodes 0 and 1"}.get(node, f"nodes 0 to {node - 1}")
+        return f"the {node * per_node} ranks of {nodes} come first"
     return "on node 0 the rank is the local rank"
 
 

@@ -39,6 +39,13 @@ def ranks_from_one(node_rank, local_rank, nproc_per_node):
     return node_rank * nproc_per_node + local_rank + 1  # counts ranks from 1
 
 
+def node_ignored(node_rank, local_rank, nproc_per_node):
+    return local_rank  # the local rank taken for the global one: every node restarts at 0
+
+
+node_ignored_on_a_later_node = node_ignored  # the same slip, seen from node 3 of a bigger layout
+
+
 def world_size_added(nnodes, nproc_per_node):
     return nnodes + nproc_per_node  # adds the nodes and the processes per node
 
@@ -344,6 +351,18 @@ MISTAKES = [
         replaces="global_rank",
         fails=["test_global_rank"],
         says=["ranks count from 0"],
+    ),
+    Mistake(
+        "node_ignored",
+        replaces="global_rank",
+        fails=["test_global_rank[node1-local0-of3]"],
+        says=["the 3 ranks of node 0 come first"],
+    ),
+    Mistake(
+        "node_ignored_on_a_later_node",
+        replaces="global_rank",
+        fails=["test_global_rank[node3-local1-of4]"],
+        says=["the 12 ranks of nodes 0 to 2 come first"],
     ),
     Mistake(
         "world_size_added",

@@ -143,6 +143,16 @@ def _check_every_entry_runs(items: list[pytest.Item], katas: set[curriculum.Kata
     problems = []
     for kata in sorted(katas, key=lambda k: k.id):
         catalogue = mistakes.load(kata)
+        names = (
+            [Variant(kata, e).id for e in (catalogue.MISTAKES + catalogue.RIGHT_ANSWERS)]
+            if catalogue
+            else []
+        )
+        problems += [
+            f"{kata.id}: two entries are called {n!r}: give each its own name"
+            for n in sorted(set(names))
+            if names.count(n) > 1
+        ]
         for entry in (catalogue.MISTAKES + catalogue.RIGHT_ANSWERS) if catalogue else ():
             found = ran.get((kata.id, Variant(kata, entry).id), set())
             if isinstance(entry, Mistake):
