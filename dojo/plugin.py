@@ -17,6 +17,7 @@ import pytest
 
 from dojo import curriculum, impl
 from dojo.commands import dojo
+from dojo.lang import t
 from dojo.report import compact
 from dojo.report import wanted as report_for_learners
 from dojo.todo import find_todo
@@ -102,18 +103,19 @@ def _kata_of(item: pytest.Item) -> curriculum.Kata | None:
 
 
 def _todo_report(todo) -> str:
-    """One line for the todo, where to write it, and the step's first (gentlest) hint."""
+    """One line for the todo, where to write it, and the step's first (gentlest) hint, in the
+    learner's language (the todo's own words stay in it: the runner reads them)."""
     try:
         kata = curriculum.find(todo.kata)
+        step = kata.step(todo.step)
     except KeyError:
         return f"{todo}\n  -> write {todo.kata} step {todo.step} in katas/"
     lines = [
-        str(todo),
-        f"  -> write step {todo.step} in katas/{kata.module}.py (its lesson explains it)",
+        t("todo", todo=todo, kata=todo.kata, step=todo.step, title=step.title),
+        t("todo write", step=todo.step, file=f"katas/{kata.module}.py"),
     ]
-    hints = next((s.hints for s in kata.steps if s.number == todo.step), ())
-    if hints:
-        lines.append(f"  hint: {hints[0]}  (more: {dojo()} hint {todo.kata})")
+    if step.hints:
+        lines.append(t("todo hint", hint=step.hints[0], more=f"{dojo()} hint {todo.kata}"))
     return "\n".join(lines)
 
 

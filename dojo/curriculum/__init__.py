@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from dojo import lang as language
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -22,10 +24,7 @@ CURRICULUM_DIR = Path(__file__).resolve().parent
 DOJO = CURRICULUM_DIR.parent
 ROOT = DOJO.parent
 PARTS_FILE = CURRICULUM_DIR / "parts.toml"
-TABLE_START = (
-    "<!-- kata-table:start (made by `python -m dojo dev readme` from dojo/curriculum/) -->"
-)
-TABLE_END = "<!-- kata-table:end -->"
+ZH_DIR = CURRICULUM_DIR / "zh"  # the Chinese lessons, titles and hints, one file per kata
 
 
 @dataclass(frozen=True)
@@ -84,39 +83,67 @@ class Kata:
         )
 
 
-@lru_cache(maxsize=1)
-def load() -> tuple[tuple[Kata, ...], dict[int, str]]:
-    """All katas in order, and the parts' names."""
+@lru_cache(maxsize=2)
+def load(lang: str = "en") -> tuple[tuple[Kata, ...], dict[int, str]]:
+    """All katas in order, and the parts' names, in ``lang`` (Chinese where a kata has its
+    ``zh/kNN_topic.toml``, English otherwise)."""
     katas = []
     for path in sorted(CURRICULUM_DIR.glob("k[0-9][0-9]_*.toml")):
         k = tomllib.loads(path.read_text(encoding="utf-8"))
+        own = _translation(path.name) if lang == "zh" else {}
+        own_steps = {int(s["number"]): s for s in own.get("step", ())}
+        steps = []
+        for s in k.get("step", ()):
+            there = own_steps.get(int(s["number"]), {})
+            steps.append(
+                Step(
+                    int(s["number"]),
+                    there.get("title", s["title"]),
+                    tuple(there.get("hints", s.get("hints", ()))),
+                )
+            )
         katas.append(
             Kata(
                 id=k["id"],
                 module=path.stem,
                 part=int(k["part"]),
-                title=k["title"],
-                teaches=k["teaches"],
+                title=own.get("title", k["title"]),
+                teaches=own.get("teaches", k["teaches"]),
                 world_size=int(k.get("world_size", 1)),
-                steps=tuple(
-                    Step(int(s["number"]), s["title"], tuple(s.get("hints", ())))
-                    for s in k.get("step", ())
-                ),
+                steps=tuple(steps),
             )
         )
-    parts = {
-        int(number): name
-        for number, name in tomllib.loads(PARTS_FILE.read_text(encoding="utf-8")).items()
-    }
-    return tuple(katas), parts
+    names = tomllib.loads(PARTS_FILE.read_text(encoding="utf-8"))
+    if lang == "zh":
+        names.update(_translation("parts.toml"))
+    return tuple(katas), {int(number): name for number, name in names.items()}
 
 
-def katas() -> tuple[Kata, ...]:
-    return load()[0]
+def _translation(name: str) -> dict:
+    path = ZH_DIR / name
+    return tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
-def parts() -> dict[int, str]:
-    return load()[1]
+def katas(lang: str | None = None) -> tuple[Kata, ...]:
+    return load(lang or language.current())[0]
+
+
+def parts(lang: str | None = None) -> dict[int, str]:
+    return load(lang or language.current())[1]
+
+
+def lesson(kata: Kata, lang: str | None = None) -> str | None:
+    """The kata's lesson: the stub's module docstring in English, ``zh/kNN_topic.toml``'s in
+    Chinese (None where there is none)."""
+    if (lang or language.current()) == "zh":
+        return _translation(f"{kata.module}.toml").get("lesson")
+    import ast
+
+    source = kata.pristine_file if kata.pristine_file.exists() else kata.kata_file
+    try:
+        return ast.get_docstring(ast.parse(source.read_text(encoding="utf-8")))
+    except (OSError, SyntaxError):
+        return None
 
 
 def find(name: str) -> Kata:
@@ -134,14 +161,14 @@ def find(name: str) -> Kata:
 def kata_table() -> str:
     """The README's kata table, one block per part."""
     blocks = []
-    for number, name in parts().items():
+    for number, name in parts("en").items():
         rows = [
             f"**{name}**",
             "",
             "| kata | title | what it teaches | steps |",
             "| --- | --- | --- | --- |",
         ]
-        for kata in katas():
+        for kata in katas("en"):
             if kata.part == number:
                 rows.append(
                     f"| [{kata.id}](katas/{kata.module}.py) | {kata.title} | {kata.teaches} | {len(kata.steps)} |"

@@ -8,6 +8,7 @@ unless something is broken; ``check`` and ``verify`` are the commands whose stat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dojo import curriculum
@@ -25,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dojo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--lang", choices=("en", "zh"), help="lessons, hints and messages in English or Chinese (中文); "
+        "default: DOJO_LANG, else the locale"
+    )  # fmt: skip
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
@@ -53,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     command("next", "move on to the next kata once the current one passes")
     goto = command("goto", "make a kata the current one (going back, or skipping ahead on purpose)")
     goto.add_argument("kata")
+    lesson = command("lesson", "the kata's lesson (default: the current kata), in your language")
+    lesson.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
     hint = command(
         "hint", "hints in tiers, from a nudge to nearly the answer; --more goes one tier further"
     )
@@ -163,6 +170,8 @@ _NEED_TORCH = (None, "check", "verify", "next", "hint", "watch", "run", "bench",
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.lang:  # pytest and the programs the runner starts read it too
+        os.environ["DOJO_LANG"] = args.lang
     if args.command in _NEED_TORCH and (problem := environment_problem(argv)):
         return fail(problem)
     try:
@@ -213,6 +222,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                 return learn.next_kata()
             case "goto":
                 return learn.goto(_kata(args.kata))
+            case "lesson":
+                return learn.lesson(_kata(args.kata))
             case "hint":
                 return hints.show(_kata(args.kata), args.step, args.level, args.more)
             case "reset":
@@ -267,8 +278,10 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
     if args.dev_command == "readme":
         from dojo.runner import consistency
 
-        consistency.write_readme_table()
-        print("README.md's kata table rewritten from dojo/curriculum/")
+        consistency.write_readme_tables()
+        print(
+            "README.md's kata and catalogue tables rewritten from dojo/curriculum/ and dojo/mistakes/"
+        )
         return 0
     written = reset.refresh_pristine(list(curriculum.katas()))
     print("\n".join(f"wrote {path}" for path in written) or "dojo/pristine/ already matches katas/")

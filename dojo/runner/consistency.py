@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import ast
 import copy
+import re
+import sys
 
 from dojo import curriculum
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from dojo.runner import reset
 
 LESSON_SECTIONS = ("THE IDEA", "STEPS", "WHAT THE TESTS CHECK", "RUN IT")
@@ -39,12 +46,14 @@ def problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
         found += _kata_problems(kata)
     found += reset.pristine_problems(katas)
     if full:
-        readme = curriculum.ROOT / "README.md"
-        text = readme.read_text(encoding="utf-8") if readme.exists() else ""
-        if curriculum.TABLE_START not in text or curriculum.TABLE_END not in text:
-            found.append("README.md has no kata table markers")
-        elif _readme_table(text) != curriculum.kata_table():
-            found.append("README.md's kata table is stale: run `python -m dojo dev readme`")
+        found += readme_problems()
+        zh_parts = set(curriculum.parts("zh").values()) - set(curriculum.parts("en").values())
+        if len(zh_parts) < len(curriculum.parts("en")):
+            found.append("dojo/curriculum/zh/parts.toml must name every part in Chinese")
+        if not (curriculum.ROOT / "README.zh-CN.md").exists():
+            found.append("README.zh-CN.md (the quick start in Chinese) is missing")
+        elif "README.zh-CN.md" not in (curriculum.ROOT / "README.md").read_text(encoding="utf-8"):
+            found.append("README.md does not link README.zh-CN.md")
     return found
 
 
@@ -72,7 +81,71 @@ def _kata_problems(kata: curriculum.Kata) -> list[str]:
         found.append(f"solutions/{kata.module}.py raises a KataTodo: a solution must be complete")
     if kata.kata_file.exists() and kata.solution_file.exists():
         found += stub_differences(kata)
+        found += chinese_problems(kata)
     return found
+
+
+# ------------------------------------------------------------------------ the Chinese lessons
+
+ZH_SECTIONS = {
+    "THE IDEA": "思路",
+    "STEPS": "步骤",
+    "WHAT THE TESTS CHECK": "测试检查什么",
+    "RUN IT": "运行",
+}
+_CODE = re.compile(r"``([^`]+)``|`([^`]+)`")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*(?:\(\))?$")
+
+
+def chinese_problems(kata: curriculum.Kata) -> list[str]:
+    """Every kata has its Chinese lesson, title and hints (dojo/curriculum/zh/kNN_topic.toml),
+    with the lesson's four sections, the same steps as the English, and no code identifier the
+    kata does not have."""
+    path = curriculum.ZH_DIR / f"{kata.module}.toml"
+    where = f"dojo/curriculum/zh/{kata.module}.toml"
+    if not path.exists():
+        return [f"{kata.id}: no Chinese lesson and hints: write {where}"]
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as error:
+        return [f"{where} does not parse: {error}"]
+    found = [
+        f"{where} lacks {key!r}" for key in ("title", "teaches", "lesson") if not data.get(key)
+    ]
+    lesson = data.get("lesson", "")
+    in_english = next(k for k in curriculum.katas("en") if k.id == kata.id)
+    english = {step.number: step for step in in_english.steps}
+    steps = {int(s.get("number", 0)): s for s in data.get("step", ())}
+    if set(steps) != set(english):
+        found.append(
+            f"{where} has steps {sorted(steps)}, the curriculum {sorted(english)}: both languages name the same steps"
+        )
+    for number, step in sorted(steps.items()):
+        if not step.get("title") or not 2 <= len(step.get("hints", ())) <= 3:
+            found.append(f"{where} step {number}: needs a title and 2 or 3 hints")
+    lacking = [zh for zh in ZH_SECTIONS.values() if zh not in lesson]
+    if lesson and lacking:
+        found.append(f"{where}: the lesson lacks the sections {', '.join(lacking)}")
+    english_lesson = curriculum.lesson(kata, "en") or ""
+    if lesson and _listed_steps(lesson, "步骤", "测试检查什么") != _listed_steps(
+        english_lesson, "STEPS", "WHAT THE TESTS CHECK"
+    ):
+        found.append(f"{where}: the lesson's 步骤 lists other step numbers than the English STEPS")
+    known = "\n".join(p.read_text(encoding="utf-8") for p in (kata.kata_file, kata.solution_file))
+    texts = [lesson] + [h for s in steps.values() for h in s.get("hints", ())]
+    known += "\n".join(h for s in english.values() for h in s.hints)
+    for text in texts:
+        for match in _CODE.finditer(text):
+            code = (match.group(1) or match.group(2)).strip()
+            name = code.removesuffix("()").split(".")[-1]
+            if _IDENTIFIER.match(code) and not re.search(rf"\b{re.escape(name)}\b", known):
+                found.append(f"{where} names `{code}`, which katas/{kata.module}.py does not have")
+    return found
+
+
+def _listed_steps(lesson: str, heading: str, next_heading: str) -> list[int]:
+    section = lesson.split(heading, 1)[-1].split(next_heading, 1)[0] if heading in lesson else ""
+    return [int(n) for n in re.findall(r"^\s*(\d+)\.\s", section, flags=re.M)]
 
 
 def _stub_problems(kata: curriculum.Kata) -> list[str]:
@@ -208,16 +281,48 @@ def _hollowed(tree: ast.Module, todo_functions: set[str]) -> list[ast.stmt]:
 # ---------------------------------------------------------------------------------------- README
 
 
-def _readme_table(text: str) -> str:
-    return text.split(curriculum.TABLE_START, 1)[1].split(curriculum.TABLE_END, 1)[0].strip()
+def catalogue_table() -> str:
+    """How many mistakes and right answers each kata's catalogue holds (the README's)."""
+    from dojo import mistakes
+
+    rows = ["| kata | mistakes that must fail, naming themselves | right answers written another way |",
+            "| --- | --- | --- |"]  # fmt: skip
+    for kata in curriculum.katas():
+        catalogue = mistakes.load(kata)
+        if catalogue is not None:
+            rows.append(
+                f"| {kata.id} | {len(catalogue.MISTAKES)} | {len(catalogue.RIGHT_ANSWERS)} |"
+            )
+    return "\n".join(rows)
 
 
-def write_readme_table() -> None:
+# The README's blocks that are made, not written: name -> what makes them.
+README_BLOCKS = {"kata-table": curriculum.kata_table, "catalogue-table": catalogue_table}
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:start (made by `python -m dojo dev readme`) -->", f"<!-- {name}:end -->"
+
+
+def readme_problems() -> list[str]:
+    readme = curriculum.ROOT / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.exists() else ""
+    found = []
+    for name, make in README_BLOCKS.items():
+        start, end = _markers(name)
+        if start not in text or end not in text:
+            found.append(f"README.md has no {name} markers ({start} ... {end})")
+        elif text.split(start, 1)[1].split(end, 1)[0].strip() != make():
+            found.append(f"README.md's {name} is stale: run `python -m dojo dev readme`")
+    return found
+
+
+def write_readme_tables() -> None:
     readme = curriculum.ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")
-    head, rest = text.split(curriculum.TABLE_START, 1)
-    _, tail = rest.split(curriculum.TABLE_END, 1)
-    readme.write_text(
-        f"{head}{curriculum.TABLE_START}\n{curriculum.kata_table()}\n{curriculum.TABLE_END}{tail}",
-        encoding="utf-8",
-    )
+    for name, make in README_BLOCKS.items():
+        start, end = _markers(name)
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{make()}\n{end}{tail}"
+    readme.write_text(text, encoding="utf-8")

@@ -11,6 +11,7 @@ import textwrap
 
 from dojo import curriculum
 from dojo.commands import dojo
+from dojo.lang import current, t
 from dojo.runner import progress, runs
 from dojo.runner.term import fail, paint
 
@@ -28,8 +29,8 @@ def default_step(kata: curriculum.Kata) -> tuple[int | None, str]:
         if passed:
             print(f"{kata.id} passes: it stays your current kata until `{dojo()} next`.")
     if run.get("exit") == 0:
-        return None, "it passes"
-    return run.get("step"), "the first failing step"
+        return None, "why passes"
+    return run.get("step"), "why first failing"
 
 
 def show(
@@ -37,7 +38,7 @@ def show(
     step: int | None = None,
     level: int | None = None,
     more: bool = False,
-    why: str = "the step asked for",
+    why: str = "why asked",  # a key of dojo.lang's sentences
     again: str | None = None,
 ) -> int:
     """Print hints 1..N of a step: N the highest tier seen so far (at least 1), one more with
@@ -49,11 +50,7 @@ def show(
         step, why = default_step(kata)
         if step is None:
             step = kata.steps[0].number
-            why = (
-                "it passes, so step 1"
-                if why == "it passes"
-                else "no step could be told apart, so step 1"
-            )
+            why = why if why == "why passes" else "why unknown"
     try:
         chosen = kata.step(step)
     except KeyError as error:
@@ -69,20 +66,17 @@ def show(
         state.hints.setdefault(kata.id, {})[str(step)] = max(seen, level)
 
     print(
-        paint(f"{kata.id} step {step} · {chosen.title}", "bold")
-        + f": hint {level} of {tiers} ({why})"
+        paint(f"{kata.id} {runs.describe_step(kata, step)}", "bold")
+        + t("hint header", level=level, tiers=tiers, why=t(why))
     )
     for number, hint in enumerate(chosen.hints[:level], start=1):
+        width = 96 if current() == "en" else 48  # a Chinese character takes two columns
         body = textwrap.fill(
-            hint, width=96, initial_indent="     ", subsequent_indent="     "
+            hint, width=width, initial_indent="     ", subsequent_indent="     "
         ).lstrip()
         print(f"  {number}. {paint(body, 'cyan') if number == level else body}")
     if level < tiers:
-        print(
-            f"Stuck still? {again} shows hint {level + 1} of {tiers} (it says more of the answer)."
-        )
+        print(t("stuck still", again=again, next=level + 1, tiers=tiers))
     else:
-        print(
-            f"That was the last hint for this step; `{dojo()} solution {kata.id} --diff` compares with the reference."
-        )
+        print(t("last hint", solution=f"{dojo()} solution {kata.id} --diff"))
     return 0

@@ -12,6 +12,7 @@ import sys
 
 from dojo import curriculum
 from dojo.commands import dojo
+from dojo.lang import t
 from dojo.runner import progress, runs
 from dojo.runner.term import bar, foreground, paint
 
@@ -23,17 +24,18 @@ def progress_view(state: progress.State) -> str:
     done = sum(1 for k in katas if state.is_done(k) and progress.available(k))
     lines = [
         paint("torch-dist-katas", "bold")
-        + f" {bar(done, len(katas))} {done} of {len(katas)} katas done"
+        + f" {bar(done, len(katas))} {t('katas done', done=done, total=len(katas))}"
     ]
     for number, name in curriculum.parts().items():
         lines.append(f"\n  {name}")
         for kata in (k for k in katas if k.part == number):
             status = progress.status(state, kata, now)
-            row = f"  {status:<9}{kata.id}  {kata.title}"
+            label = t(f"status {status}")
+            row = f"  {label}{' ' * max(1, 9 - _width(label))}{kata.id}  {kata.title}"
             if status == "later":
-                row += "  (not written yet)"
+                row += "  " + t("not written yet")
             elif status == "current" and state.is_done(kata):
-                row += f"  (passes: `{dojo()} next` moves on)"
+                row += "  " + t("passes, next moves on", next=f"{dojo()} next")
             lines.append("  " + paint(row, *_STYLE[status]))
     return "\n".join(lines)
 
@@ -69,7 +71,7 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
     tests = runs.spec_file(kata)
     print(
         paint(f"\n{kata.id} · {kata.title}", "bold")
-        + f": testing {where}{kata.module}.py with {tests}",
+        + t("testing", file=f"{where}{kata.module}.py", tests=tests),
         flush=True,
     )
     result = runs.run_kata(kata, solutions=solutions, capture=capture)
@@ -91,22 +93,21 @@ def start() -> int:
     if kata is None:
         return _all_done(state)
     if state.is_done(kata) and progress.passed_unchanged(state, kata):
-        print(f"\n{kata.id} · {kata.title} passes (nothing changed since it did).")
+        print("\n" + t("passes unchanged", kata=f"{kata.id} · {kata.title}"))
         return _after_pass(kata)
     result = check(kata)
     if result.passed:
         return _after_pass(kata)
     step = result.first_failing_step()
+    where = runs.describe_step(kata, step) if step else t("the first failing step")
     print(
-        f"\nNext: open katas/{kata.module}.py, read its lesson (the docstring at the top) and write "
-        f"{runs.describe_step(kata, step) if step else 'the first failing step'}."
+        "\n"
+        + t("next: write", file=f"katas/{kata.module}.py", lesson=f"{dojo()} lesson", step=where)
     )
-    print(
-        f"      `{dojo()} hint` gives a nudge; `{dojo()} watch` re-runs the tests every time you save."
-    )
+    print(t("hint and watch", hint=f"{dojo()} hint", watch=f"{dojo()} watch"))
     if dojo() != "dojo":  # make learn ran it from .venv without activating it
         activate = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "activate"))
-        print(f"      (`source {activate}` once per shell, and plain `dojo` works too.)")
+        print(t("activate", activate=activate))
     return 0
 
 
@@ -114,16 +115,16 @@ def _after_pass(kata: curriculum.Kata) -> int:
     upcoming = progress.following(progress.load(), kata)
     if upcoming is None:
         return _all_done(progress.load())
-    print(f"Next: `{dojo()} next` moves on to {upcoming.id} · {upcoming.title}.")
+    print(t("next moves on", next=f"{dojo()} next", kata=f"{upcoming.id} · {upcoming.title}"))
     return 0
 
 
 def _all_done(state: progress.State) -> int:
     later = [k.id for k in curriculum.katas() if not progress.available(k)]
     if later:
-        print(f"\nEvery kata written so far passes; {', '.join(later)} are still being written.")
+        print("\n" + t("all written pass", later=", ".join(later)))
     else:
-        print("\nEvery kata passes: you have finished torch-dist-katas.")
+        print("\n" + t("all pass"))
     return 0
 
 
@@ -134,7 +135,7 @@ def check_command(kata: curriculum.Kata, solutions: bool = False) -> int:
         if now is not None and now.id == kata.id:
             _after_pass(kata)
     elif not result.passed and not solutions:
-        print(f"`{dojo()} hint {kata.id}` gives a nudge.")
+        print(t("hint gives a nudge", hint=f"{dojo()} hint {kata.id}"))
     return 0 if result.passed else 1
 
 
@@ -175,18 +176,22 @@ def next_kata() -> int:
     if not progress.passed_unchanged(state, kata):
         result = check(kata)
         if not result.passed:
-            print(
-                f"{kata.id} does not pass yet, so you stay on it. `{dojo()} hint` helps; "
-                f"`{dojo()} goto kNN` jumps elsewhere on purpose."
-            )
+            print(t("stay", kata=kata.id, hint=f"{dojo()} hint", goto=f"{dojo()} goto kNN"))
             return 1
     upcoming = progress.following(progress.load(), kata)
     if upcoming is None:
         return _all_done(progress.load())
     with progress.editing() as state:
         state.focus = upcoming.id
-    print(f"\n{kata.id} done. Now: {upcoming.id} · {upcoming.title}")
-    print(f"Open katas/{upcoming.module}.py and read its lesson; `{dojo()}` runs its tests.")
+    print("\n" + t("done, now", kata=kata.id, upcoming=f"{upcoming.id} · {upcoming.title}"))
+    print(
+        t(
+            "open and read",
+            file=f"katas/{upcoming.module}.py",
+            lesson=f"{dojo()} lesson",
+            dojo=dojo(),
+        )
+    )
     return 0
 
 
@@ -202,3 +207,19 @@ def run_program(kata: curriculum.Kata, solutions: bool, args: list[str]) -> int:
     """``dojo run kNN``: the kata's program (``python -m katas.kNN_topic ARGS``)."""
     package = "solutions" if solutions else "katas"
     return foreground([sys.executable, "-m", f"{package}.{kata.module}", *args], curriculum.ROOT)
+
+
+def _width(text: str) -> int:
+    """Columns a label takes on a terminal (a Chinese character takes two)."""
+    return sum(2 if ord(c) > 0x2E7F else 1 for c in text)
+
+
+def lesson(kata: curriculum.Kata) -> int:
+    """``dojo lesson [kNN]``: the kata's lesson, in the learner's language."""
+    text = curriculum.lesson(kata)
+    if text is None:
+        print(t("no lesson", kata=kata.id) + "\n")
+        text = curriculum.lesson(kata, "en") or ""
+    print(paint(f"{kata.id} · {kata.title}", "bold") + f"  (katas/{kata.module}.py)\n")
+    print(text)
+    return 0

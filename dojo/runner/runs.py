@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dojo import curriculum, impl
 from dojo.commands import python
+from dojo.lang import t
 from dojo.runner import testlog
 from dojo.runner.steps import TODO_PATTERN, steps_of_failure
 
@@ -99,13 +100,16 @@ class RunResult:
             if len(groups) > shown:
                 lines.append("... and more failing tests with other errors")
         if todos:
-            lines.append("not implemented yet:")
+            lines.append(t("not implemented header"))
             for step, found in sorted(todos.items()):
-                lines.append(
-                    f"  {describe_step(self.kata, step)}: {len(found)} test{'s' if len(found) > 1 else ''}"
+                counted = t(
+                    "tests counted plural" if len(found) > 1 else "tests counted", count=len(found)
                 )
+                lines.append(f"  {describe_step(self.kata, step)}: {counted}")
         if real or todos:
-            lines.append(f"(every failure in full: {python()} -m pytest {spec_file(self.kata)})")
+            lines.append(
+                t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
+            )
         return "\n".join(lines)
 
     def describe(self) -> str:
@@ -113,23 +117,23 @@ class RunResult:
         k = self.kata
         if self.passed:
             skipped = len({r["test"] for r in self.records if r["outcome"] == "skipped"})
-            return (
-                f"{k.id} passes: all {self.count('passed')} tests"
-                + (f" ({skipped} skipped)" if skipped else "")
-                + f" in {self.seconds:.0f} s."
-            )
+            return t(
+                "passes all", kata=k.id, count=self.count("passed"), seconds=f"{self.seconds:.0f}",
+                skipped=t("skipped", count=skipped) if skipped else "",
+            )  # fmt: skip
         if self.returncode == PYTEST_EXIT_NO_TESTS:
             return f"{k.id}: pytest found no tests in {spec_file(k)}."
         skipped = {r["test"] for r in self.records if r["outcome"] == "skipped"}
         total = len({r["test"] for r in self.records if r["when"] != "collect"} - skipped)
-        line = f"{k.id}: {self.count('passed')} of {total} tests pass" + (
-            f" ({len(skipped)} skipped)" if skipped else ""
-        )
+        line = t(
+            "n of m pass", kata=k.id, passed=self.count("passed"), total=total,
+            skipped=t("skipped", count=len(skipped)) if skipped else "",
+        )  # fmt: skip
         if self.broken:
             line += f"; {len(self.broken)} could not start (the error above: does katas/{k.module}.py import?)"
         step = self.first_failing_step()
         if step is not None and not self.broken:
-            line += f". First failing step: {describe_step(k, step)}"
+            line += t("first failing step", step=describe_step(k, step))
         return line + "."
 
 
@@ -156,9 +160,9 @@ def _wrapped(line: str) -> list[str]:
 
 def describe_step(kata: curriculum.Kata, number: int) -> str:
     try:
-        return f"step {number} · {kata.step(number).title}"
+        return t("step", number=number, title=kata.step(number).title)
     except KeyError:
-        return f"step {number}"
+        return t("step bare", number=number)
 
 
 def spec_file(kata: curriculum.Kata) -> str:

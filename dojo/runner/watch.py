@@ -188,9 +188,9 @@ class Watcher:
             return
         step = self.last.first_failing_step()
         if step is None and self.kata.steps:
-            step, why = self.kata.steps[0].number, "no step could be told apart, so step 1"
+            step, why = self.kata.steps[0].number, "why unknown"
         else:
-            why = "the first failing step"
+            why = "why first failing"
         print()
         hints.show(self.kata, step, more=more, why=why, again="[m]")
 

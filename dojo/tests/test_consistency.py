@@ -85,3 +85,30 @@ def test_imports_are_read_from_every_form(tmp_path):
         "import dojo.world\nfrom dojo import data as d, todo\n\ndef f():\n    from dojo.runner import cli\n"
     )
     assert imports.imported(module) == {"dojo.world", "dojo.data", "dojo.todo", "dojo.runner.cli"}
+
+
+def test_a_chinese_lesson_is_held_to_the_english_one(tmp_path, monkeypatch):
+    from dojo import curriculum
+
+    kata = curriculum.find("k04")
+    good = (curriculum.ZH_DIR / f"{kata.module}.toml").read_text(encoding="utf-8")
+    monkeypatch.setattr(curriculum, "ZH_DIR", tmp_path)
+    (tmp_path / f"{kata.module}.toml").write_text(good, encoding="utf-8")
+    assert consistency.chinese_problems(kata) == []
+    invented = good.replace(
+        "``average_gradients``：执行之后", "``average_all_gradients``：执行之后"
+    )
+    (tmp_path / f"{kata.module}.toml").write_text(invented, encoding="utf-8")
+    assert any("names `average_all_gradients`" in p for p in consistency.chinese_problems(kata))
+    step_lost = good.replace("[[step]]\nnumber = 3", "[[step]]\nnumber = 4")
+    (tmp_path / f"{kata.module}.toml").write_text(step_lost, encoding="utf-8")
+    assert any(
+        "both languages name the same steps" in p for p in consistency.chinese_problems(kata)
+    )
+    no_section = good.replace("测试检查什么\n", "检查\n")
+    (tmp_path / f"{kata.module}.toml").write_text(no_section, encoding="utf-8")
+    assert any("lacks the sections 测试检查什么" in p for p in consistency.chinese_problems(kata))
+    (tmp_path / f"{kata.module}.toml").unlink()
+    assert consistency.chinese_problems(kata) == [
+        "k04: no Chinese lesson and hints: write dojo/curriculum/zh/k04_allreduce.toml"
+    ]

@@ -83,6 +83,7 @@ def learner_env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("DOJO_IMPL", "NO_COLOR", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")
     }
+    env["DOJO_LANG"] = "en"  # whatever this machine's locale: these tests read English
     env.update(extra)
     return env
 

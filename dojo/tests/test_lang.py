@@ -1,0 +1,37 @@
+"""The learner's language: --lang, else DOJO_LANG, else the locale; lessons, hints and the
+runner's main messages follow it."""
+
+from __future__ import annotations
+
+import shutil
+
+from dojo import lang
+from dojo.curriculum import ROOT
+from dojo.tests.test_runner import dojo, learner_copy, learner_env
+
+
+def test_the_language_comes_from_the_flag_the_variable_or_the_locale(monkeypatch):
+    for name in ("DOJO_LANG", "LC_ALL", "LC_MESSAGES", "LANG"):
+        monkeypatch.delenv(name, raising=False)
+    assert lang.current() == "en"
+    monkeypatch.setenv("LANG", "zh_CN.UTF-8")
+    assert lang.current() == "zh"
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    assert lang.current() == "en", "LC_ALL wins over LANG, as for every program"
+    monkeypatch.setenv("DOJO_LANG", "zh")
+    assert lang.current() == "zh"
+
+
+def test_a_chinese_learner_reads_the_runner_the_lesson_and_the_hints_in_chinese(tmp_path):
+    root = learner_copy(tmp_path)
+    for folder, name in (("katas", "k04_allreduce.py"), ("tests", "test_k04_allreduce.py")):
+        shutil.copy(ROOT / folder / name, root / folder / name)
+    env = learner_env(DOJO_LANG="", LANG="zh_CN.UTF-8", LC_ALL="", LC_MESSAGES="")
+    listed = dojo(root, "list", env=env)
+    assert "第一部分：教程" in listed.stdout and "当前" in listed.stdout, listed.stdout
+    lesson = dojo(root, "--lang", "zh", "lesson", "k04")
+    assert "思路" in lesson.stdout and "``average_gradients``" in lesson.stdout, lesson.stdout
+    hint = dojo(root, "--lang", "zh", "hint", "k04", "--step", "3")
+    assert "第 3 步" in hint.stdout and "提示 1/3" in hint.stdout, hint.stdout
+    english = dojo(root, "--lang", "en", "lesson", "k04")
+    assert "THE IDEA" in english.stdout, english.stdout
