@@ -22,7 +22,8 @@ THE IDEA
 
 STEPS
     1. ``set_master``: put MASTER_ADDR and MASTER_PORT in ``os.environ`` (strings); refuse a
-       port outside 1..65535 with a ValueError that says so.
+       port that is not an int from 1 to 65535 (the string "29500" too) with a ValueError that
+       says so.
     2. ``init_process``, first half: ``dist.init_process_group(backend, rank=..., world_size=...,
        timeout=timedelta(seconds=timeout_s))``, called as ``dist.init_process_group``.
     3. ``init_process``, second half: run ``fn(rank, world_size)``, then ``dist.barrier()``, and

@@ -7,13 +7,11 @@ nudge) and never climbs by itself: going further is the learner's choice, ``dojo
 
 from __future__ import annotations
 
-import textwrap
-
 from dojo import curriculum
 from dojo.commands import dojo
-from dojo.lang import current, t
+from dojo.lang import t
 from dojo.runner import progress, runs
-from dojo.runner.term import fail, paint
+from dojo.runner.term import fail, paint, wrap
 
 
 def default_step(kata: curriculum.Kata) -> tuple[int | None, str]:
@@ -70,10 +68,7 @@ def show(
         + t("hint header", level=level, tiers=tiers, why=t(why))
     )
     for number, hint in enumerate(chosen.hints[:level], start=1):
-        width = 96 if current() == "en" else 48  # a Chinese character takes two columns
-        body = textwrap.fill(
-            hint, width=width, initial_indent="     ", subsequent_indent="     "
-        ).lstrip()
+        body = "\n".join(wrap(hint, width=100, indent="     ")).lstrip()
         print(f"  {number}. {paint(body, 'cyan') if number == level else body}")
     if level < tiers:
         print(t("stuck still", again=again, next=level + 1, tiers=tiers))

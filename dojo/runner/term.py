@@ -81,3 +81,30 @@ def foreground(command: list[str], cwd) -> int:
             program.kill()
             program.wait()
             return 130
+
+
+def display_width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: a Chinese (wide) character takes two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def wrap(text: str, width: int = 96, indent: str = "") -> list[str]:
+    """Lines of at most ``width`` columns: breaks at spaces, or between two wide characters, never
+    inside an English word or an identifier (a lone one longer than a line keeps its own line)."""
+    import re
+
+    pieces = re.findall(r"[^\s\u2e80-\uffff]+|[\u2e80-\uffff]|\s+", text)
+    lines, line = [], ""
+    for piece in pieces:
+        if piece.isspace():
+            line += " " if line else ""
+            continue
+        if line and display_width(indent + line + piece) > width:
+            lines.append(indent + line.rstrip())
+            line = ""
+        line += piece
+    if line:
+        lines.append(indent + line.rstrip())
+    return lines or [indent]

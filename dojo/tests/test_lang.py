@@ -35,3 +35,16 @@ def test_a_chinese_learner_reads_the_runner_the_lesson_and_the_hints_in_chinese(
     assert "第 3 步" in hint.stdout and "提示 1/3" in hint.stdout, hint.stdout
     english = dojo(root, "--lang", "en", "lesson", "k04")
     assert "THE IDEA" in english.stdout, english.stdout
+
+
+def test_hints_wrap_by_columns_and_never_inside_an_identifier():
+    from dojo.runner.term import display_width, wrap
+
+    text = "先用 make_replicas_identical 让起点相同，再取各自的分片（shard_indices + Subset）" * 3
+    lines = wrap(text, width=40, indent="  ")
+    assert all(
+        display_width(line) <= 40 for line in lines if " " in line.strip() or len(line) < 40
+    ), lines
+    joined = "".join(line.strip() for line in lines)
+    assert "make_replicas_identical" in joined and "shard_indices" in joined, lines
+    assert wrap("one two three", width=8) == ["one two", "three"]
