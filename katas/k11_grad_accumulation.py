@@ -19,7 +19,7 @@ THE IDEA
 
         rank 0   mb0 -> backward(loss/3) -> mb1 -> backward(loss/3) -> mb2 -> backward(loss/3)
                  .grad:   g00/3                g00/3 + g01/3              g00/3 + g01/3 + g02/3
-        rank 1   mb0 ... the same on its own micro-batches .................. g10/3 + g11/3 + g12/3
+        rank 1   mb0 ... the same on its own micro-batches .............. g10/3 + g11/3 + g12/3
                                                                         |
                  average_gradients(model): one all-reduce per gradient  +-> mean of the ranks'
                  optimizer.step() on every rank: one step on the whole global batch

@@ -24,7 +24,7 @@ THE IDEA
         (r - s - 1) % N that arrives. Chunk c travels the ring once, gathering one addend at
         each rank, and ends fully summed on rank (c - 1) % N: rank r owns chunk (r + 1) % N.
 
-                    chunk 0   chunk 1   chunk 2   chunk 3          (4 ranks; "+" = summed)
+                    chunk 0   chunk 1   chunk 2   chunk 3          (4 ranks: who holds each summed chunk)
             after:  rank 3    rank 0    rank 1    rank 2
 
         all-gather: N-1 more steps; in step s rank r sends chunk (owned - s) % N and stores

@@ -7,10 +7,15 @@ THE IDEA
     parameter's backward is done. So send it at once, while backward goes on with the layers
     below: that is what ``torch.nn.parallel.DistributedDataParallel`` does.
 
-        k04: average after backward           this kata: launch as each gradient is ready
-        backward  [last][mid][first]          backward  [last][mid][first]
-        network                     [l][m][f] network         [l]  [m]  [f]
-                                    ^ step can start here               ^ much earlier
+        k04: average after backward
+        backward  [last][mid][first]
+        network                     [l][m][f]
+                                             ^ the step can start
+
+        this kata: launch each all-reduce as soon as its gradient is ready
+        backward  [last][mid][first]
+        network         [l]   [m]   [f]
+                                       ^ the step can start, while k04 would still be sending
 
     A wrapper around the model does it with three pieces:
 

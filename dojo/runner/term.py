@@ -92,10 +92,11 @@ def display_width(text: str) -> int:
 
 def wrap(text: str, width: int = 96, indent: str = "") -> list[str]:
     """Lines of at most ``width`` columns: breaks at spaces, or between two wide characters, never
-    inside an English word or an identifier (a lone one longer than a line keeps its own line)."""
+    inside an English word or an identifier (a lone one longer than a line keeps its own line),
+    and never before a Chinese comma or full stop."""
     import re
 
-    pieces = re.findall(r"[^\s\u2e80-\uffff]+|[\u2e80-\uffff]|\s+", text)
+    pieces = re.findall(r"[^\s\u2e80-\uffff]+|[\u2e80-\uffff][，。；：、？！）」』]*|\s+", text)
     lines, line = [], ""
     for piece in pieces:
         if piece.isspace():
