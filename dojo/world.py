@@ -111,6 +111,9 @@ def run_world(
     that report ends the world as a ``WorldDeadlock`` instead (a program under test). With
     ``capture_output`` (tests) each rank's output goes to a log that failures quote and that is
     echoed, rank-prefixed, afterwards; without it ranks print straight to the terminal.
+
+    Tensors among ``args`` reach the ranks in shared memory (torch's pickler): every rank sees
+    the same buffer, so a rank that changes one in place changes it for all. Clone first.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
