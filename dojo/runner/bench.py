@@ -14,6 +14,7 @@ from dojo.runner.term import foreground
 
 KNOWN = {
     "allreduce": "your ring all-reduce (k09) against gloo's dist.all_reduce",
+    "ddp": "a data-parallel step: your k04, k12 and k13 against torch's DistributedDataParallel",
     "harness": "what a test world costs: the rank harness's start-up and per-world times",
 }
 

@@ -1,0 +1,433 @@
+"""k14 · Against torch's DDP: your buckets beside DistributedDataParallel, and SyncBatchNorm.
+
+THE IDEA
+    k13's ``BucketedDDP`` claims to do what ``torch.nn.parallel.DistributedDataParallel`` does.
+    Claims are cheap: hold them side by side. The same model (the same seed), the same data on
+    each rank, the same optimizer, N steps, once with each wrapper; afterwards both must hold
+    the same parameters on every rank.
+
+        rank r:  make_model(name, seed + r) --> BucketedDDP(...) ------------+
+                 make_model(name, seed + r) --> DistributedDataParallel(...) +-> train on the
+                 rank_batches(..., shard r)  (the same micro-batches for both) |   same batches
+                                                                              v
+                                    ours' parameters  ==  torch's parameters   (every rank)
+
+    On 2 ranks "the same" means bitwise: each averaged element is a/2 + b/2 in both (halving is
+    exact), and fp32 addition of two numbers does not depend on the order. On 3 or more ranks
+    gloo may add the terms in different orders (torch lays out its buckets differently: a first
+    bucket of at most 1 MiB, then in the order gradients arrived in the first step), so the
+    weights agree to a few ulps, not bitwise.
+
+    One loop drives both. Torch's DDP finishes its all-reduces inside ``backward()`` (it queues
+    a callback that waits for its buckets), so ``optimizer.step()`` may follow at once; yours
+    needs ``finish_gradient_synchronization()`` between the two. Both have ``no_sync()`` for
+    gradient accumulation: all micro-batches but the last inside it, the loss divided by their
+    number, one synchronisation per step.
+
+    BatchNorm is where data parallelism stops being exact. It normalises with the statistics of
+    the batch it sees, and each rank sees only its shard:
+
+        one process, 16 images:   mean over 16 -> normalise -> the whole batch's gradient
+        2 ranks, 8 images each:   rank 0: mean over its 8    rank 1: mean over its 8
+                                  (other outputs, other gradients, other running statistics)
+
+    ``SyncBatchNorm`` computes the statistics over every rank: each rank sums its values, their
+    squares and their count per channel, one all-reduce adds those up, and every rank normalises
+    with the mean and variance of the whole batch. The all-reduce sits inside the forward
+    pass, so backward must go through it too: a sum over ranks whose backward is a sum over
+    ranks of the gradients (``SumOverRanks``), or each rank would miss how its values moved the
+    other ranks' outputs. Torch's ``nn.SyncBatchNorm`` runs only on GPUs (torch 2.x refuses
+    CPU tensors); yours runs anywhere, and the tests hold it against one process on the whole
+    batch, and against torch's where there is a GPU.
+
+        mean = sum_r S_r / sum_r n_r         var = sum_r Q_r / sum_r n_r - mean**2
+        (S_r: rank r's sum per channel, Q_r: its sum of squares, n_r: its values per channel)
+        running_var takes the unbiased variance, var * n / (n - 1), as BatchNorm's does.
+
+    ``convert_sync_batchnorm`` swaps every ``BatchNorm2d`` of a model for a ``SyncBatchNorm2d``
+    that keeps its very parameters and statistics, as ``nn.SyncBatchNorm.convert_sync_batchnorm``
+    does: an optimizer made before the conversion still trains the same tensors.
+
+STEPS
+    (The side-by-side run uses your k13: ``BucketedDDP`` comes from katas/k13_buckets.py.)
+    1. ``torch_ddp``: torch's ``DistributedDataParallel`` around a module on its device, with
+       the same bucket cap (None: one bucket) and process group.
+    2. ``train``: the loop both wrappers share (micro-batches, ``no_sync``, the finish yours
+       needs), returning each step's loss.
+    3. ``against_torch_ddp``: the same model, data and seeds through both wrappers; both
+       states.
+    4. ``SumOverRanks``: an all-reduce that autograd can differentiate (forward and backward).
+    5. ``SyncBatchNorm2d.forward``: BatchNorm with the statistics of every rank's batch.
+    6. ``convert_sync_batchnorm``: every ``BatchNorm2d`` of a model made a ``SyncBatchNorm2d``.
+
+WHAT THE TESTS CHECK
+    ``torch_ddp`` builds the DDP torch would (its module, cap and group; device_ids on CUDA);
+    ``train`` with both wrappers on 2 ranks, 1, 2 and 4 micro-batches: each equals one process
+    on the whole batch, and BucketedDDP makes one all-reduce per bucket per step (recorded);
+    ``against_torch_ddp`` on 2 ranks gives bitwise equal parameters on every rank for the
+    frozen, tied and buffer models (3 ranks and a subgroup: within a few ulps);
+    ``SumOverRanks`` forward and backward on 3 ranks and a subgroup; ``SyncBatchNorm2d`` on 2
+    and 3 ranks with batches of different sizes: outputs, input gradients, parameter gradients
+    and running statistics equal one ``BatchNorm2d`` on the whole batch, no communication in
+    eval; ``convert_sync_batchnorm`` against torch's own on the ConvNet, and the converted
+    ConvNet under torch's DDP trains like one process on the whole batch, where plain BatchNorm
+    does not; on GPUs, torch's own ``nn.SyncBatchNorm`` and NCCL too; the program.
+
+RUN IT
+    python -m katas.k14_against_ddp --world-size 2 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dojo.console import run_program, say
+from dojo.devices import rank_device
+from dojo.launch import add_launch_arguments, launch_world
+from dojo.models import ConvNet
+from dojo.toy_models import loss, make_batch, make_model
+
+from .k13_buckets import BucketedDDP
+
+MIB = 1 << 20  # bytes in a MiB (bucket_cap_mb counts these)
+MOMENTUM = 0.9  # both optimizers: SGD(lr, momentum=MOMENTUM)
+PER_RANK = 4  # samples per rank in each micro-batch
+
+
+def torch_ddp(
+    module: nn.Module,
+    bucket_cap_mb: float | None = 25.0,
+    process_group: dist.ProcessGroup | None = None,
+) -> DistributedDataParallel:
+    """Torch's DDP around ``module``, on the module's device, with BucketedDDP's arguments.
+
+    ``bucket_cap_mb=None`` means one bucket for every gradient, as in BucketedDDP.
+    """
+    device = next(module.parameters()).device
+    if bucket_cap_mb is None:  # torch reads None as its default (25 MiB): ask for more than all
+        total = sum(p.numel() * p.element_size() for p in module.parameters())
+        bucket_cap_mb = total / MIB + 1
+    return DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,  # None on the CPU
+        bucket_cap_mb=bucket_cap_mb,
+        process_group=process_group,
+    )
+
+
+def train(
+    wrapper: nn.Module, optimizer: torch.optim.Optimizer, steps: list[list[tuple]]
+) -> list[float]:
+    """Train ``wrapper`` (BucketedDDP or torch's DDP): ``steps[i]`` is step i's micro-batches.
+
+    Each step accumulates the micro-batches' gradients (all but the last inside
+    ``wrapper.no_sync()``), with the loss divided by their number, then synchronises once and
+    steps. Returns each step's loss on this rank (the mean over its micro-batches) as a float.
+    """
+    if any(len(micro_batches) == 0 for micro_batches in steps):
+        raise ValueError("every step needs at least one micro-batch")
+    losses = []
+    for micro_batches in steps:
+        optimizer.zero_grad()
+        total = 0.0
+        for number, batch in enumerate(micro_batches, start=1):
+            last = number == len(micro_batches)  # the last one syncs: the others wait in no_sync
+            with contextlib.nullcontext() if last else wrapper.no_sync():
+                step_loss = loss(wrapper, batch) / len(micro_batches)
+                step_loss.backward()
+            total += step_loss.item()
+        if not isinstance(wrapper, DistributedDataParallel):  # torch's finished inside backward
+            wrapper.finish_gradient_synchronization()
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def against_torch_ddp(
+    model_name: str,
+    steps: int = 3,
+    micro_batches: int = 1,
+    bucket_cap_mb: float | None = 25.0,
+    lr: float = 0.1,
+    seed: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict:
+    """Train the toy model ``model_name`` with BucketedDDP and with torch's DDP, side by side.
+
+    On this rank (``dist.get_rank()`` in the world, ``shard`` = its rank in the group) both
+    models are ``make_model(model_name, seed + rank)`` on ``rank_device()``, both train on
+    ``rank_batches(model_name, steps, micro_batches, seed, shard)`` with
+    ``SGD(lr, momentum=MOMENTUM)``. Returns ``{"ours": state, "torch": state, "ours_losses":
+    [...], "torch_losses": [...]}``, each state a ``{name: CPU tensor}`` of the wrapped model's
+    ``state_dict()``.
+    """
+    device = rank_device()
+    rank, shard = dist.get_rank(), dist.get_rank(process_group)
+    data = rank_batches(model_name, steps, micro_batches, seed, shard, device)
+    ours_model = make_model(model_name, seed + rank).to(device)
+    torch_model = make_model(model_name, seed + rank).to(device)
+    ours = BucketedDDP(ours_model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+    theirs = torch_ddp(torch_model, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+    ours_losses = train(ours, torch.optim.SGD(ours.parameters(), lr=lr, momentum=MOMENTUM), data)
+    torch_losses = train(
+        theirs, torch.optim.SGD(theirs.parameters(), lr=lr, momentum=MOMENTUM), data
+    )
+    return {
+        "ours": state_of(ours_model),
+        "torch": state_of(torch_model),
+        "ours_losses": ours_losses,
+        "torch_losses": torch_losses,
+    }
+
+
+class SumOverRanks(torch.autograd.Function):
+    """``SumOverRanks.apply(x, group)``: the sum of ``x`` over the group's ranks, on every rank.
+
+    Autograd can differentiate it: the gradient reaching ``x`` on each rank is the sum over the
+    ranks of the gradients of their outputs.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone()  # all_reduce works in place: never on autograd's input
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad = grad_output.contiguous().clone()  # every rank's output held x: all flow back
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+class SyncBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d whose training statistics are those of every rank's batch together.
+
+    ``process_group`` (None: the world) says which ranks share statistics. In eval mode it is
+    BatchNorm2d: the running statistics, no communication.
+    """
+
+    def __init__(self, *args, process_group: dist.ProcessGroup | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.process_group = process_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        if not self.training:  # eval: BatchNorm2d's own, no communication
+            return F.batch_norm(
+                x,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                self.running_mean is None,  # no running statistics: this batch's own
+                0.0,
+                self.eps,
+            )
+        channels = x.shape[1]
+        local = torch.cat(
+            [
+                x.sum(dim=(0, 2, 3)),
+                (x * x).sum(dim=(0, 2, 3)),
+                x.new_full((1,), x.numel() // channels),  # this rank's values per channel
+            ]
+        )
+        total = SumOverRanks.apply(local, self.process_group)
+        count = total[-1]
+        mean = total[:channels] / count
+        var = total[channels : 2 * channels] / count - mean * mean  # biased, as BatchNorm uses
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = (
+                    1.0 / float(self.num_batches_tracked)
+                    if self.momentum is None
+                    else self.momentum
+                )
+                unbiased = var * count / (count - 1).clamp(min=1)
+                self.running_mean.mul_(1 - momentum).add_(momentum * mean)
+                self.running_var.mul_(1 - momentum).add_(momentum * unbiased)
+        shape = (1, channels, 1, 1)
+        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def convert_sync_batchnorm(
+    module: nn.Module, process_group: dist.ProcessGroup | None = None
+) -> nn.Module:
+    """Every ``nn.BatchNorm2d`` in ``module`` (at any depth) replaced by a ``SyncBatchNorm2d``
+    holding the same parameters, running statistics and mode; returns the module (or the new
+    layer, when ``module`` itself is a BatchNorm2d)."""
+    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, SyncBatchNorm2d):
+        layer = SyncBatchNorm2d(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group=process_group,
+        )
+        if module.affine:
+            layer.weight, layer.bias = module.weight, module.bias  # the very parameters
+        layer.running_mean = module.running_mean
+        layer.running_var = module.running_var
+        layer.num_batches_tracked = module.num_batches_tracked
+        layer.train(module.training)
+        return layer
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, process_group))
+    return module
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def rank_batches(
+    model_name: str, steps: int, micro_batches: int, seed: int, shard: int, device=None
+) -> list[list[tuple]]:
+    """Shard ``shard``'s micro-batches: ``[step][micro-batch] -> (inputs, targets)``, PER_RANK
+    samples each; one process that concatenates every shard's has the whole batch."""
+    return [
+        [
+            tuple(
+                t.to(device) if device is not None else t
+                for t in make_batch(
+                    model_name, PER_RANK, seed * 1_000_000 + 10_000 * step + 100 * micro + shard
+                )
+            )
+            for micro in range(micro_batches)
+        ]
+        for step in range(steps)
+    ]
+
+
+def state_of(model: nn.Module) -> dict:
+    return {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
+
+
+def show_rank(rank: int, world_size: int, steps: int, per_rank: int, seed: int) -> dict:
+    """What the program runs on each rank: every toy model through both wrappers (the largest
+    difference each), then one ConvNet step on this rank's digits with BatchNorm2d and with
+    SyncBatchNorm2d (layer1's running mean after each)."""
+    differences = {}
+    for name, (cap, micro) in PROGRAM_CASES.items():
+        result = against_torch_ddp(name, steps, micro, cap, seed=seed)
+        differences[name] = max(
+            (result["ours"][k].double() - result["torch"][k].double()).abs().max().item()
+            for k in result["ours"]
+        )
+    means = {
+        sync: _batchnorm_step(rank, world_size, per_rank, sync, seed) for sync in (False, True)
+    }
+    return {"differences": differences, "means": means}
+
+
+PROGRAM_CASES = {"frozen": (25.0, 1), "tied": (1e-6, 2), "buffer": (None, 1)}  # cap, micro-batches
+
+
+def _batchnorm_step(rank: int, world_size: int, per_rank: int, sync: bool, seed: int):
+    from dojo import data
+
+    device = rank_device()
+    images, labels = _digits(data, per_rank * world_size)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    torch.manual_seed(seed)
+    model = ConvNet().to(device)
+    if sync:
+        model = convert_sync_batchnorm(model)
+    ddp = DistributedDataParallel(model)  # it broadcasts rank 0's buffers before each forward
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    optimizer.zero_grad()
+    F.cross_entropy(ddp(images[mine].to(device)), labels[mine].to(device)).backward()
+    optimizer.step()
+    return model.layer1[1].running_mean.detach().cpu().clone()
+
+
+def _digits(data, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    train_set = data.load("digits", "train")
+    pairs = [train_set[i] for i in range(count)]
+    return torch.stack([p[0] for p in pairs]), torch.tensor([int(p[1]) for p in pairs])
+
+
+def _one_process_statistics(per_rank: int, world_size: int, seed: int) -> torch.Tensor:
+    from dojo import data
+
+    images, labels = _digits(data, per_rank * world_size)
+    torch.manual_seed(seed)
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    return model.layer1[1].running_mean.detach().clone()
+
+
+def _show(values: torch.Tensor) -> str:
+    return "  ".join(f"{v:+.4f}" for v in values[:4].tolist())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="BucketedDDP against torch's DistributedDataParallel; SyncBatchNorm."
+    )
+    add_launch_arguments(parser, world_size=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--images", type=int, default=8, help="digits per rank in the BatchNorm step (default 8)"
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.images < 2:
+        parser.error("--images must be at least 2 (BatchNorm needs a variance)")
+    say(
+        None,
+        f"BucketedDDP (your k13) against torch's DistributedDataParallel: {args.world_size} "
+        f"ranks, {args.steps} steps, the same models, seeds and data",
+    )
+    results = launch_world(
+        show_rank,
+        args.world_size,
+        args.steps,
+        args.images,
+        args.seed,
+        backend=args.backend,
+        device=args.device,
+    )
+    for name, (cap, micro) in PROGRAM_CASES.items():
+        largest = max(result["differences"][name] for result in results)
+        verdict = "bitwise equal" if largest == 0 else f"largest difference {largest:.3g}"
+        cap_text = "None" if cap is None else f"{cap:g} MiB"
+        say(None, f"  {name:<7} cap {cap_text}, {micro} micro-batch(es): {verdict} on every rank")
+    say(
+        None,
+        f"BatchNorm: one step of the ConvNet under torch's DDP, {args.images} digits per rank; "
+        "layer1's running mean (first 4 channels) afterwards:",
+    )
+    whole = _one_process_statistics(args.images, args.world_size, args.seed)
+    label = f"one process, all {args.images * args.world_size} digits:"
+    say(None, f"  {label:<30}{_show(whole)}")
+    for sync in (False, True):
+        kind = "SyncBatchNorm2d" if sync else "BatchNorm2d"
+        for rank, result in enumerate(results):
+            label = f"rank {rank}, {kind}:"
+            say(None, f"  {label:<30}{_show(result['means'][sync])}")
+        largest = max(
+            (r["means"][sync].double() - whole.double()).abs().max().item() for r in results
+        )
+        say(None, f"  {kind}: largest difference from one process {largest:.2g}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)
