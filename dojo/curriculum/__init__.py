@@ -158,17 +158,16 @@ def find(name: str) -> Kata:
     raise KeyError(f"no kata called {name!r}; the katas are {known}")
 
 
-def kata_table() -> str:
-    """The README's kata table, one block per part."""
+def kata_table(lang: str = "en") -> str:
+    """The README's kata table (README.zh-CN.md's in Chinese), one block per part."""
+    head = {
+        "en": "| kata | title | what it teaches | steps |",
+        "zh": "| 练习 | 标题 | 学什么 | 步骤数 |",
+    }[lang]
     blocks = []
-    for number, name in parts("en").items():
-        rows = [
-            f"**{name}**",
-            "",
-            "| kata | title | what it teaches | steps |",
-            "| --- | --- | --- | --- |",
-        ]
-        for kata in katas("en"):
+    for number, name in parts(lang).items():
+        rows = [f"**{name}**", "", head, "| --- | --- | --- | --- |"]
+        for kata in katas(lang):
             if kata.part == number:
                 rows.append(
                     f"| [{kata.id}](katas/{kata.module}.py) | {kata.title} | {kata.teaches} | {len(kata.steps)} |"

@@ -296,8 +296,12 @@ def catalogue_table() -> str:
     return "\n".join(rows)
 
 
-# The README's blocks that are made, not written: name -> what makes them.
-README_BLOCKS = {"kata-table": curriculum.kata_table, "catalogue-table": catalogue_table}
+# The READMEs' blocks that are made, not written: (file, name) -> what makes them.
+README_BLOCKS = {
+    ("README.md", "kata-table"): curriculum.kata_table,
+    ("README.md", "catalogue-table"): catalogue_table,
+    ("README.zh-CN.md", "kata-table"): lambda: curriculum.kata_table("zh"),
+}
 
 
 def _markers(name: str) -> tuple[str, str]:
@@ -305,24 +309,23 @@ def _markers(name: str) -> tuple[str, str]:
 
 
 def readme_problems() -> list[str]:
-    readme = curriculum.ROOT / "README.md"
-    text = readme.read_text(encoding="utf-8") if readme.exists() else ""
     found = []
-    for name, make in README_BLOCKS.items():
+    for (file, name), make in README_BLOCKS.items():
+        path = curriculum.ROOT / file
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
         start, end = _markers(name)
         if start not in text or end not in text:
-            found.append(f"README.md has no {name} markers ({start} ... {end})")
+            found.append(f"{file} has no {name} markers ({start} ... {end})")
         elif text.split(start, 1)[1].split(end, 1)[0].strip() != make():
-            found.append(f"README.md's {name} is stale: run `python -m dojo dev readme`")
+            found.append(f"{file}'s {name} is stale: run `python -m dojo dev readme`")
     return found
 
 
 def write_readme_tables() -> None:
-    readme = curriculum.ROOT / "README.md"
-    text = readme.read_text(encoding="utf-8")
-    for name, make in README_BLOCKS.items():
+    for (file, name), make in README_BLOCKS.items():
+        path = curriculum.ROOT / file
+        text = path.read_text(encoding="utf-8")
         start, end = _markers(name)
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
-        text = f"{head}{start}\n{make()}\n{end}{tail}"
-    readme.write_text(text, encoding="utf-8")
+        path.write_text(f"{head}{start}\n{make()}\n{end}{tail}", encoding="utf-8")

@@ -32,6 +32,7 @@ from xml.etree import ElementTree
 from dojo import curriculum, impl
 from dojo.runner import runs, testlog
 from dojo.testing import kill_session
+from dojo.todo import TODO_PATTERN
 
 DEFAULT_TIMEOUT_S = 600.0  # one kata's spec; k06 takes a few minutes on two busy cores
 
@@ -229,10 +230,16 @@ def grade_kata(root: Path, kata: curriculum.Kata, submitted: bool, timeout: floa
 
 
 def _first_reason(result: runs.RunResult) -> str:
+    """The first failure's message, short: a todo as its own line, anything else cut at a word."""
     for record in result.records:
         if record["outcome"] == "failed":
-            message = record.get("message") or (record["text"].strip().splitlines() or [""])[0]
-            return " ".join(message.split())[:300]
+            todo = TODO_PATTERN.search(record["text"]) or TODO_PATTERN.search(
+                record.get("message", "")
+            )
+            if todo:
+                return todo.group(0)
+            message = " ".join((record.get("message") or record["text"].strip()).split())
+            return message if len(message) <= 240 else message[:240].rsplit(" ", 1)[0] + " ..."
     return ""
 
 
@@ -293,7 +300,9 @@ def table(grades: list[LearnerGrade], katas: list[curriculum.Kata]) -> str:
             + f"  {grade.katas_passed} of {len(katas)}"
         )
     details = [
-        f"  {g.learner} {k.kata}: {k.first_failing_step or 'failed'}: {k.reason}"
+        f"  {g.learner} {k.kata}: "
+        + (f"{k.first_failing_step}: " if k.first_failing_step else "")
+        + k.reason
         for g in grades
         for k in g.katas
         if k.status == "failed"
@@ -391,8 +400,9 @@ def _html(grades: list[LearnerGrade], katas: list[curriculum.Kata]) -> str:
             f"<tr><th>{html.escape(g.learner)}</th>{''.join(cells)}<td>{g.katas_passed} of {len(katas)}</td></tr>"
         )
     stuck = "".join(
-        f"<li><b>{html.escape(g.learner)} {k.kata}</b>: {html.escape(k.first_failing_step or 'failed')}: "
-        f"{html.escape(k.reason)}</li>"
+        f"<li><b>{html.escape(g.learner)} {k.kata}</b>: "
+        + (f"{html.escape(k.first_failing_step)}: " if k.first_failing_step else "")
+        + f"{html.escape(k.reason)}</li>"
         for g in grades
         for k in g.katas
         if k.status == "failed"
