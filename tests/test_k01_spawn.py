@@ -38,7 +38,7 @@ def _explain_global_rank(node: int, local: int, per_node: int, got) -> str:
         )
     if got == node + local:
         return (
-            f"node_rank and local_rank were added: each node before this one "
+            "node_rank and local_rank were added: each node before this one "
             "holds nproc_per_node ranks, so multiply node_rank by nproc_per_node"
         )
     if got == expected + 1:
