@@ -177,3 +177,44 @@ def require_gpus(count: int) -> None:
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < count:
         pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
+
+
+def fake_hosts_or_skip(count: int = 2, **options):
+    """``dojo.hosts.FakeHosts(count, **options)``, for ``with``; skips the test with the reason
+    where this machine cannot make fake hosts (not Linux, not root, no iproute2, ...)."""
+    import pytest
+
+    from dojo.hosts import FakeHosts, availability
+
+    reason = availability()
+    if reason:
+        pytest.skip(reason)
+    return FakeHosts(count, **options)
+
+
+def ranks_phrase(numbers) -> str:
+    """``rank 0``, ``ranks 1 and 2``, ``ranks 0, 1 and 2``: ranks named in a sentence."""
+    numbers = [str(n) for n in numbers]
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
+
+
+def shared_run(function):
+    """Share one world run between the tests of a step: its result or its failure, kept per
+    implementation and catalogue swap (a deadlock costs its deadline once, not once per test)."""
+    done = {}
+
+    def shared(*args):
+        key = (impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, ""), *args)
+        if key not in done:
+            try:
+                done[key] = ("ok", function(*args))
+            except BaseException as error:  # a todo included: every test then reports it
+                done[key] = ("error", error)
+        outcome, value = done[key]
+        if outcome == "error":
+            raise value.with_traceback(None)
+        return value
+
+    return shared

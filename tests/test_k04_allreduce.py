@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.testing import ranks_phrase, require_gpus, run_program
 from dojo.todo import KataTodo
 from dojo.world import WorldDeadlock, run_world
 
@@ -228,13 +228,6 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=0)
 
 
-def _ranks(numbers: list[int]) -> str:
-    """``rank 0``, ``ranks 1 and 2``, ``ranks 1, 2 and 3``."""
-    if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    return f"ranks {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
-
-
 def _run_average(world_size: int, with_none: bool):
     try:
         return run_world(_average, world_size, with_none)
@@ -250,9 +243,9 @@ def _run_average(world_size: int, with_none: bool):
             ) from None
         were = "was" if len(stuck) == 1 else "were"
         raise AssertionError(
-            f"average_gradients deadlocked: {_ranks(stuck)} {were} still waiting in a collective "
-            f"after {_ranks(returned)} had returned, so {_ranks(returned)} skipped the "
-            f"all-reduces that {_ranks(stuck)} made. Every rank must call dist.all_reduce for "
+            f"average_gradients deadlocked: {ranks_phrase(stuck)} {were} still waiting in a collective "
+            f"after {ranks_phrase(returned)} had returned, so {ranks_phrase(returned)} skipped the "
+            f"all-reduces that {ranks_phrase(stuck)} made. Every rank must call dist.all_reduce for "
             "every parameter with a gradient (a collective completes only when all ranks call "
             f"it): no `if rank == ...` around the loop.\n\n{failure}"
         ) from None

@@ -17,7 +17,7 @@ from dojo import data, impl
 from dojo.calls import recording
 from dojo.impl import load_kata
 from dojo.models import ConvNet
-from dojo.testing import require_gpus, run_program
+from dojo.testing import ranks_phrase, require_gpus, run_program
 from dojo.todo import KataTodo
 from dojo.world import run_world
 
@@ -97,14 +97,6 @@ def _run_replicas(tmp_path, function: str) -> list:
     )
 
 
-def _ranks(numbers) -> str:
-    """``rank 0``, ``ranks 1 and 2``, ``ranks 0, 1 and 2``."""
-    numbers = list(numbers)
-    if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    return f"ranks {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
-
-
 def _times(count: int) -> str:
     return "once" if count == 1 else f"{count} times"
 
@@ -139,7 +131,7 @@ def _check_broadcasts(results: list, function: str) -> None:
         skipped = [r for r, count in enumerate(counts) if not count]
         by = ", ".join(f"rank {r} called dist.broadcast {_times(counts[r])}" for r in did)
         raise AssertionError(
-            f"{function}: {by}, {_ranks(skipped)} never did. A broadcast "
+            f"{function}: {by}, {ranks_phrase(skipped)} never did. A broadcast "
             "is a collective: every rank calls it for the same tensors, rank 0 to send them and "
             "the others to receive them into their own. Do not put the broadcasts under an "
             f"`if rank == ...`.{ended}"

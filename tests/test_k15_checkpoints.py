@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from dojo import impl
 from dojo.calls import recording
 from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.states import devices_of, largest_gap, same, to_cpu
+from dojo.testing import ranks_phrase, require_gpus, run_program, shared_run
 from dojo.toy_models import loss, make_model
 from dojo.world import RankFailed, WorldDeadlock, run_world
 
@@ -27,47 +27,6 @@ def _device() -> torch.device:
     return rank_device()
 
 
-def _cpu(state):
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu().clone()
-    if isinstance(state, dict):
-        return {key: _cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return [_cpu(value) for value in state]
-    return state
-
-
-def _devices(state) -> set[str]:
-    if isinstance(state, torch.Tensor):
-        return {str(state.device)}
-    if isinstance(state, dict):
-        return set().union(*(_devices(value) for value in state.values()))
-    if isinstance(state, (list, tuple)):
-        return set().union(*(_devices(value) for value in state))
-    return set()
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b
-
-
-def _gap(a: dict, b: dict) -> tuple[str, float]:
-    """The tensor of ``a`` farthest from its namesake in ``b``, and how far."""
-    gaps = {
-        name: (a[name].double() - b[name].double()).abs().max().item()
-        for name in a
-        if name in b and a[name].shape == b[name].shape
-    }
-    name = max(gaps, key=gaps.get)
-    return name, gaps[name]
-
-
 def _momentum(optimizer_state: dict) -> dict:
     """``{parameter index: momentum buffer}`` of an SGD state_dict."""
     return {
@@ -75,33 +34,6 @@ def _momentum(optimizer_state: dict) -> dict:
         for index, state in optimizer_state.get("state", {}).items()
         if isinstance(state, dict) and state.get("momentum_buffer") is not None
     }
-
-
-def _ranks(numbers) -> str:
-    numbers = list(numbers)
-    if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    return f"ranks {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
-
-
-def _cached(function):
-    """Share one world run between the tests of a step: per implementation and catalogue swap,
-    the result or the failure (a deadlock costs its deadline once, not once per test)."""
-    done = {}
-
-    def shared(*args):
-        key = (impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, ""), *args)
-        if key not in done:
-            try:
-                done[key] = ("ok", function(*args))
-            except BaseException as error:  # a todo included: every test then reports it
-                done[key] = ("error", error)
-        outcome, value = done[key]
-        if outcome == "error":
-            raise value.with_traceback(None)
-        return value
-
-    return shared
 
 
 # --------------------------------------------------------------------------- files, recorded
@@ -225,12 +157,12 @@ def _save_on_two_nodes(rank, world_size, folder):
         "returned": returned,
         "calls": [(c.name, c.start) for c in calls],
         "unreadable": readable,
-        "state": _cpu(model.state_dict()),
-        "optimizer": _cpu(optimizer.state_dict()),
+        "state": to_cpu(model.state_dict()),
+        "optimizer": to_cpu(optimizer.state_dict()),
     }
 
 
-@_cached
+@shared_run
 def _saved():
     with tempfile.TemporaryDirectory(prefix="k15-save-") as folder:
         try:
@@ -257,7 +189,7 @@ def test_only_global_rank_0_writes_the_checkpoint(kata):
         )
     if writers != [0]:
         raise AssertionError(
-            f"{_ranks(writers)} wrote the checkpoint: only global rank 0 may (dist.get_rank() == 0). "
+            f"{ranks_phrase(writers)} wrote the checkpoint: only global rank 0 may (dist.get_rank() == 0). "
             "The replicas are identical, so one copy is enough, and ranks that write one file at "
             "once can leave it torn."
         )
@@ -389,7 +321,7 @@ def _write_checkpoint(path, kata, device="cpu") -> dict:
         "step": CHECKPOINT_STEP,
     }
     torch.save(checkpoint, path)
-    return _cpu(checkpoint)
+    return to_cpu(checkpoint)
 
 
 def _load_everywhere(rank, world_size, path):
@@ -402,9 +334,9 @@ def _load_everywhere(rank, world_size, path):
     return {
         "step": step,
         "loads": files.loads,
-        "state": _cpu(model.state_dict()),
-        "optimizer": _cpu(optimizer.state_dict()),
-        "devices": sorted(_devices(model.state_dict()) | _devices(optimizer.state_dict())),
+        "state": to_cpu(model.state_dict()),
+        "optimizer": to_cpu(optimizer.state_dict()),
+        "devices": sorted(devices_of(model.state_dict()) | devices_of(optimizer.state_dict())),
         "device": str(_device()),
     }
 
@@ -418,7 +350,7 @@ def _run_loads(path, world_size=2, **options):
         raise _loaded_into_the_wrapper(failure) or failure from None
 
 
-@_cached
+@shared_run
 def _loaded():
     kata = load_kata(KATA)
     with tempfile.TemporaryDirectory(prefix="k15-load-") as folder:
@@ -441,11 +373,11 @@ def _check_loaded(results, checkpoint) -> None:
             )
         state = result["state"]
         if not all(torch.equal(state[name], t) for name, t in checkpoint["model"].items()):
-            name, gap = _gap(state, checkpoint["model"])
+            name, gap = largest_gap(state, checkpoint["model"])
             loaded = [
-                r for r in range(len(results)) if _same(results[r]["state"], checkpoint["model"])
+                r for r in range(len(results)) if same(results[r]["state"], checkpoint["model"])
             ]
-            also = f" ({_ranks(loaded)} did)" if loaded else ""
+            also = f" ({ranks_phrase(loaded)} did)" if loaded else ""
             raise AssertionError(
                 f"after load_checkpoint rank {rank}'s weights are not the checkpoint's ({name!r} is "
                 f"up to {gap:.3g} away){also}: every rank loads the checkpoint into its own model, "
@@ -610,8 +542,8 @@ def _uneven_saves(folder: str, world_size: int) -> str | None:
     never = [r for r, s in saves.items() if not s]
     if never:
         return (
-            f"{_ranks(did)} called save_checkpoint (after {saves[did[0]][0]} steps), "
-            f"{_ranks(never)} never did"
+            f"{ranks_phrase(did)} called save_checkpoint (after {saves[did[0]][0]} steps), "
+            f"{ranks_phrase(never)} never did"
         )
     return "the ranks called save_checkpoint at different steps: " + ", ".join(
         f"rank {r} at {s}" for r, s in saves.items()
@@ -671,7 +603,7 @@ def _story(model_name: str, world_size: int = 2, **options) -> dict:
         return story
 
 
-_shared_story = _cached(_story)
+_shared_story = shared_run(_story)
 
 
 def _trained(events) -> list[int]:
@@ -716,13 +648,13 @@ def _check_resumed(story: dict) -> None:
                 + ". The checkpoint's step counts the steps done, so the next index is that count."
             )
     for rank, (a, b) in enumerate(zip(whole["results"], resumed["results"])):
-        if not _same(a["state"], b["state"]):
-            name, gap = _gap(b["state"], a["state"])
+        if not same(a["state"], b["state"]):
+            name, gap = largest_gap(b["state"], a["state"])
             raise AssertionError(
                 f"after the restart rank {rank}'s weights differ from the uninterrupted run's "
                 f"({name!r} by up to {gap:.3g}): a resumed run must be the same run, bit for bit"
             )
-        if not _same(_momentum(a["optimizer"]), _momentum(b["optimizer"])):
+        if not same(_momentum(a["optimizer"]), _momentum(b["optimizer"])):
             raise AssertionError(
                 f"after the restart rank {rank}'s weights equal the uninterrupted run's but its "
                 "optimizer's momentum does not: save and load the optimizer's state too"
