@@ -13,6 +13,8 @@ The test API (``tests/`` and the tooling use these too):
     world      the rank harness: ``run_world`` (rank.py is what each rank process runs)
     testing    running a kata's program, free ports, GPU skips, bad-input probes
     calls      what a rank asked of torch.distributed, recorded (to count and order calls)
+    states     model and optimizer states moved to the CPU and compared
+    hosts      fake hosts: network namespaces with their own addresses (root, Linux)
     impl       katas or solutions under test (and a catalogue's swaps)
     plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)
     curriculum every kata's steps, hints and files (its data: ``curriculum/*.toml``)

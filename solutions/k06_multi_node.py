@@ -25,6 +25,15 @@ THE IDEA
     must stop the process at once with a message that says what to set: the alternative is
     every other host waiting for the timeout.
 
+    Between real hosts, three more things must hold. Every host reaches MASTER_ADDR:MASTER_PORT
+    (a firewall that drops the port looks exactly like a host that never came); every host
+    starts within --timeout seconds of the others; and gloo listens where the other hosts can
+    reach it: at the address of GLOO_SOCKET_IFNAME's interface, or else at the address this
+    host's name resolves to, which many Debian/Ubuntu machines set to 127.0.1.1 (loopback: no
+    other host can connect there). On every host, GLOO_SOCKET_IFNAME=eth0 (the interface facing
+    the others, see ``ip -br addr``) settles it; NCCL reads NCCL_SOCKET_IFNAME. The program
+    below checks what it can before joining and explains the rest when the timeout comes.
+
     Launching by hand (this module), on every host, with its own --node-rank:
         python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
             --master-addr HOST_A --master-port 29500
@@ -52,13 +61,19 @@ WHAT THE TESTS CHECK
     joined at the given address; the sum on a 6-rank world laid out as 2 nodes x 3; the
     launcher's environments, its failure handling and its timeout, with cheap stand-in
     processes; then the real thing on one machine: two "nodes" started by hand and two started
-    by torchrun on loopback, every rank checking its sum.
+    by torchrun on loopback, every rank checking its sum. Where the machine allows (Linux, as
+    root), two fake hosts with addresses of their own (network namespaces): both launches again,
+    and each pitfall above (a host name on 127.0.1.1, gloo on lo, a closed port, a late host)
+    with the message it ends in.
 
 RUN IT
     python -m katas.k06_multi_node --nproc-per-node 4         (one node, four processes)
     two terminals on one machine:
     python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-port 29500
     python -m katas.k06_multi_node --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-port 29500
+    two hosts, A at 192.168.1.10 and B (the same line on both, with its own --node-rank):
+    GLOO_SOCKET_IFNAME=eth0 python -m katas.k06_multi_node --nnodes 2 --node-rank 0 \\
+        --nproc-per-node 2 --master-addr 192.168.1.10 --master-port 29500
     add --train to train kata k05's model across all the ranks after the check.
 """
 
@@ -68,10 +83,13 @@ from __future__ import annotations
 # importing it costs every process ~1.5 s.
 import argparse
 import gc
+import ipaddress
 import json
 import os
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -102,6 +120,11 @@ class LaunchConfigError(ValueError):
 class NodeFailed(RuntimeError):
     """A process this node started failed, or the node ran past its timeout; the message
     names the rank and how it ended."""
+
+
+class WorldNotFormed(RuntimeError):
+    """The ranks did not all meet within the timeout; the message says what this rank saw
+    (which address and port, how many ranks came) and the likely causes across hosts."""
 
 
 @dataclass(frozen=True)
@@ -377,7 +400,16 @@ def run_this_rank(args: argparse.Namespace) -> None:
     backend, device_type = choose_for_this_machine(info.local_world_size, args.backend, args.device)
     os.environ["DOJO_DEVICE"] = device_type  # rank_device() and kata k05's training read it
     device = rank_device()
-    join_world(info, backend, device, timedelta(seconds=args.timeout))
+    problem = _gloo_address_problem(info, backend)
+    if problem:  # a world across hosts that could only hang: say so now, not after the timeout
+        raise LaunchConfigError(f"rank {info.rank}: {problem}")
+    try:
+        join_world(info, backend, device, timedelta(seconds=args.timeout))
+    except Exception as error:  # a todo or a mistake of the learner's goes through unexplained
+        why = _why_no_world(info, backend, args.timeout, error)
+        if why is None:
+            raise
+        raise WorldNotFormed(f"rank {info.rank}: {why}") from None
     try:
         total = sum_of_ranks(info, device)
         expected = info.world_size * (info.world_size + 1) / 2
@@ -393,6 +425,7 @@ def run_this_rank(args: argparse.Namespace) -> None:
                     "world_size": info.world_size,
                     "local_world_size": info.local_world_size,
                     "host": socket.gethostname(),
+                    "address": _address_towards(info.master_addr),
                     "backend": backend,
                     "device": str(device),
                     "sum": total,
@@ -410,6 +443,198 @@ def run_this_rank(args: argparse.Namespace) -> None:
     finally:
         gc.collect()  # free tensors before the group goes (see the harness findings)
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- across real hosts
+# What goes wrong between hosts, said before it turns into a wait (the gloo address), or after
+# (the timeout). These read the network only: a todo or the learner's own bug goes through.
+
+
+def _address_towards(host: str) -> str:
+    """This host's own address on the way to ``host``: where the other hosts reach it."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # UDP: nothing is sent; the kernel only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return "unknown"
+
+
+def _is_loopback(address: str | None) -> bool:
+    try:
+        return address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+
+
+def _interface_addresses() -> dict[str, str]:
+    """This host's network interfaces and their IPv4 addresses (Linux; empty elsewhere)."""
+    found = {}
+    try:
+        import fcntl
+
+        names = [name for _, name in socket.if_nameindex()]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            for name in names:
+                try:
+                    request = struct.pack("256s", name[:15].encode())
+                    reply = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
+                    found[name] = socket.inet_ntoa(reply[20:24])
+                except OSError:
+                    pass  # an interface without an IPv4 address
+    except (ImportError, OSError):
+        return {}
+    return found
+
+
+def _facing(master_addr: str) -> tuple[str, str]:
+    """The interface (and its address) this host reaches MASTER_ADDR through, or else its one
+    interface that is not loopback; placeholders where that cannot be told."""
+    towards = _address_towards(master_addr)
+    outward = {n: a for n, a in _interface_addresses().items() if not _is_loopback(a)}
+    facing = [n for n, a in outward.items() if a == towards] or list(outward)
+    if len(facing) == 1:
+        return facing[0], outward[facing[0]]
+    return "<the interface facing the other hosts>", "<its address>"
+
+
+def _ifname_fix(master_addr: str) -> str:
+    """``GLOO_SOCKET_IFNAME=eth0``: what to set on every host."""
+    return f"GLOO_SOCKET_IFNAME={_facing(master_addr)[0]}"
+
+
+def _loopback_gloo(info: RankInfo, master: str) -> str | None:
+    """Why gloo on this host would listen where no other host can reach it, or None.
+
+    gloo listens at the address of GLOO_SOCKET_IFNAME's interface, or else at the one this
+    host's name resolves to, and tells every other rank to connect there.
+    """
+    fix = _ifname_fix(master)
+    chosen = os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    if chosen:
+        interfaces = _interface_addresses()
+        first = chosen.split(",")[0]
+        if interfaces and first not in interfaces:
+            return (
+                f"GLOO_SOCKET_IFNAME={chosen}, but this host has no interface {first!r} (it has "
+                f"{', '.join(sorted(interfaces))}): set {fix}, the interface that reaches "
+                f"MASTER_ADDR {info.master_addr} (`ip -br addr` lists them)"
+            )
+        if _is_loopback(interfaces.get(first)):
+            return (
+                f"GLOO_SOCKET_IFNAME={chosen} is this host's loopback ({interfaces[first]}), but "
+                f"the world spans hosts (MASTER_ADDR {info.master_addr}): gloo listens where no "
+                f"other host can reach it, and the ranks wait for the timeout. Set {fix} on "
+                "every host (the interface facing the others; lo is for a world on one machine)"
+            )
+        return None
+    name = socket.gethostname()
+    address = _resolve(name)
+    if _is_loopback(address):
+        return (
+            f"this host's name {name!r} resolves to {address}, a loopback address (Debian and "
+            f"Ubuntu put `127.0.1.1 {name}` in /etc/hosts), and without GLOO_SOCKET_IFNAME gloo "
+            f"listens there: the ranks on other hosts are told to connect to {address}, their "
+            f"own loopback, and wait for the timeout. Set {fix} on every host (the interface "
+            f"facing the others, see `ip -br addr`), or map {name} to {_facing(master)[1]} "
+            "in /etc/hosts"
+        )
+    return None
+
+
+def _across_hosts(info: RankInfo, backend: str) -> str | None:
+    """MASTER_ADDR's address when this is a gloo world of several nodes that is not all on
+    loopback (so across hosts, or at least possibly), else None."""
+    if backend != "gloo" or info.world_size == info.local_world_size:
+        return None
+    master = _resolve(info.master_addr)
+    return None if master is None or _is_loopback(master) else master
+
+
+def _gloo_address_problem(info: RankInfo, backend: str) -> str | None:
+    """Before joining: gloo on this host would listen on a loopback address (or a missing
+    interface) while rank 0 is surely on another host. None where that is not certain: where
+    MASTER_ADDR is this host's own, the other nodes may share this machine, and the timeout
+    explains it (``_why_no_world``)."""
+    master = _across_hosts(info, backend)
+    own = set(_interface_addresses().values())
+    if master is None or not own or master in own:
+        return None
+    return _loopback_gloo(info, master)
+
+
+def _why_no_world(info: RankInfo, backend: str, timeout: float, error: BaseException) -> str | None:
+    """What a failed join means across hosts, in plain words; None when it is no network error."""
+    text = str(error)
+    said = (
+        f"(torch: {text.strip().splitlines()[-1][:300] if text.strip() else type(error).__name__})"
+    )
+    where = f"{info.master_addr}:{info.master_port}"
+    waited = f"the {timeout:g} s timeout (--timeout)"
+    master = _across_hosts(info, backend)
+    here = _loopback_gloo(info, master) if master else None  # this host's own gloo address
+    if "connectFullMesh" in text:  # the ranks met at MASTER_ADDR, then could not connect
+        if backend == "gloo" and info.world_size > info.local_world_size:
+            here = _loopback_gloo(info, master or info.master_addr)  # even if rank 0 is local
+        remote = re.search(r"remote=\[([^\]]+)\]:(\d+)", text)
+        if remote and _is_loopback(remote.group(1)):
+            return (
+                f"it found the others at {where}, but another rank told it to connect to "
+                f"{remote.group(1)}:{remote.group(2)}, a loopback address, which is this host's "
+                "own: that rank's host lets gloo listen on its loopback, because its name "
+                "resolves to 127.0.1.1 or similar in /etc/hosts, or GLOO_SOCKET_IFNAME=lo. Set "
+                f"{_ifname_fix(info.master_addr)} on every host (the interface facing the "
+                f"others, see `ip -br addr`) {said}"
+            )
+        if here:
+            return (
+                f"it found the others at {where}, but no rank of another host connected to it "
+                f"within {waited}: {here} {said}"
+            )
+        return (
+            f"it found the others at {where}, but gloo's direct connections between the ranks "
+            f"did not form within {waited}: a firewall between the hosts (gloo uses other, "
+            "random ports: allow all TCP between them), or gloo on an interface the other hosts "
+            f"cannot reach (set {_ifname_fix(info.master_addr)} on every host) {said}"
+        )
+    reach = re.search(r"trying to connect to \(([^,]+), (\d+)\)", text)
+    if reach or "Connection refused" in text:
+        address, port = reach.groups() if reach else (info.master_addr, str(info.master_port))
+        hint = ""
+        if _is_loopback(_resolve(address)) and info.rank >= info.local_world_size:
+            hint = (
+                f" {address} is this host's own loopback: with several hosts, --master-addr is "
+                "node 0's address as the other hosts reach it."
+            )
+        return (
+            f"it could not reach rank 0 at {address}:{port} within {waited}: node 0 is not "
+            f"running there (start every host within --timeout seconds of each other), TCP port "
+            f"{port} is closed on that host (a firewall: open it to the other hosts), or "
+            f"--master-addr is not node 0's address.{hint} {said}"
+        )
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined or isinstance(error, TimeoutError) or "wait timeout" in text or "Timed out" in text:
+        came = (
+            f"only {joined.group(1)} of the {joined.group(2)} ranks came"
+            if joined
+            else f"not all {info.world_size} ranks came"
+        )
+        return (
+            f"it waited at {where} for {waited}, and {came}: start every host within --timeout "
+            f"seconds of each other, with the same --nnodes, --nproc-per-node, --master-addr "
+            f"and --master-port. If the others are running, they cannot reach {where} (a "
+            f"firewall on port {info.master_port}, or the wrong --master-addr)."
+            + (f" And on this host: {here}" if here else "")
+            + f" {said}"
+        )
+    return None
 
 
 def _train(info: RankInfo, epochs: int) -> None:
@@ -486,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except NodeFailed as error:
         print(f"k06: this node failed: {error}", file=sys.stderr)
+        return 1
+    except WorldNotFormed as error:
+        print(f"k06: {error}", file=sys.stderr)
         return 1
 
 

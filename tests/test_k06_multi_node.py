@@ -20,7 +20,7 @@ import torch
 
 from dojo import impl
 from dojo.curriculum import ROOT
-from dojo.testing import free_port, is_port_clash, run_program
+from dojo.testing import fake_hosts_or_skip, free_port, is_port_clash, run_program
 from dojo.todo import KataTodo, find_todo
 from dojo.world import WorldDeadlock, run_world
 
@@ -1044,4 +1044,256 @@ def test_two_nodes_started_by_torchrun():
     # The c10d rendezvous numbers the nodes in the order they join, so either torchrun may be node 0.
     assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], (
         f"each torchrun must run one node's ranks, got {[sorted(f) for f in by_node]}"
+    )
+
+
+# --------------------------------------------------------------------------- two real hosts
+#
+# Two fake hosts, host-a and host-b: network namespaces on this machine, each with its own lo and
+# an eth0 on a private 192.168.X.0/24 (a home network, whose addresses sort above 127.x as
+# gloo's pitfalls need), reaching each other and nothing else (dojo.hosts). Linux and root only;
+# elsewhere these tests skip, saying what is missing. Port 29500 is free on every fake host.
+
+PORT = 29500
+SHORT = 3  # --timeout for the tests that wait for a timeout: seconds, not minutes
+STARTUP_S = 25  # a busy machine may take this long to start two ranks that import torch
+
+
+@pytest.fixture
+def two_hosts():
+    """host-a (node 0) and host-b, removed with everything in them when the test ends."""
+    with fake_hosts_or_skip(2, within="192.168.0.0/16") as hosts:
+        yield hosts
+
+
+class _Node:
+    """One command started on one fake host, its output in a file."""
+
+    def __init__(self, host, argv, **env):
+        self.host = host
+        self.log = tempfile.TemporaryFile("w+")
+        environment = {
+            k: v for k, v in os.environ.items() if k not in (*ENV_NAMES, "GLOO_SOCKET_IFNAME")
+        }
+        environment.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env)
+        self.started = time.monotonic()
+        self.process = host.popen(
+            argv, cwd=ROOT, env=environment, stdout=self.log, stderr=subprocess.STDOUT
+        )
+        self.seconds = None
+
+    def wait(self, until: float) -> bool:
+        try:
+            self.process.wait(max(0.1, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        self.seconds = time.monotonic() - self.started
+        return True
+
+    @property
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def shown(self) -> str:
+        code = self.process.poll()
+        status = "still running" if code is None else f"exit status {code}"
+        return f"{self.host.name} ({self.host.address}, {status}) printed:\n{_plain(self.output)}"
+
+
+def _plain(text: str) -> str:
+    """A node's output without torch's C++ log lines and stack frames: what a learner reads."""
+    noise = re.compile(r"^(\[[WE]\d{4} |frame #|Exception raised from|<omitting|\[/__w/)")
+    kept = [line for line in text.splitlines() if not noise.match(line)]
+    return "\n".join(kept).strip()[-3000:]
+
+
+def _by_hand(node, master_addr, timeout=30):
+    return [
+        sys.executable,
+        "-m",
+        f"{impl.current()}.{KATA}",
+        *("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2"),
+        *("--master-addr", master_addr, "--master-port", str(PORT), "--timeout", str(timeout)),
+    ]
+
+
+def _wait(nodes, seconds, what):
+    """Wait for every node to end; a todo in any output goes to the test; a node still running
+    after ``seconds`` fails it."""
+    until = time.monotonic() + seconds
+    ended = [node.wait(until) for node in nodes]
+    for node in nodes:
+        todo = find_todo(AssertionError(node.output))
+        if todo is not None:
+            raise todo
+    if not all(ended):
+        raise AssertionError(
+            f"{what}: still running after {seconds:g} s.\n\n"
+            + "\n\n".join(node.shown() for node in nodes)
+        )
+
+
+def _check_results(nodes):
+    """Every rank's result line, each on the host it ran on, with that host's address."""
+    for node in nodes:
+        assert node.process.returncode == 0, f"{node.host.name} failed.\n\n" + "\n\n".join(
+            n.shown() for n in nodes
+        )
+    by_node = _results_by_node([(0, node.output) for node in nodes])
+    for node, found in zip(nodes, by_node):
+        for rank, result in sorted(found.items()):
+            assert result["host"] == node.host.name, (
+                f"rank {rank} was started on {node.host.name} but reports host {result['host']!r}"
+            )
+            assert result.get("address") == node.host.address, (
+                f"rank {rank} on {node.host.name} reports address {result.get('address')!r}, "
+                f"expected {node.host.address}: its result line shows the address this host "
+                "reaches MASTER_ADDR from (_address_towards)"
+            )
+    return by_node
+
+
+@pytest.mark.step(5)
+@pytest.mark.slow  # two hosts, four ranks importing torch: ~8 s of CPU
+def test_two_hosts_started_by_hand(two_hosts):
+    a, b = two_hosts
+    nodes = [_Node(host, _by_hand(n, a.address)) for n, host in enumerate((a, b))]
+    _wait(nodes, 90, "the two hosts started by hand")
+    by_node = _check_results(nodes)
+    for n, found in enumerate(by_node):
+        assert sorted(found) == [2 * n, 2 * n + 1], (
+            f"{nodes[n].host.name}, started with --node-rank {n}, ran ranks {sorted(found)}, "
+            f"expected {2 * n} and {2 * n + 1}: rank = node_rank * nproc_per_node + local_rank"
+        )
+
+
+@pytest.mark.step(4)
+@pytest.mark.slow  # two agents and four ranks, each importing torch: ~11 s of CPU
+def test_two_hosts_started_by_torchrun(two_hosts):
+    a, b = two_hosts
+    command = [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.address}:29400"),
+        *("--max-restarts", "0", "-m", f"{impl.current()}.{KATA}", "--timeout", "30"),
+    ]
+    nodes = [_Node(host, command) for host in (a, b)]
+    _wait(nodes, 120, "the two torchruns")
+    by_node = _check_results(nodes)
+    # c10d numbers the nodes in the order they join: either host may be node 0.
+    assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], (
+        f"each torchrun must run one node's ranks, got {[sorted(f) for f in by_node]}"
+    )
+
+
+def _failed_with(node, *texts, within):
+    """The node failed, within ``within`` seconds, printing every one of ``texts``."""
+    assert node.process.returncode not in (0, None), (
+        f"{node.host.name} was expected to fail, but finished.\n\n{node.shown()}"
+    )
+    missing = [text for text in texts if text not in node.output]
+    assert not missing, (
+        f"{node.host.name} failed, but its message does not say {missing}: a learner needs "
+        f"to read what went wrong and what to set.\n\n{node.shown()}"
+    )
+    assert node.seconds < within, (
+        f"{node.host.name} took {node.seconds:.0f} s to fail, more than {within:g} s.\n\n"
+        f"{node.shown()}"
+    )
+
+
+@pytest.mark.step(5)
+@pytest.mark.slow  # two hosts start torch, host-a waits for gloo's timeout: ~20 s
+@pytest.mark.parametrize("master", ["address", "name"], ids=["master-ip", "master-name"])
+def test_host_name_on_loopback_is_explained(two_hosts, master):
+    """Debian's /etc/hosts on host-a: `127.0.1.1 host-a`. Without GLOO_SOCKET_IFNAME gloo listens
+    at 127.0.1.1 there, and host-b's ranks, told to connect to 127.0.1.1, reach their own
+    loopback: they say so at once. host-a's ranks, whom no one reaches, say why at gloo's
+    timeout. (On a 10.x network gloo would have host-a dial out instead, and it would work by
+    luck: these hosts live on a 192.168.x network, as most home networks do.)"""
+    a, b = two_hosts
+    a.set_names({"host-a": "127.0.1.1", "host-b": b.address})
+    master_addr = a.address if master == "address" else "host-a"
+    nodes = [_Node(host, _by_hand(n, master_addr, SHORT)) for n, host in enumerate((a, b))]
+    _wait([nodes[1]], STARTUP_S + 30, "host-b, told to reach host-a's ranks at 127.0.1.1")
+    _failed_with(
+        nodes[1], "127.0.1.1", "loopback", "GLOO_SOCKET_IFNAME=eth0", within=STARTUP_S + SHORT
+    )
+    if master == "address":  # once is enough: the other side, after gloo's own timeout
+        _wait([nodes[0]], STARTUP_S + 60, "host-a, whose gloo listens at 127.0.1.1")
+        _failed_with(
+            nodes[0], "'host-a' resolves to 127.0.1.1", "GLOO_SOCKET_IFNAME=eth0", within=90
+        )
+
+
+@pytest.mark.step(5)
+@pytest.mark.slow  # two hosts, four ranks importing torch: ~8 s of CPU
+def test_gloo_socket_ifname_fixes_a_host_name_on_loopback(two_hosts):
+    a, b = two_hosts
+    a.set_names({"host-a": "127.0.1.1", "host-b": b.address})
+    nodes = [
+        _Node(host, _by_hand(n, a.address), GLOO_SOCKET_IFNAME="eth0")
+        for n, host in enumerate((a, b))
+    ]
+    _wait(nodes, 90, "two hosts with GLOO_SOCKET_IFNAME=eth0, host-a's name on 127.0.1.1")
+    _check_results(nodes)
+
+
+@pytest.mark.step(5)
+@pytest.mark.slow  # two hosts start torch, host-a waits its 3 s: ~8 s
+def test_gloo_on_the_loopback_interface_is_refused(two_hosts):
+    """GLOO_SOCKET_IFNAME=lo (right on one machine, as the loopback tests above use it) on real
+    hosts: gloo would listen where no other host can reach it. host-b, whose rank 0 is surely
+    elsewhere, says so before joining; host-a (MASTER_ADDR is its own: the others might have
+    shared its machine) says so when its ranks give up waiting."""
+    a, b = two_hosts
+    nodes = [
+        _Node(host, _by_hand(n, a.address, SHORT), GLOO_SOCKET_IFNAME="lo")
+        for n, host in enumerate((a, b))
+    ]
+    _wait(nodes, STARTUP_S + 30, "two hosts with GLOO_SOCKET_IFNAME=lo")
+    _failed_with(nodes[1], "GLOO_SOCKET_IFNAME=lo", "GLOO_SOCKET_IFNAME=eth0", within=STARTUP_S)
+    assert "rank 2: GLOO_SOCKET_IFNAME=lo" in nodes[1].output or (
+        "rank 3: GLOO_SOCKET_IFNAME=lo" in nodes[1].output
+    ), f"host-b's ranks must refuse before they join.\n\n{nodes[1].shown()}"
+    _failed_with(
+        nodes[0],
+        "GLOO_SOCKET_IFNAME=lo",
+        "GLOO_SOCKET_IFNAME=eth0",
+        within=STARTUP_S + 4 * SHORT,
+    )
+
+
+@pytest.mark.step(5)
+@pytest.mark.slow  # two hosts start torch, one waits its 3 s: ~8 s
+def test_a_closed_rendezvous_port_is_named(two_hosts):
+    """A firewall on host-a drops TCP to port 29500 from other hosts: host-b's ranks wait in
+    silence, then, at their --timeout, name the address and the port."""
+    from dojo.hosts import nft_availability
+
+    reason = nft_availability()
+    if reason:
+        pytest.skip(reason)
+    a, b = two_hosts
+    a.drop_incoming_tcp(PORT)
+    nodes = [_Node(host, _by_hand(n, a.address, SHORT)) for n, host in enumerate((a, b))]
+    _wait(nodes, STARTUP_S + 30, "two hosts, port 29500 closed on host-a")
+    _failed_with(nodes[1], f"{a.address}:{PORT}", "firewall", within=STARTUP_S + 4 * SHORT)
+    _failed_with(nodes[0], f"{a.address}:{PORT}", "of each other", within=STARTUP_S + 4 * SHORT)
+
+
+@pytest.mark.step(5)
+@pytest.mark.slow  # one host, then the other, each waiting its 3 s: ~12 s
+def test_a_host_started_late_meets_the_timeout(two_hosts):
+    """host-a starts alone and gives up at its --timeout; host-b, started after that, finds no
+    one at host-a's address and gives up at its own. Each says what it waited for."""
+    a, b = two_hosts
+    first = _Node(a, _by_hand(0, a.address, SHORT))
+    _wait([first], STARTUP_S + 30, "host-a, alone")
+    _failed_with(first, f"{a.address}:{PORT}", "of each other", within=STARTUP_S + 4 * SHORT)
+    late = _Node(b, _by_hand(1, a.address, SHORT))
+    _wait([late], STARTUP_S + 30, "host-b, started after host-a gave up")
+    _failed_with(
+        late, f"could not reach rank 0 at {a.address}:{PORT}", within=STARTUP_S + 4 * SHORT
     )

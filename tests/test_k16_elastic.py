@@ -16,7 +16,8 @@ import torch
 
 from dojo import impl
 from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.states import devices_of, largest_gap, same, to_cpu
+from dojo.testing import ranks_phrase, require_gpus, run_program, shared_run
 from dojo.toy_models import loss, make_model
 from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 
@@ -29,75 +30,8 @@ def _device() -> torch.device:
     return rank_device()
 
 
-def _cpu(state):
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu().clone()
-    if isinstance(state, dict):
-        return {key: _cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return [_cpu(value) for value in state]
-    return state
-
-
-def _devices(state) -> set[str]:
-    if isinstance(state, torch.Tensor):
-        return {str(state.device)}
-    if isinstance(state, dict):
-        return set().union(*(_devices(value) for value in state.values()))
-    if isinstance(state, (list, tuple)):
-        return set().union(*(_devices(value) for value in state))
-    return set()
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b
-
-
-def _gap(a: dict, b: dict) -> tuple[str, float]:
-    gaps = {
-        name: (a[name].double() - b[name].double()).abs().max().item()
-        for name in a
-        if name in b and a[name].shape == b[name].shape
-    }
-    name = max(gaps, key=gaps.get)
-    return name, gaps[name]
-
-
-def _ranks(numbers) -> str:
-    numbers = list(numbers)
-    if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    return f"ranks {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
-
-
 def _epochs(count: int) -> str:
     return f"{count} epoch" if count == 1 else f"{count} epochs"
-
-
-def _cached(function):
-    """Share one world run between the tests of a step: per implementation and catalogue swap,
-    the result or the failure."""
-    done = {}
-
-    def shared(*args):
-        key = (impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, ""), *args)
-        if key not in done:
-            try:
-                done[key] = ("ok", function(*args))
-            except BaseException as error:  # a todo included: every test then reports it
-                done[key] = ("error", error)
-        outcome, value = done[key]
-        if outcome == "error":
-            raise value.with_traceback(None)
-        return value
-
-    return shared
 
 
 def _target(f) -> str | None:
@@ -198,12 +132,12 @@ def _write_on_two_nodes(rank, world_size, folder):
         "path": os.path.realpath(path),
         "inode": _inode(path) if os.path.exists(path) else None,
         "listing": sorted(os.listdir(folder)),
-        "state": _cpu(model.state_dict()),
-        "optimizer": _cpu(optimizer.state_dict()),
+        "state": to_cpu(model.state_dict()),
+        "optimizer": to_cpu(optimizer.state_dict()),
     }
 
 
-@_cached
+@shared_run
 def _written():
     with tempfile.TemporaryDirectory(prefix="k16-write-") as folder:
         # The snapshot of an earlier epoch is there already: write_snapshot replaces it.
@@ -235,7 +169,7 @@ def test_only_global_rank_0_writes_the_snapshot(kata):
             "file. Decide by the global rank, dist.get_rank() == 0."
         )
     assert writers == [0], (
-        f"{_ranks(writers)} wrote the snapshot: only global rank 0 may (dist.get_rank() == 0). "
+        f"{ranks_phrase(writers)} wrote the snapshot: only global rank 0 may (dist.get_rank() == 0). "
         "The replicas are identical, and ranks that write one file at once can leave it torn."
     )
 
@@ -307,10 +241,10 @@ def test_the_snapshot_holds_the_unwrapped_model_the_optimizer_and_the_epoch(kata
             "state_dict of torch's DDP wrapper, which a plain model cannot load. Save the "
             "state_dict of the model inside it, model.module.state_dict()."
         )
-    assert _same(on_disk["model"], results[0]["state"]), (
+    assert same(on_disk["model"], results[0]["state"]), (
         "the snapshot's model differs from rank 0's: save the model's own state_dict"
     )
-    assert _same(on_disk["optimizer"], results[0]["optimizer"]), (
+    assert same(on_disk["optimizer"], results[0]["optimizer"]), (
         "the snapshot's 'optimizer' is not rank 0's optimizer.state_dict()"
     )
     assert on_disk["epoch"] == EPOCHS_DONE, (
@@ -401,7 +335,7 @@ def _write_a_snapshot(path, kata, device="cpu") -> dict:
         "epoch": SNAPSHOT_EPOCH,
     }
     torch.save(snapshot, path)
-    return _cpu(snapshot)
+    return to_cpu(snapshot)
 
 
 def _load_everywhere(rank, world_size, path):
@@ -409,16 +343,16 @@ def _load_everywhere(rank, world_size, path):
     model = make_model("frozen", 100 + rank).to(_device())
     ddp = kata.wrap(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=kata.LR)
-    before = _cpu(model.state_dict())
+    before = to_cpu(model.state_dict())
     with _watching_files() as (_, loads):
         epoch = kata.load_snapshot(path, ddp, optimizer)
     return {
         "epoch": epoch,
         "loads": loads,
         "before": before,
-        "state": _cpu(model.state_dict()),
-        "optimizer": _cpu(optimizer.state_dict()),
-        "devices": sorted(_devices(model.state_dict()) | _devices(optimizer.state_dict())),
+        "state": to_cpu(model.state_dict()),
+        "optimizer": to_cpu(optimizer.state_dict()),
+        "devices": sorted(devices_of(model.state_dict()) | devices_of(optimizer.state_dict())),
         "device": str(_device()),
     }
 
@@ -432,7 +366,7 @@ def _run_loads(path, world_size=2, **options):
         raise _loaded_into_the_wrapper(failure) or failure from None
 
 
-@_cached
+@shared_run
 def _loaded():
     kata = load_kata(KATA)
     with tempfile.TemporaryDirectory(prefix="k16-load-") as folder:
@@ -449,12 +383,12 @@ def _check_loaded(results, snapshot) -> None:
                 f"{_epochs(SNAPSHOT_EPOCH)}: return its 'epoch' as an int, as it is (the loop "
                 "goes on from there)"
             )
-        if not _same(result["state"], snapshot["model"]):
-            name, gap = _gap(result["state"], snapshot["model"])
+        if not same(result["state"], snapshot["model"]):
+            name, gap = largest_gap(result["state"], snapshot["model"])
             loaded = [
-                r for r in range(len(results)) if _same(results[r]["state"], snapshot["model"])
+                r for r in range(len(results)) if same(results[r]["state"], snapshot["model"])
             ]
-            also = f" ({_ranks(loaded)} did)" if loaded else ""
+            also = f" ({ranks_phrase(loaded)} did)" if loaded else ""
             raise AssertionError(
                 f"after load_snapshot rank {rank}'s weights are not the snapshot's ({name!r} is up "
                 f"to {gap:.3g} away){also}: every restarted worker loads the snapshot into its own "
@@ -466,7 +400,7 @@ def _check_loaded(results, snapshot) -> None:
                 "step count), while the snapshot does: optimizer.load_state_dict(snapshot"
                 "['optimizer']), or the restarted run steps differently"
             )
-        assert _same(result["optimizer"]["state"], snapshot["optimizer"]["state"]), (
+        assert same(result["optimizer"]["state"], snapshot["optimizer"]["state"]), (
             f"rank {rank}'s optimizer state differs from the snapshot's after load_snapshot"
         )
 
@@ -516,7 +450,7 @@ def test_a_first_start_finds_no_snapshot_and_starts_at_0(kata, tmp_path):
             f"with no snapshot yet rank {rank}'s load_snapshot returned {result['epoch']!r}: a first "
             "start has done 0 epochs, return 0"
         )
-        assert _same(result["state"], result["before"]) and not result["optimizer"].get("state"), (
+        assert same(result["state"], result["before"]) and not result["optimizer"].get("state"), (
             f"with no snapshot yet load_snapshot changed rank {rank}'s model or optimizer: leave "
             "them as they are"
         )
@@ -672,7 +606,7 @@ def _story(model_name: str, world_size: int = 2, fault: str = FAULT, **options) 
         return story
 
 
-_shared_story = _cached(_story)
+_shared_story = shared_run(_story)
 
 
 def _trained(events) -> list[int]:
@@ -723,13 +657,13 @@ def _check_resumed(story: dict, fault: str = FAULT) -> None:
                 "epoch load_snapshot returns, and train each remaining epoch once"
             )
     for rank, (a, b) in enumerate(zip(story["whole"]["results"], resumed["results"])):
-        if not _same(a["state"], b["state"]):
-            name, gap = _gap(b["state"], a["state"])
+        if not same(a["state"], b["state"]):
+            name, gap = largest_gap(b["state"], a["state"])
             raise AssertionError(
                 f"after the restart rank {rank}'s weights differ from the uninterrupted run's "
                 f"({name!r} by up to {gap:.3g}): the restarted run must be the same run, bit for bit"
             )
-        assert _same(a["optimizer"]["state"], b["optimizer"]["state"]), (
+        assert same(a["optimizer"]["state"], b["optimizer"]["state"]), (
             f"after the restart rank {rank}'s weights equal the uninterrupted run's but its Adam "
             "state does not: write and load the optimizer's state too"
         )
@@ -825,7 +759,7 @@ def test_torchrun_restarts_the_group_after_a_killed_worker(kata, tmp_path):
         f"after the restart the group trained epochs {result['trained']}, expected "
         f"{list(range(1, EPOCHS))} (the snapshot held 1 epoch)\n{shown}"
     )
-    assert _same(result["state"], reference["state"]) and _same(
+    assert same(result["state"], reference["state"]) and same(
         result["optimizer"]["state"], reference["optimizer"]["state"]
     ), f"the group torchrun restarted does not end like the uninterrupted run\n{shown}"
 
@@ -859,3 +793,152 @@ def test_restart_on_cuda(kata, backend, world_size):
         "buffer", world_size, fault, backend=backend, env={"DOJO_DEVICE": "cuda"}, deadline=60
     )
     _check_resumed(story, fault)
+
+
+# --------------------------------------------------------------------------- a host lost and back
+#
+# Two fake hosts (dojo.hosts: network namespaces with their own addresses; Linux and root only,
+# elsewhere this skips saying what is missing), one worker each, torchrun's c10d rendezvous on
+# host-a. The snapshot sits in a folder both hosts see, as a shared file system would be.
+
+HOST_EPOCHS = 40  # ~50 ms each across the two hosts: time to kill host-b between two snapshots
+# torch's agents share their rendezvous store with the workers by default, and a surviving agent
+# never writes the store's address for the next round again, so a replaced agent waits for it
+# until its timeout (torch 2.14; compare pytorch/pytorch#135712). A job whose hosts may be
+# replaced turns the sharing off.
+NO_SHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _train_whole(rank, world_size, snapshot, epochs):
+    return load_kata(KATA).train_one_thread(rank, world_size, snapshot, epochs)
+
+
+def _host_log(label: str, log) -> str:
+    """What a host's torchrun printed, without torch's info and warning lines."""
+    log.seek(0)
+    text = log.read()
+    noise = re.compile(r"^([WI]\d{4} |\[W\d{4} )")  # torch's info and warning lines
+    traceback = re.compile(r"^\[rank\d+\]: (?!\w+(Error|Exception)\b)")  # all but its error
+    kept = [line for line in text.splitlines() if not (noise.match(line) or traceback.match(line))]
+    return f"{label} printed:\n" + "\n".join(kept)[-2500:]
+
+
+def _restart_counts(group) -> dict[str, list[str]]:
+    """Each host's workers (not its agent) and the TORCHELASTIC_RESTART_COUNT they were given."""
+    counts = {}
+    for host in group:
+        found = []
+        for pid in host.pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"torch.distributed.run" in f.read():
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    names = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            except OSError:
+                continue
+            if b"TORCHELASTIC_RESTART_COUNT" in names:
+                found.append(names[b"TORCHELASTIC_RESTART_COUNT"].decode())
+        counts[host.name] = found
+    return counts
+
+
+@pytest.mark.step(3)
+@pytest.mark.slow  # two agents and three workers across two hosts, and a reference run: ~30 s
+def test_a_host_killed_and_brought_back_resumes_from_the_snapshot(kata, tmp_path):
+    """Mid-training, every process of host-b is killed (its agent and its worker). host-a's
+    agent restarts its worker and waits at the rendezvous; host-b, started again, joins; the
+    new group loads the last snapshot and ends exactly like a run that was never interrupted."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dojo.curriculum import ROOT
+    from dojo.testing import fake_hosts_or_skip
+    from dojo.todo import find_todo
+
+    snapshot, out = tmp_path / "snapshot.pt", tmp_path / "result.pt"
+    with fake_hosts_or_skip(2) as group:
+        a, b = group
+        command = [
+            sys.executable,
+            *("-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.address}:29400"),
+            *("--max-restarts", "1", "--monitor-interval", "0.2"),
+            *("-m", f"{impl.current()}.{KATA}", "--snapshot", str(snapshot)),
+            *("--epochs", str(HOST_EPOCHS), "--out", str(out), "--backend", "gloo"),
+            *("--device", "cpu"),
+        ]
+        launched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in (*launched, "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+        }
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **NO_SHARED_STORE)
+        labels = {"a": a.name, "b": f"{b.name} (first)", "b again": f"{b.name} (started again)"}
+        logs = {name: tempfile.TemporaryFile("w+") for name in labels}
+
+        def start(host, name):
+            return host.popen(
+                command, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT
+            )
+
+        def shown() -> str:
+            return "\n\n".join(_host_log(labels[n], log) for n, log in logs.items())
+
+        def todo_or(failure: str):
+            for log in logs.values():
+                log.seek(0)
+                todo = find_todo(AssertionError(log.read()))
+                if todo is not None:
+                    raise todo
+            raise AssertionError(f"{failure}\n\n{shown()}")
+
+        agents = {"a": start(a, "a"), "b": start(b, "b")}
+        deadline = time.monotonic() + 90
+        while not snapshot.exists():
+            if any(p.poll() is not None for p in agents.values()):
+                todo_or("a torchrun ended before the first snapshot was written")
+            if time.monotonic() > deadline:
+                todo_or("no snapshot was written within 90 s of starting both hosts")
+            time.sleep(0.005)
+        while b.pids():  # host-b goes: its agent and its worker, at once
+            for pid in b.pids():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        agents["b"].wait()
+        assert not out.exists(), (
+            "training had already finished when host-b was killed: nothing was tested (give it "
+            "more epochs)"
+        )
+        agents["b again"] = start(b, "b again")
+        deadline = time.monotonic() + 45  # it takes ~15 s: the rendezvous drops the dead host first
+        for name in ("a", "b again"):
+            try:
+                agents[name].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                todo_or(
+                    f"host-{name[0]}'s torchrun was still running 45 s after host-b came back; "
+                    f"the workers' restart counts: {_restart_counts(group)}"
+                )
+        if agents["a"].returncode or agents["b again"].returncode:
+            todo_or("after host-b came back, a torchrun failed")
+        assert out.exists(), f"no result was saved by the group that finished\n\n{shown()}"
+    whole = run_world(_train_whole, 2, str(tmp_path / "whole.pt"), HOST_EPOCHS, deadline=60)
+    result = torch.load(out, map_location="cpu", weights_only=False)
+    assert 1 <= result["started_at"] < HOST_EPOCHS, (
+        f"the group that finished started at epoch {result['started_at']}: after host-b came back "
+        f"it must go on from the last snapshot\n\n{shown()}"
+    )
+    assert result["trained"] == list(range(result["started_at"], HOST_EPOCHS)), (
+        f"the group that finished started at epoch {result['started_at']} and trained "
+        f"{result['trained']}: each remaining epoch once"
+    )
+    assert same(result["state"], whole[0]["state"]) and same(
+        result["optimizer"]["state"], whole[0]["optimizer"]["state"]
+    ), (
+        "after host-b was killed and brought back, the weights or Adam's state differ from the "
+        f"uninterrupted run's\n\n{shown()}"
+    )

@@ -73,6 +73,9 @@ RUN IT
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m katas.k16_elastic --fault 1:1:2
         (by hand: the workers keep ./k16_snapshot.pt and its .fault-fired marker; delete both
         to start again)
+    Across hosts (--nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400), where a host may
+    be replaced, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every host: in torch 2.14 a
+    replaced host's agent otherwise waits 60 s for an address the surviving one never rewrites.
 """
 
 from __future__ import annotations
@@ -300,7 +303,9 @@ def join_the_group(backend: str, timeout_s: float = 60.0) -> None:
         is_master=rank == 0 and not agent_hosts_it,
         timeout=timeout,
     )
-    store = dist.PrefixStore(f"k16/restart-{restart}/", store)
+    if agent_hosts_it:  # the agent's store outlives a group: a prefix per restart (a store of
+        # its own each round, as when hosts come and go, needs none: their counts differ)
+        store = dist.PrefixStore(f"k16/restart-{restart}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 

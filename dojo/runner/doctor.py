@@ -221,6 +221,30 @@ def _loopback() -> list[Finding]:
     return found
 
 
+def _multi_host() -> Finding:
+    """Whether the tests across fake hosts (network namespaces) can run here, and why not."""
+    from dojo.hosts import availability, nft_availability
+
+    reason = availability()
+    if reason:
+        return Finding(
+            "note",
+            "multi-host tests",
+            f"cannot run here: {reason}. The tests across two fake hosts (k06's launches and "
+            "pitfalls, k16's host restart) are skipped; everything else runs",
+        )
+    text = (
+        "can run here: network namespaces work, so k06 and k16 are also tested across fake "
+        "hosts, each with its own address"
+    )
+    firewall = nft_availability()
+    if firewall:
+        return Finding(
+            "note", "multi-host tests", f"{text}; the closed-port test is skipped: {firewall}"
+        )
+    return Finding("ok", "multi-host tests", text)
+
+
 def _start_methods() -> Finding:
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" not in methods:
@@ -404,6 +428,7 @@ def examine() -> list[Finding]:
             _shared_memory(),
             *_loopback(),
             _start_methods(),
+            _multi_host(),
             *_machine(),
         ]
     except BaseException:
