@@ -15,7 +15,8 @@ the reference with that one piece swapped in:
 * a mistake must fail every test named in ``fails`` (a bare name: every parametrization of it;
   ``"test_x[4]"``: that one), each with a message holding every text in ``says``;
 * a right answer must pass every test of the step it belongs to (the step whose todo the
-  replaced function raises in the shipped stub; ``steps=`` overrides).
+  replaced function raises in the shipped stub; ``steps=`` overrides), but the slow ones
+  (``@pytest.mark.slow``: real torchrun, real hosts), which run against the reference only.
 
 ``pytest -p dojo.mistakes.plugin`` runs them (``make test`` does, through ``dojo dev check``).
 """

@@ -440,7 +440,7 @@ MISTAKES = [
         "scatter_list_on_every_rank",
         replaces="scatter_rows",
         fails=["test_scatter_and_gather[3]"],
-        says=["rank 1 passed a scatter_list of 3 tensors", "scatter_list=None"],
+        says=["passed a scatter_list of 3 tensors, but it is not src", "scatter_list=None"],
     ),
     Mistake(
         "scatter_without_checking",

@@ -117,6 +117,8 @@ def _wanted(item: pytest.Item, variant: Variant) -> bool:
     if variant.is_mistake:
         plain = _plain_name(item, variant)
         return any(t == plain or t == plain.split("[")[0] for t in variant.entry.fails)
+    if item.get_closest_marker("slow"):  # a right answer runs its step's quick tests; the slow
+        return False  # ones (real torchrun, real hosts) run once, against the reference
     return bool(_steps_of(item) & set(mistakes.right_answer_steps(variant.kata, variant.entry)))
 
 
