@@ -16,6 +16,8 @@ KNOWN = {
     "allreduce": "your ring all-reduce (k09) against gloo's dist.all_reduce",
     "ddp": "a data-parallel step: your k04, k12 and k13 against torch's DistributedDataParallel",
     "harness": "what a test world costs: the rank harness's start-up and per-world times",
+    "memory": "bytes per rank of parameters, gradients and optimizer state: DDP, ZeRO-1 (k18), FSDP (k19)",
+    "parallel": "a training step of each Part IV kata's reference against torch's own, on the same world",
 }
 
 
