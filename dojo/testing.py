@@ -169,6 +169,30 @@ def refusal(call) -> str | None:
     return f"returned {value!r}"
 
 
+def assert_refuses_missing_keys(call: str, outcome: str, message: str, lacking) -> None:
+    """Hold a loader to refusing a file that lacks ``lacking`` keys with a ValueError naming each.
+
+    ``outcome`` is "returned", "ValueError" or another exception's name; ``message`` its text (or
+    what was returned).
+    """
+    what = f"a file without {', '.join(map(repr, lacking))}"
+    if outcome == "returned":
+        raise AssertionError(
+            f"{call} of {what} returned {message}: check the keys first and raise "
+            "ValueError naming the ones it lacks"
+        )
+    if outcome != "ValueError":
+        raise AssertionError(
+            f"{call} of {what} raised {outcome}: {message}. Raise ValueError naming the "
+            "keys it lacks (a KeyError names one, and not why)"
+        )
+    unnamed = [key for key in lacking if key not in message]
+    assert not unnamed, (
+        f"{call} of {what} raised ValueError({message!r}): name every key it lacks "
+        f"({', '.join(map(repr, unnamed))} not named)"
+    )
+
+
 def require_gpus(count: int) -> None:
     """Skip the test (or the rank, which skips the test) unless ``count`` CUDA GPUs are present."""
     import pytest

@@ -14,7 +14,13 @@ import torch
 from dojo.calls import recording
 from dojo.impl import load_kata
 from dojo.states import devices_of, largest_gap, same, to_cpu
-from dojo.testing import ranks_phrase, require_gpus, run_program, shared_run
+from dojo.testing import (
+    assert_refuses_missing_keys,
+    ranks_phrase,
+    require_gpus,
+    run_program,
+    shared_run,
+)
 from dojo.toy_models import loss, make_model
 from dojo.world import RankFailed, WorldDeadlock, run_world
 
@@ -438,22 +444,7 @@ def test_a_file_that_is_not_a_checkpoint_is_refused(kata, tmp_path, keep, lackin
     # torch.save(model.state_dict(), path), a common sight; or a checkpoint without its optimizer
     torch.save(weights if keep is None else {"model": weights, "step": 3}, path)
     [(outcome, message)] = run_world(_refusal, 1, str(path))
-    what = f"a file without {', '.join(map(repr, lacking))}"
-    if outcome == "returned":
-        raise AssertionError(
-            f"load_checkpoint of {what} returned {message}: check the keys first and raise "
-            "ValueError naming the ones it lacks"
-        )
-    if outcome != "ValueError":
-        raise AssertionError(
-            f"load_checkpoint of {what} raised {outcome}: {message}. Raise ValueError naming the "
-            "keys it lacks (a KeyError names one, and not why)"
-        )
-    unnamed = [key for key in lacking if key not in message]
-    assert not unnamed, (
-        f"load_checkpoint of {what} raised ValueError({message!r}): name every key it lacks "
-        f"({', '.join(map(repr, unnamed))} not named)"
-    )
+    assert_refuses_missing_keys("load_checkpoint", outcome, message, lacking)
 
 
 def _refusal(rank, world_size, path):
