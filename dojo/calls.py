@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 CALLS = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast", "reduce", "all_reduce",
     "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-    "new_group",
+    "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "new_group",
 )  # fmt: skip
 _PEERS = ("src", "dst", "group_src", "group_dst", "tag")
 

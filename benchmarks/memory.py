@@ -1,0 +1,210 @@
+"""Benchmark: bytes per rank of parameters, gradients and optimizer state: DDP, ZeRO-1, FSDP.
+
+    dojo bench memory                              # or: python -m benchmarks.memory
+    python -m benchmarks.memory --ranks 2,4,8      # more world sizes
+    python -m benchmarks.memory --impl katas       # your k18 and k19 instead of the reference
+
+One model (a TinyTransformer made larger through its constructor: ``--blocks`` 4 of ``--dim``
+128, about 0.8 million parameters in 69 tensors, so that padding is negligible), one AdamW step
+(fp32) on each of N ranks (gloo on the CPU), three ways: replicated as in DDP (every rank holds
+every parameter, gradient and optimizer state; the gradients all-reduced), ZeRO-1 (k18's
+``ShardedOptimizer``: the optimizer state split) and ZeRO-3 (k19's ``FullyShardedModule``: the
+parameters, gradients and state split). After the step each rank MEASURES what it holds: the
+bytes of its parameter tensors, of their ``.grad`` tensors and of its optimizer's state tensors
+(AdamW's exp_avg and exp_avg_sq, and a 4-byte step per tensor). The table shows the heaviest
+rank's bytes next to the ZeRO paper's formulas for fp32 Adam with P parameters on N ranks
+(Rajbhandari et al. 2020, without their fp16 copies): DDP 4P + 4P + 8P, ZeRO-1 4P + 4P + 8P/N,
+ZeRO-3 (4P + 4P + 8P)/N, and measured / formula (1.00: the formula holds; a little above: the
+step counters, the padding and the LayerNorms that FSDP keeps whole on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from dojo import impl
+from dojo.console import run_program, say
+from dojo.launch import launch_world
+from dojo.toy_models import TinyTransformer, make_tokens, transformer_loss
+
+WAYS = ("DDP", "ZeRO-1 (k18)", "ZeRO-3 (k19)")
+KIB = 1024
+
+
+def make_model(blocks: int, dim: int, seed: int) -> TinyTransformer:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyTransformer(blocks=blocks, dim=dim)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return _bytes(
+        t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+    )
+
+
+def _held(params, optimizer) -> dict:
+    params = list(params)
+    return {
+        "params": _bytes(params),
+        "grads": _bytes(p.grad for p in params),
+        "state": _state_bytes(optimizer),
+    }
+
+
+def _one_step(model, optimizer, rank: int, seed: int, finish) -> None:
+    tokens, targets = make_tokens(8, 1000 * seed + rank)
+    optimizer.zero_grad(set_to_none=False)
+    transformer_loss(model(tokens), targets).backward()
+    finish()
+    optimizer.step()
+
+
+def _measure_rank(
+    rank: int, world_size: int, impl_name: str, blocks: int, dim: int, seed: int
+) -> dict:
+    k18 = importlib.import_module(f"{impl_name}.k18_zero")
+    k19 = importlib.import_module(f"{impl_name}.k19_fsdp")
+    found = {}
+
+    model = make_model(blocks, dim, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def all_reduce_gradients():
+        for param in model.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= world_size
+
+    _one_step(model, optimizer, rank, seed, all_reduce_gradients)
+    found[WAYS[0]] = _held(model.parameters(), optimizer)
+
+    model = make_model(blocks, dim, seed)
+    optimizer = k18.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    _one_step(model, optimizer, rank, seed, all_reduce_gradients)
+    found[WAYS[1]] = {
+        **_held(model.parameters(), optimizer),
+        "state": _state_bytes(optimizer.inner),
+    }
+
+    wrapper = k19.FullyShardedModule(make_model(blocks, dim, seed))
+    optimizer = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+    _one_step(wrapper, optimizer, rank, seed, wrapper.finish_gradient_synchronization)
+    found[WAYS[2]] = _held(wrapper.parameters(), optimizer)
+    return found
+
+
+def formulas(parameters: int, world_size: int) -> dict:
+    """The ZeRO paper's bytes per rank for fp32 Adam: (params, grads, optimizer state)."""
+    p, n = parameters, world_size
+    return {
+        WAYS[0]: (4 * p, 4 * p, 8 * p),
+        WAYS[1]: (4 * p, 4 * p, 8 * p / n),
+        WAYS[2]: (4 * p / n, 4 * p / n, 8 * p / n),
+    }
+
+
+def rows(parameters: int, world_size: int, results: list[dict]) -> list[dict]:
+    """One row per way: the heaviest rank's measured bytes beside the formula's."""
+    expected = formulas(parameters, world_size)
+    table = []
+    for way in WAYS:
+        heaviest = max(results, key=lambda r: sum(r[way].values()))[way]
+        total = sum(heaviest.values())
+        formula = sum(expected[way])
+        table.append(
+            {
+                "ranks": world_size,
+                "way": way,
+                **heaviest,
+                "total": total,
+                "formula": formula,
+                "ratio": total / formula,
+            }
+        )
+    return table
+
+
+def _header() -> str:
+    return (
+        f"{'ranks':>5} | {'way':<13} | {'params':>11} | {'grads':>11} | {'opt. state':>11} | "
+        f"{'total':>11} | {'formula':>11} | {'measured/formula':>16}"
+    )
+
+
+def _kib(nbytes: float) -> str:
+    return f"{nbytes / KIB:,.1f} KiB"
+
+
+def _format_row(row: dict) -> str:
+    return (
+        f"{row['ranks']:>5} | {row['way']:<13} | {_kib(row['params']):>11} | "
+        f"{_kib(row['grads']):>11} | {_kib(row['state']):>11} | {_kib(row['total']):>11} | "
+        f"{_kib(row['formula']):>11} | {row['ratio']:>16.3f}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--ranks", default="2,4", help="comma-separated world sizes, one run each (default 2,4)"
+    )
+    parser.add_argument(
+        "--impl",
+        choices=impl.PACKAGES,
+        default="solutions",
+        help="whose k18 and k19: solutions (the reference, the default) or katas (yours)",
+    )
+    parser.add_argument("--blocks", type=int, default=4, help="transformer blocks (default 4)")
+    parser.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        world_sizes = [int(n) for n in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks: {args.ranks!r} is not a list like 2,4")
+    if any(n < 1 for n in world_sizes):
+        parser.error("--ranks: every world needs at least one rank")
+    if args.blocks < 1:
+        parser.error("--blocks must be at least 1")
+    if args.dim < 4 or args.dim % 4:
+        parser.error("--dim must be a positive multiple of 4 (the attention's 4 heads)")
+    model = make_model(args.blocks, args.dim, args.seed)
+    parameters = sum(p.numel() for p in model.parameters())
+    say(
+        None,
+        f"TinyTransformer(blocks={args.blocks}, dim={args.dim}): {parameters:,} parameters in "
+        f"{len(list(model.parameters()))} tensors, one fp32 AdamW step, gloo on cpu; k18 and k19 "
+        f"from {args.impl}/; bytes held by the heaviest rank, measured after the step",
+    )
+    say(None, _header())
+    for world_size in world_sizes:
+        results = launch_world(
+            _measure_rank,
+            world_size,
+            args.impl,
+            args.blocks,
+            args.dim,
+            args.seed,
+            backend="gloo",
+            device="cpu",
+        )
+        for row in rows(parameters, world_size, results):
+            say(None, _format_row(row))
+    say(
+        None,
+        "formula (ZeRO paper, fp32 Adam, P parameters, N ranks): DDP 4P + 4P + 8P; ZeRO-1 "
+        "4P + 4P + 8P/N; ZeRO-3 (4P + 4P + 8P)/N",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)
