@@ -145,7 +145,7 @@ class Block(nn.Module):
         self.attention_norm = nn.LayerNorm(dim)
         self.attention = Attention(dim)
         self.mlp_norm = nn.LayerNorm(dim)
-        self.mlp = MLP(dim)
+        self.mlp = MLP(dim, 4 * dim)  # MLP_DIM at the default MODEL_DIM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
