@@ -134,8 +134,8 @@ def rows(parameters: int, world_size: int, results: list[dict]) -> list[dict]:
 
 def _header() -> str:
     return (
-        f"{'ranks':>5} | {'way':<13} | {'params':>11} | {'grads':>11} | {'opt. state':>11} | "
-        f"{'total':>11} | {'formula':>11} | {'measured/formula':>16}"
+        f"{'ranks':>5} | {'way':<13} | {'params':>12} | {'grads':>12} | {'opt. state':>12} | "
+        f"{'total':>12} | {'formula':>12} | {'measured/formula':>16}"
     )
 
 
@@ -145,9 +145,9 @@ def _kib(nbytes: float) -> str:
 
 def _format_row(row: dict) -> str:
     return (
-        f"{row['ranks']:>5} | {row['way']:<13} | {_kib(row['params']):>11} | "
-        f"{_kib(row['grads']):>11} | {_kib(row['state']):>11} | {_kib(row['total']):>11} | "
-        f"{_kib(row['formula']):>11} | {row['ratio']:>16.3f}"
+        f"{row['ranks']:>5} | {row['way']:<13} | {_kib(row['params']):>12} | "
+        f"{_kib(row['grads']):>12} | {_kib(row['state']):>12} | {_kib(row['total']):>12} | "
+        f"{_kib(row['formula']):>12} | {row['ratio']:>16.3f}"
     )
 
 
