@@ -14,6 +14,7 @@ from dojo.runner.term import foreground
 
 KNOWN = {
     "allreduce": "your ring all-reduce (k09) against gloo's dist.all_reduce",
+    "collectives": "time, algorithm and bus bandwidth of the collectives over a sweep of sizes (nccl-tests' way)",
     "ddp": "a data-parallel step: your k04, k12 and k13 against torch's DistributedDataParallel",
     "harness": "what a test world costs: the rank harness's start-up and per-world times",
     "memory": "bytes per rank of parameters, gradients and optimizer state: DDP, ZeRO-1 (k18), FSDP (k19)",
