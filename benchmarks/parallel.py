@@ -1,0 +1,382 @@
+"""Benchmark: a training step of each Part IV kata against torch's own, on one world.
+
+    python -m benchmarks.parallel                      # katas/ (yours), 2 ranks, gloo on CPU
+    python -m benchmarks.parallel --impl solutions     # the reference implementations
+    python -m benchmarks.parallel --only zero,tp --steps 40
+
+Each row puts a kata's way next to torch's counterpart on the same world, the same model, the
+same data and the same seeds:
+
+    zero   k18's ShardedOptimizer(AdamW)       torch's ZeroRedundancyOptimizer(AdamW)
+    fsdp   k19's FullyShardedModule + AdamW    torch's fully_shard (FSDP2) + AdamW
+    tp     k20's ParallelMLP + SGD             parallelize_module(Colwise up, Rowwise down) + SGD
+    pp     k21's 1F1B schedule + SGD           torch.distributed.pipelining's Schedule1F1B + SGD
+           (at the toy model's own width: k21's stages send activations of that width)
+
+A step is everything one optimizer step needs (zero_grad, forward, backward, the
+synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
+two ways take turns step by step, so a busy machine slows both alike; the table shows the median
+step time of each and ``torch's time / yours`` (above 1: yours is faster). Both ways must end with
+the same weights (to a small tolerance: they add in different orders): a row that does not says
+WRONG and the run fails. A kata not written yet is listed as such; a torch without the
+counterpart skips that row, saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dojo import impl
+from dojo.console import run_program, say
+from dojo.devices import rank_device
+from dojo.launch import launch_world
+from dojo.todo import KataTodo
+from dojo.toy_models import MLP, MODEL_DIM, TinyTransformer, make_tokens, transformer_loss
+
+KATAS = {
+    "zero": ("k18_zero", "ShardedOptimizer", "ZeroRedundancyOptimizer"),
+    "fsdp": ("k19_fsdp", "FullyShardedModule", "fully_shard"),
+    "tp": ("k20_tensor_parallel", "ParallelMLP", "parallelize_module"),
+    "pp": ("k21_pipeline", "1F1B schedule", "pipelining Schedule1F1B"),
+}
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
+LR = 1e-3
+
+
+class Skip(Exception):
+    """This torch lacks the counterpart: the row says why."""
+
+
+def _model(args: argparse.Namespace, dim: int | None = None) -> TinyTransformer:
+    torch.manual_seed(args.seed)  # the same start on every rank and for both ways
+    return TinyTransformer(blocks=args.blocks, dim=dim or args.dim).to(rank_device())
+
+
+def _batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = make_tokens(args.batch, seed=10_000 * step + rank)
+    return tokens.to(rank_device()), targets.to(rank_device())
+
+
+def _average_gradients(model: nn.Module) -> None:
+    size = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= size
+
+
+# Each comparison builds both ways on this rank and returns (yours, torch's, same): a step is
+# ``way(step_number)``, ``same()`` says whether the two ended with the same weights.
+Way = Callable[[int], None]
+
+
+def _zero(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError as error:
+        raise Skip(f"this torch has no ZeroRedundancyOptimizer ({error})") from None
+    rank = dist.get_rank()
+    models = [_model(args), _model(args)]
+    optimizers = [
+        kata.ShardedOptimizer(models[0].parameters(), torch.optim.AdamW, lr=LR),
+        ZeroRedundancyOptimizer(models[1].parameters(), optimizer_class=torch.optim.AdamW, lr=LR),
+    ]
+
+    def way(index: int) -> Way:
+        def step(number: int) -> None:
+            model, optimizer = models[index], optimizers[index]
+            optimizer.zero_grad()
+            tokens, targets = _batch(args, number, rank)
+            transformer_loss(model(tokens), targets).backward()
+            _average_gradients(model)  # the same data-parallel gradients for both optimizers
+            optimizer.step()
+
+        return step
+
+    def same() -> bool:
+        return all(
+            torch.allclose(a, b, **TOLERANCE)
+            for a, b in zip(models[0].parameters(), models[1].parameters())
+        )
+
+    return way(0), way(1), same
+
+
+def _fsdp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as error:
+        raise Skip(f"this torch has no fully_shard ({error})") from None
+    rank, device = dist.get_rank(), rank_device()
+    yours = kata.FullyShardedModule(_model(args))
+    theirs = _model(args)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    optimizers = [
+        torch.optim.AdamW(yours.parameters(), lr=LR),
+        torch.optim.AdamW(theirs.parameters(), lr=LR),
+    ]
+
+    def step_yours(number: int) -> None:
+        optimizers[0].zero_grad()
+        tokens, targets = _batch(args, number, rank)
+        transformer_loss(yours(tokens), targets).backward()
+        yours.finish_gradient_synchronization()
+        optimizers[0].step()
+
+    def step_theirs(number: int) -> None:
+        optimizers[1].zero_grad()
+        tokens, targets = _batch(args, number, rank)
+        transformer_loss(theirs(tokens), targets).backward()
+        optimizers[1].step()
+
+    def same() -> bool:
+        full = yours.gather_full_params()
+        return all(
+            torch.allclose(full[name], param.full_tensor(), **TOLERANCE)
+            for name, param in theirs.named_parameters()
+        )
+
+    return step_yours, step_theirs, same
+
+
+def _tp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+    except ImportError as error:
+        raise Skip(f"this torch has no parallelize_module ({error})") from None
+    device = rank_device()
+
+    def dense() -> MLP:
+        torch.manual_seed(args.seed)
+        return MLP(args.dim, 4 * args.dim).to(device)
+
+    yours = kata.ParallelMLP(dense())
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    theirs = parallelize_module(dense(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    optimizers = [
+        torch.optim.SGD(yours.parameters(), lr=LR),
+        torch.optim.SGD(theirs.parameters(), lr=LR),
+    ]
+
+    def way(module: nn.Module, optimizer: torch.optim.Optimizer) -> Way:
+        def step(number: int) -> None:
+            optimizer.zero_grad()
+            # tensor parallel: every rank of the group sees the same tokens
+            generator = torch.Generator().manual_seed(number)
+            x = torch.randn(args.batch, 8, args.dim, generator=generator).to(device)
+            module(x).square().mean().backward()
+            optimizer.step()
+
+        return step
+
+    def same() -> bool:
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        return all(
+            torch.allclose(local(getattr(theirs, layer).weight), getattr(yours, layer).weight)
+            and torch.allclose(local(getattr(theirs, layer).bias), getattr(yours, layer).bias)
+            for layer in ("up", "down")
+        )
+
+    return way(yours, optimizers[0]), way(theirs, optimizers[1]), same
+
+
+def _pp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    except ImportError as error:
+        raise Skip(f"this torch has no torch.distributed.pipelining ({error})") from None
+    rank, size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    # k21's stages pass activations of the toy model's own width (MODEL_DIM) between ranks
+    stages = [kata.split_stages(_model(args, MODEL_DIM), size, rank) for _ in range(2)]
+    actions = kata.one_f_one_b_actions(size, args.micro_batches, rank)
+    schedule = Schedule1F1B(
+        PipelineStage(stages[1], rank, size, device), args.micro_batches, loss_fn=transformer_loss
+    )
+    optimizers = [torch.optim.SGD(stage.parameters(), lr=LR) for stage in stages]
+
+    def micro_batches(number: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # a pipeline's ranks all see the same batch: the first reads tokens, the last targets
+        size_each = max(1, args.batch // args.micro_batches)
+        return [
+            tuple(t.to(device) for t in make_tokens(size_each, seed=1000 * number + i))
+            for i in range(args.micro_batches)
+        ]
+
+    def step_yours(number: int) -> None:
+        optimizers[0].zero_grad()
+        kata.run_schedule(stages[0], actions, micro_batches(number))
+        optimizers[0].step()
+
+    def step_theirs(number: int) -> None:
+        optimizers[1].zero_grad()
+        batches = micro_batches(number)
+        if rank == 0:
+            schedule.step(torch.cat([tokens for tokens, _ in batches]))
+        elif rank == size - 1:
+            schedule.step(target=torch.cat([targets for _, targets in batches]))
+        else:
+            schedule.step()
+        optimizers[1].step()
+
+    def same() -> bool:
+        return all(
+            torch.allclose(a, b, **TOLERANCE)
+            for a, b in zip(stages[0].parameters(), stages[1].parameters())
+        )
+
+    return step_yours, step_theirs, same
+
+
+COMPARISONS = {"zero": _zero, "fsdp": _fsdp, "tp": _tp, "pp": _pp}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_rank(seconds: float) -> float:
+    timing = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(timing, op=dist.ReduceOp.MAX)
+    return float(timing.item())
+
+
+def _timed(step: Way, number: int) -> float:
+    device = rank_device()
+    _synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    step(number)
+    _synchronize(device)
+    return _slowest_rank(time.perf_counter() - start)
+
+
+def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], args) -> dict:
+    # FSDP2 warns that a module returns a view (the logits' reshape): no in-place op follows here.
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    rows = {}
+    for name in names:
+        module, _, _ = KATAS[name]
+        try:
+            kata = importlib.import_module(f"{impl_name}.{module}")
+            yours, theirs, same = COMPARISONS[name](kata, args)
+            times = ([], [])
+            for number in range(args.warmup + args.steps):
+                for way, spent in zip((yours, theirs), times):  # take turns: noise hits both
+                    seconds = _timed(way, number)
+                    if number >= args.warmup:
+                        spent.append(seconds)
+            rows[name] = {
+                "yours": statistics.median(times[0]),
+                "theirs": statistics.median(times[1]),
+                "same": same(),
+            }
+        except KataTodo as todo:  # every rank reaches the same unwritten step
+            rows[name] = {"todo": str(todo)}
+        except Skip as skip:
+            rows[name] = {"skip": str(skip)}
+    return rows
+
+
+def _format_row(name: str, row: dict) -> str:
+    module, yours, theirs = KATAS[name]
+    label = f"{module[:3]} {yours} vs {theirs}"
+    if "todo" in row:
+        return f"{label:<58} {row['todo']}"
+    if "skip" in row:
+        return f"{label:<58} skipped: {row['skip']}"
+    ratio = row["theirs"] / row["yours"]
+    verdict = "same weights" if row["same"] else "WRONG: the weights differ"
+    return (
+        f"{label:<58} {row['yours'] * 1e3:8.2f} ms {row['theirs'] * 1e3:8.2f} ms "
+        f"{ratio:6.2f}x  {verdict}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--impl",
+        choices=impl.PACKAGES,
+        default=impl.current(),
+        help="whose katas: katas (yours) or solutions (default: $DOJO_IMPL, else katas)",
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument(
+        "--only",
+        default=",".join(COMPARISONS),
+        help=f"comma-separated rows among {', '.join(COMPARISONS)} (default: all)",
+    )
+    parser.add_argument("--dim", type=int, default=128, help="the model's width (default 128)")
+    parser.add_argument("--blocks", type=int, default=4, help="its blocks (default 4)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per rank (default 16)")
+    parser.add_argument(
+        "--micro-batches", type=int, default=4, help="the pp row's micro-batches (default 4)"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per way (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in COMPARISONS]
+    if unknown or not names:
+        parser.error(
+            f"--only: {', '.join(unknown) or 'nothing'}: choose among {', '.join(COMPARISONS)}"
+        )
+    for option, value, least in (
+        ("--world-size", args.world_size, 1),
+        ("--dim", args.dim, 1),
+        ("--blocks", args.blocks, 1),
+        ("--batch", args.batch, 1),
+        ("--micro-batches", args.micro_batches, 1),
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+    ):
+        if value < least:
+            parser.error(f"{option} must be at least {least}")
+    if "pp" in names and args.blocks < args.world_size:
+        parser.error(f"--blocks {args.blocks}: the pp row needs a block per rank at least")
+    if args.dim % (4 * args.world_size):
+        parser.error(f"--dim {args.dim} must divide by 4 heads x {args.world_size} ranks")
+    say(
+        None,
+        f"one training step, Part IV katas from {args.impl}/ against torch's own, "
+        f"{args.world_size} ranks, gloo on cpu; a TinyTransformer of {args.blocks} blocks of width "
+        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches), {args.batch} sequences per rank; median of "
+        f"{args.steps} steps (x: torch's time / yours)",
+    )
+    say(None, f"{'':<58} {'yours':>11} {'torch':>11} {'x':>7}")
+    rows = launch_world(
+        _bench_rank, args.world_size, args.impl, names, args, backend="gloo", device="cpu"
+    )[0]
+    for name in names:
+        say(None, _format_row(name, rows[name]))
+    wrong = [name for name in names if rows[name].get("same") is False]
+    if wrong:
+        say(None, f"weights differ from torch's: {', '.join(wrong)} (see those katas' tests)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)
