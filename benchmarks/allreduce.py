@@ -62,7 +62,8 @@ def repetitions(nbytes: int, at_least: int) -> int:
 
 
 def _slowest_rank(seconds: float) -> float:
-    timing = torch.tensor([seconds], dtype=torch.float64)
+    # on the rank's device: NCCL reduces CUDA tensors only
+    timing = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)
     return float(timing.item())
 

@@ -105,7 +105,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _slowest_rank(seconds: float) -> float:
-    timing = torch.tensor([seconds], dtype=torch.float64)
+    # on the rank's device: NCCL reduces CUDA tensors only
+    timing = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)
     return float(timing.item())
 

@@ -77,3 +77,170 @@ def test_memory_benchmark_measures_what_the_formulas_say():
     for row in rows:
         ratio = float(row.rsplit("|", 1)[1])
         assert 1.0 <= ratio < 1.05, f"measured / formula should be about 1:\n{row}"
+
+
+def test_collectives_bus_factors_are_nccl_tests():
+    """busbw = algbw x factor, the factors of nccl-tests' doc/PERFORMANCE.md."""
+    from benchmarks.collectives import OPERATIONS, bus_factor
+
+    for n in (1, 2, 4, 8):
+        expected = {
+            "all_reduce": 2 * (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0,
+            "all_to_all": (n - 1) / n,
+        }
+        got = {op: bus_factor(op, n) for op in OPERATIONS}
+        assert got == expected, f"{n} ranks: got {got}, nccl-tests say {expected}"
+    assert bus_factor("all_reduce", 4) == 1.5
+    with pytest.raises(ValueError, match="unknown operation 'reduce'"):
+        bus_factor("reduce", 4)
+    with pytest.raises(ValueError, match="at least one rank"):
+        bus_factor("all_reduce", 0)
+
+
+def test_collectives_sweep_is_nccl_tests_begin_end_factor():
+    from benchmarks.collectives import elements, sweep
+
+    assert sweep(1024, 64 << 20, 4) == [1024 << (2 * k) for k in range(9)]
+    assert sweep(4096, 4096, 2) == [4096]
+    assert sweep(1024, 5000, 2) == [1024, 2048, 4096]
+    assert elements(1024, 4) == 256 and elements(1024, 3) == 255  # splits into n equal pieces
+    with pytest.raises(ValueError, match="factor of at least 2"):
+        sweep(1024, 4096, 1)
+
+
+def _held(rank: int, count: int):
+    """Rank ``rank``'s whole array in benchmarks.collectives: (7 i + 13 rank) mod 61."""
+    import torch
+
+    return ((torch.arange(count) * 7 + rank * 13) % 61).float()
+
+
+def _by_hand(operation: str, rank: int, n: int, count: int):
+    """What ``operation`` gives ``rank``, worked out from the collective's definition, not from
+    the benchmark's own check."""
+    import torch
+
+    piece = slice(rank * (count // n), (rank + 1) * (count // n))
+    if operation == "all_reduce":
+        return sum(_held(r, count) for r in range(n))
+    if operation == "broadcast":
+        return _held(0, count)
+    if operation == "reduce_scatter":
+        return sum(_held(r, count) for r in range(n))[piece]
+    if operation == "all_gather":  # rank r gives its own piece r
+        return torch.cat([_by_hand("all_gather_input", r, n, count) for r in range(n)])
+    if operation == "all_gather_input":
+        return _held(rank, count)[piece]
+    return torch.cat([_held(r, count)[piece] for r in range(n)])  # all_to_all: piece `rank` of each
+
+
+@pytest.mark.parametrize(
+    "operation", ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
+)
+def test_collectives_check_fails_a_wrong_result(operation):
+    """A wrong backend result is a failure, not a number: the check names the rank and element."""
+    import torch
+
+    from benchmarks.collectives import check, inputs
+
+    n, count, rank = 3, 3 * 70, 1  # pieces longer than the inputs' period of 61
+    given = inputs(operation, rank, count, n, "cpu")
+    own = _by_hand("all_gather_input", rank, n, count) if operation == "all_gather" else None
+    assert torch.equal(given, _held(rank, count) if own is None else own), operation
+    right = _by_hand(operation, rank, n, count)
+    assert check(operation, right.clone(), rank, n, count) is None, f"{operation}: right, refused"
+    wrong = right.clone()
+    wrong[-1] += 1
+    message = check(operation, wrong, rank, n, count)
+    assert message is not None and message.startswith(f"rank 1's {operation} result is wrong"), (
+        message
+    )
+    assert f"element {len(right) - 1} is {right[-1].item() + 1:g}, expected" in message, message
+
+
+def test_collectives_arguments_are_checked(capsys):
+    from benchmarks.collectives import main
+
+    for argv, says in (
+        (["--factor", "1"], "--factor must be at least 2"),
+        (["--min-bytes", "4K", "--max-bytes", "1K"], "--max-bytes must be at least --min-bytes"),
+        (["--min-bytes", "3"], "a positive multiple of 4 bytes"),
+        (["--world-sizes", "2,x"], "is not a list like 2,4"),
+        (["--plot", "out.jpg"], "should name a .png file"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2, argv
+        assert says in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~7 s on 2 cores
+def test_collectives_benchmark_makes_its_table_and_plot(tmp_path):
+    """`python -m benchmarks.collectives` (what `dojo bench collectives` runs), one small size."""
+    from dojo.curriculum import ROOT  # where run_program runs it
+
+    plot = tmp_path / "collectives.png"
+    result = run_program(
+        "benchmarks.collectives",
+        "--world-sizes",
+        "2",
+        "--min-bytes",
+        "4K",
+        "--max-bytes",
+        "4K",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--copy-bytes",
+        "1M",
+        "--plot",
+        str(plot),
+        timeout=120,
+    )
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    lines = out.splitlines()
+    header = [line for line in lines if line.startswith("[main]     size |")]
+    assert len(header) == 1 and header[0].split("|")[1].strip() == "all_reduce", out
+    rows = [line for line in lines if line.startswith("[main]     4 KB |")]
+    assert len(rows) == 1 and "WRONG" not in rows[0] and "not run" not in rows[0], out
+    cells = rows[0].split("|")[1:]
+    assert len(cells) == 5 and all(len(c.split()) == 3 for c in cells), rows[0]
+    for cell in cells:
+        time_us, algbw, busbw = (float(v) for v in cell.split())
+        assert time_us > 0 and algbw > 0, rows[0]
+    assert any(line.startswith("[main] memory copy (one CPU thread): 1 MB in") for line in lines)
+    assert any(line.startswith("[main] best busbw / memory copy: all_reduce ") for line in lines)
+    shown = [
+        line.removeprefix("[main] plot: ") for line in lines if line.startswith("[main] plot: ")
+    ]
+    assert len(shown) == 1 and (ROOT / shown[0]).resolve() == plot.resolve(), out  # ran in ROOT
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{plot} is not a PNG"
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~8 s on 2 cores
+def test_parallel_benchmark_holds_each_kata_against_torch():
+    """`python -m benchmarks.parallel` (what `dojo bench parallel` runs), one step of each row."""
+    result = run_program(
+        "benchmarks.parallel",
+        "--impl",
+        impl.current(),
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--dim",
+        "32",
+        timeout=120,
+    )
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 4, f"expected the zero, fsdp, tp and pp rows in:\n{out}"
+    if impl.current() == "solutions":
+        wrong = [row for row in rows if "same weights" not in row]
+        assert not wrong, "the references must end with torch's weights:\n" + "\n".join(wrong)
