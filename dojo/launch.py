@@ -42,6 +42,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser, world_size: int = 4) -
         default=None,
         help="default: cuda when there is one GPU per rank, else cpu",
     )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        action=_TraceTo,
+        help="record every rank's torch.distributed calls; write DIR/NAME.json (Perfetto, "
+        "chrome://tracing) and DIR/NAME.png (a timeline) when the world ends",
+    )
+
+
+class _TraceTo(argparse.Action):
+    """``--trace DIR``: every world this program launches is traced into DIR."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        os.makedirs(value, exist_ok=True)
+        os.environ["DOJO_TRACE_DIR"] = os.path.abspath(value)
+        setattr(namespace, self.dest, value)
 
 
 def launch_world(
@@ -61,6 +77,7 @@ def launch_world(
         raise LaunchFailed(f"--world-size must be at least 1, got {world_size}")
     backend, device = choose_for_this_machine(world_size, backend, device)
     threads = max(1, (os.cpu_count() or 1) // world_size)
+    traced = os.environ.get("DOJO_TRACE_DIR")
     try:
         return run_world(
             fn,
@@ -78,3 +95,24 @@ def launch_world(
         )
     except WorldFailure as failure:
         raise LaunchFailed(str(failure)) from None
+    finally:
+        if traced:
+            _write_trace(traced)
+
+
+def _write_trace(folder: str) -> None:
+    """The world just ended: its timeline as JSON and PNG, and where they are (not for a step
+    that is not written yet: the program says that, and a half-run world shows nothing)."""
+    import sys
+
+    from dojo import trace
+    from dojo.console import say
+    from dojo.todo import find_todo
+
+    error = sys.exc_info()[1]
+    if error is not None and (find_todo(error) is not None or isinstance(error, KeyboardInterrupt)):
+        trace.discard_pending(folder, mine=True)
+        return
+    written = trace.write_pending(folder, mine=True)
+    if written:
+        say(None, trace.how_to_open(written))

@@ -2,6 +2,8 @@
 
 * ``pytest`` tests the learner's ``katas/``; ``pytest --solutions`` tests ``solutions/`` (it sets
   ``DOJO_IMPL=solutions``, which rank processes inherit).
+* ``pytest --dojo-trace DIR`` traces every world the tests start (``dojo.trace``): a JSON
+  trace and a PNG timeline per world, named by test.
 * ``pytest --expect-todo`` is the maintainer's check that the shipped stubs fail: a test passes
   only when it fails with "not implemented yet", and fails if the stub passes or crashes.
 * A ``KataTodo`` anywhere (in the test, in a rank, in a process the learner started) is
@@ -36,12 +38,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="maintainers: pass only the tests that fail with 'not implemented yet' (proves the stubs fail)",
     )
+    group.addoption(
+        "--dojo-trace",
+        metavar="DIR",
+        help="record every rank's torch.distributed calls of every world: DIR/TEST.json "
+        "(https://ui.perfetto.dev, chrome://tracing) and DIR/TEST.png (a timeline)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("solutions"):
         os.environ[impl.ENV_VAR] = "solutions"
     impl.current()  # a bad DOJO_IMPL stops the run here, with a message that says how to fix it
+    if config.getoption("dojo_trace"):  # run_world reads it (xdist workers configure too)
+        os.makedirs(config.getoption("dojo_trace"), exist_ok=True)
+        os.environ["DOJO_TRACE_DIR"] = os.path.abspath(config.getoption("dojo_trace"))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    folder = config.getoption("dojo_trace")
+    if not folder or hasattr(config, "workerinput"):  # the xdist controller writes them all
+        return
+    from dojo import trace
+
+    written = trace.write_pending(os.path.abspath(folder))
+    terminalreporter.write_line("dojo: " + trace.summary(written, folder))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

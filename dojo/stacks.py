@@ -19,6 +19,7 @@ _HIDDEN = (
     os.sep + "multiprocessing" + os.sep,
     os.sep + "dojo" + os.sep + "rank.py",
     os.sep + "dojo" + os.sep + "calls.py",  # the recorder's wrapper around each call
+    os.sep + "dojo" + os.sep + "trace.py",  # a traced rank's wrapper around its function
     "threading.py",
 )
 _KATA_CODE = ("katas", "solutions", os.path.join("dojo", "mistakes"))

@@ -120,6 +120,10 @@ def run_world(
     _check_importable(fn)
     context = _context()
     world_id = f"{os.getpid()}-{next(_world_numbers)}"
+    if os.environ.get("DOJO_TRACE_DIR"):  # dojo.trace: every rank's calls, for a timeline
+        from dojo.trace import TracedRank
+
+        fn = TracedRank(fn, os.environ["DOJO_TRACE_DIR"], world_id, world_size)
     log_dir = tempfile.mkdtemp(prefix=f"dojo-world-{world_id}-")
     ranks: list[_Rank] = []
     try:

@@ -68,6 +68,13 @@ WHAT THE TESTS CHECK
 RUN IT
     python -m katas.k09_ring_allreduce --world-size 4
     python -m benchmarks.allreduce          # your ring against gloo's all_reduce, 4 KB to 64 MB
+    python -m dojo trace k09                # your ring as a timeline: traces/k09/*.png and .json
+
+    The timeline draws one lane per rank and one bar per torch.distributed call, an arrow from
+    each send to its recv: the reduce-scatter's N-1 steps, then the all-gather's, each rank
+    sending to rank + 1, and the white gaps where a rank adds chunks or waits. The reference's
+    is docs/timelines/k09_ring_allreduce.png; open the .json in https://ui.perfetto.dev (or
+    chrome://tracing) to zoom into single calls and follow the arrows.
 """
 
 from __future__ import annotations

@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="test the reference instead (instructors; progress untouched)",
     )
+    check.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="record every rank's torch.distributed calls of every test world: DIR/TEST.json "
+        "(Perfetto, chrome://tracing) and DIR/TEST.png (a timeline)",
+    )
     verify = command("verify", "every kata in order; exits 1 naming the first that does not pass")
     verify.add_argument(
         "--fresh", action="store_true", help="re-run katas that passed and have not changed since"
@@ -103,12 +109,27 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "args", nargs=argparse.REMAINDER, help="passed to the program (e.g. --world-size 2)"
     )
+    traced = command(
+        "trace",
+        "run a kata's program with every rank's torch.distributed calls recorded: a timeline "
+        "(PNG) and a trace for https://ui.perfetto.dev or chrome://tracing (JSON)",
+    )
+    traced.add_argument("--solutions", action="store_true", help="trace the reference program")
+    traced.add_argument(
+        "--out", metavar="DIR", help="where the files go (default: traces/kNN in the checkout)"
+    )
+    traced.add_argument("kata")
+    traced.add_argument(
+        "args", nargs=argparse.REMAINDER, help="passed to the program (e.g. --world-size 2)"
+    )
     doctor = command("doctor", "what this machine offers the katas, and what will not work")
     doctor.add_argument("--json", action="store_true")
-    bench = command(
-        "bench", "run a benchmark from benchmarks/: allreduce (k09's ring vs gloo), harness"
+    from dojo.runner.bench import KNOWN  # light: names and one-line descriptions
+
+    bench = command("bench", f"run a benchmark from benchmarks/: {', '.join(sorted(KNOWN))}")
+    bench.add_argument(
+        "name", help="which one (a file benchmarks/NAME.py; `--help` after it: its options)"
     )
-    bench.add_argument("name", help="allreduce or harness (a file benchmarks/NAME.py)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
 
     grade = command(
@@ -156,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
         "classroom",
         help="rewrite dojo/classroom/autograding.yml (GitHub Classroom) from the curriculum",
     )
+    dev.add_parser(
+        "timelines",
+        help="regenerate docs/timelines/*.png (the k09 and k21 lessons' timelines) from solutions/",
+    )
     dev.add_parser("readme", help="rewrite README.md's kata table from dojo/curriculum/")
     dev.add_parser(
         "pristine",
@@ -165,7 +190,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # Commands that run tests or programs, and so need torch and pytest in this Python.
-_NEED_TORCH = (None, "check", "verify", "next", "hint", "watch", "run", "bench", "grade", "dev")
+_NEED_TORCH = (
+    None, "check", "verify", "next", "hint", "watch", "run", "trace", "bench", "grade", "dev",
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +242,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             case "list":
                 return learn.show_list(args.json)
             case "check":
+                if args.trace:
+                    from dojo.runner import trace
+
+                    return trace.check_traced(_kata(args.kata), args.solutions, args.trace)
                 return learn.check_command(_kata(args.kata), args.solutions)
             case "verify":
                 return learn.verify(args.fresh, args.solutions)
@@ -240,6 +271,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             case "run":
                 extra = args.args[1:] if args.args[:1] == ["--"] else args.args
                 return learn.run_program(_kata(args.kata), args.solutions, extra)
+            case "trace":
+                from dojo.runner import trace
+
+                extra = args.args[1:] if args.args[:1] == ["--"] else args.args
+                return trace.trace_program(_kata(args.kata), args.solutions, extra, args.out)
             case "doctor":
                 return doctor.doctor(args.json)
             case "bench":
@@ -275,6 +311,10 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
         classroom.write()
         print(f"wrote {curriculum.ROOT.name}/dojo/classroom/autograding.yml from dojo/curriculum/")
         return 0
+    if args.dev_command == "timelines":
+        from dojo.runner import trace
+
+        return trace.timelines()
     if args.dev_command == "readme":
         from dojo.runner import consistency
 
