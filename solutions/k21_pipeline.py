@@ -65,6 +65,11 @@ WHAT THE TESTS CHECK
 
 RUN IT
     python -m katas.k21_pipeline --world-size 2 --schedule 1f1b --micro-batches 4
+    python -m dojo trace k21 --world-size 4 --schedule gpipe --micro-batches 8
+
+    The trace draws the schedule as it really ran: one lane per rank, each send an arrow to its
+    recv, a rank's long recv bars are its bubble. The reference's are
+    docs/timelines/k21_gpipe.png and docs/timelines/k21_1f1b.png (4 stages, 8 micro-batches).
 """
 
 from __future__ import annotations
