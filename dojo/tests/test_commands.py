@@ -33,8 +33,12 @@ def test_the_commands_after_the_first_run_work_as_printed_in_that_shell(tmp_path
     assert first.returncode == 0, first.stdout + first.stderr
     shown = re.findall(r"`([^`]*\bhint)` gives a nudge", first.stdout)
     assert shown, f"no hint command in:\n{first.stdout}"
+    # The environment's dojo is an editable install of the real checkout; a learner's points to
+    # their own checkout, as this copy's does once it comes first on the path (else the hint
+    # would read the real checkout's progress, whatever its owner has seen there).
+    copy_first = {**env, "PYTHONPATH": str(root)}
     hint = subprocess.run(
-        shown[0], shell=True, cwd=root, env=env, capture_output=True, text=True, timeout=300
+        shown[0], shell=True, cwd=root, env=copy_first, capture_output=True, text=True, timeout=300
     )
     assert hint.returncode == 0 and "hint 1 of" in hint.stdout, (
         f"`{shown[0]}`, typed as printed, did not work:\n{hint.stdout}\n{hint.stderr}"
