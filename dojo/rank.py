@@ -75,6 +75,8 @@ def main(spec: RankSpec, results, lifeline) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads)
+    if "TORCH_DISTRIBUTED_DEBUG" in spec.env:  # torch read it when the forkserver imported it
+        dist.set_debug_level_from_env()
     try:
         if spec.store_port is not None:
             _init_group(spec, dist)
