@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from benchmarks._timing import timed
 from dojo import impl
 from dojo.console import run_program, say
 from dojo.devices import choose_for_this_machine, rank_device
@@ -61,26 +61,9 @@ def repetitions(nbytes: int, at_least: int) -> int:
     return max(at_least, min(100, (8 << 20) // nbytes))
 
 
-def _slowest_rank(seconds: float) -> float:
-    # on the rank's device: NCCL reduces CUDA tensors only
-    timing = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
-    dist.all_reduce(timing, op=dist.ReduceOp.MAX)
-    return float(timing.item())
-
-
 def _timed(op, buffer: torch.Tensor, original: torch.Tensor) -> float:
     buffer.copy_(original)  # a fresh input each time: repeated sums would overflow
-    _synchronize(buffer)
-    dist.barrier()
-    start = time.perf_counter()
-    op(buffer)
-    _synchronize(buffer)  # CUDA work is asynchronous: wait for it before stopping the clock
-    return _slowest_rank(time.perf_counter() - start)
-
-
-def _synchronize(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+    return timed(op, buffer)
 
 
 def _bench_rank(

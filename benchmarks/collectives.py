@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks._timing import synchronize
 from benchmarks.allreduce import human, parse_size
 from dojo.console import run_program, say
 from dojo.devices import BACKENDS, DEVICES, choose_for_this_machine, rank_device
@@ -204,16 +205,11 @@ class _Call:
             dist.all_to_all_single(output, source)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _together(token: torch.Tensor) -> None:
     """Every rank here, every earlier GPU kernel done: the start of a timing."""
-    _synchronize(token.device)
+    synchronize(token.device)
     dist.all_reduce(token)
-    _synchronize(token.device)
+    synchronize(token.device)
 
 
 def _agree(flags: list[bool], device) -> list[bool]:
@@ -240,7 +236,7 @@ def _bench_rank(rank: int, world_size: int, sizes: list[int], at_least: int, war
             except (RuntimeError, NotImplementedError) as error:  # not on this backend/device
                 raised[op] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
                 continue
-            _synchronize(device)
+            synchronize(device)
             wrong[op] = check(op, call.output, rank, world_size, count)
         not_run = dict(zip(calls, _agree([op in raised for op in calls], device)))
         for op in [op for op, flag in not_run.items() if flag]:
@@ -267,7 +263,7 @@ def _bench_rank(rank: int, world_size: int, sizes: list[int], at_least: int, war
                 _together(token)
                 start = time.perf_counter()
                 call()
-                _synchronize(device)
+                synchronize(device)
                 mine.append(time.perf_counter() - start)
         times = torch.tensor(seconds, dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's time, run by run
@@ -294,10 +290,10 @@ def copy_bandwidth(nbytes: int, device: str) -> tuple[float, float]:
         target.copy_(source)  # warm-up: the pages are touched once before any timing
         times = []
         for _ in range(COPY_REPEAT):
-            _synchronize(where)
+            synchronize(where)
             start = time.perf_counter()
             target.copy_(source)
-            _synchronize(where)
+            synchronize(where)
             times.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)

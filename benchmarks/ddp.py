@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks._timing import timed
 from dojo import impl
 from dojo.console import run_program, say
 from dojo.devices import BACKENDS, DEVICES, choose_for_this_machine, rank_device
@@ -99,16 +99,14 @@ def _wrappers(impl_name: str, width: int, depth: int, cap_mb: float, seed: int) 
     }
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _step(wrapper: nn.Module, optimizer, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    from torch.nn.parallel import DistributedDataParallel
 
-
-def _slowest_rank(seconds: float) -> float:
-    # on the rank's device: NCCL reduces CUDA tensors only
-    timing = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
-    dist.all_reduce(timing, op=dist.ReduceOp.MAX)
-    return float(timing.item())
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(wrapper(inputs), targets).backward()
+    if not isinstance(wrapper, DistributedDataParallel):  # torch's finishes in backward
+        wrapper.finish_gradient_synchronization()
+    optimizer.step()
 
 
 def _bench_rank(
@@ -123,7 +121,6 @@ def _bench_rank(
     warmup: int,
     seed: int,
 ) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
 
     device = rank_device()
     wrappers = _wrappers(impl_name, width, depth, cap_mb, seed)
@@ -136,17 +133,7 @@ def _bench_rank(
         inputs = torch.randn(batch, width, generator=generator).to(device)
         targets = torch.randint(0, 10, (batch,), generator=generator).to(device)
         for name, wrapper in wrappers.items():  # take turns: noise hits every way alike
-            optimizer = optimizers[name]
-            _synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(wrapper(inputs), targets).backward()
-            if not isinstance(wrapper, DistributedDataParallel):  # torch's finishes in backward
-                wrapper.finish_gradient_synchronization()
-            optimizer.step()
-            _synchronize(device)
-            elapsed = _slowest_rank(time.perf_counter() - start)
+            elapsed = timed(_step, wrapper, optimizers[name], inputs, targets)
             if step >= warmup:
                 times[name].append(elapsed)
     reference = wrappers[WAYS[3]].module.state_dict()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks._timing import timed
 from dojo import impl
 from dojo.console import run_program, say
 from dojo.devices import rank_device
@@ -250,28 +250,6 @@ def _pp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
 COMPARISONS = {"zero": _zero, "fsdp": _fsdp, "tp": _tp, "pp": _pp}
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest_rank(seconds: float) -> float:
-    # on the rank's device: NCCL reduces CUDA tensors only
-    timing = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
-    dist.all_reduce(timing, op=dist.ReduceOp.MAX)
-    return float(timing.item())
-
-
-def _timed(step: Way, number: int) -> float:
-    device = rank_device()
-    _synchronize(device)
-    dist.barrier()
-    start = time.perf_counter()
-    step(number)
-    _synchronize(device)
-    return _slowest_rank(time.perf_counter() - start)
-
-
 def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], args) -> dict:
     # FSDP2 warns that a module returns a view (the logits' reshape): no in-place op follows here.
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
@@ -284,7 +262,7 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], ar
             times = ([], [])
             for number in range(args.warmup + args.steps):
                 for way, spent in zip((yours, theirs), times):  # take turns: noise hits both
-                    seconds = _timed(way, number)
+                    seconds = timed(way, number)
                     if number >= args.warmup:
                         spent.append(seconds)
             rows[name] = {
