@@ -356,7 +356,8 @@ def main(argv=None) -> int:
         for name, grad in result["grads"].items()
     )
     for r, result in enumerate(results):
-        say(None, f"rank {r} held at most {result['peak']} micro-batches' activations at once")
+        held = f"{result['peak']} micro-batch" + ("'s" if result["peak"] == 1 else "es'")
+        say(None, f"rank {r} held at most {held} activations at once")
     say(
         None,
         f"loss {results[-1]['loss']:.6f}; gradients against one process on the whole batch: largest difference {gap:.2g}",
