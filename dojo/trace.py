@@ -29,6 +29,7 @@ from collections import defaultdict
 from typing import Any
 
 from dojo.calls import Call, Observer, clock, recording
+from dojo.stacks import Frame
 
 ENV_VAR = "DOJO_TRACE_DIR"
 _WORLDS = ".worlds"
@@ -297,16 +298,16 @@ def _signature(call: Call, facts: dict) -> str:
 
 def _caller() -> str:
     """The innermost frame outside torch and this recorder: ``katas/k04_allreduce.py:72, f``."""
-    here = (os.path.join("dojo", "calls.py"), os.path.join("dojo", "trace.py"))
     frame = sys._getframe(2)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.endswith(here) and f"{os.sep}torch{os.sep}" not in path:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            shown = os.path.relpath(path, root) if path.startswith(root + os.sep) else path
-            return f"{shown}:{frame.f_lineno}, {frame.f_code.co_name}"
+        here = Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        if not here.file.endswith(_RECORDERS) and not here.in_torch:
+            return f"{here.shown_path}:{here.line}, {here.function}"
         frame = frame.f_back
     return "?"
+
+
+_RECORDERS = (os.path.join("dojo", "calls.py"), os.path.join("dojo", "trace.py"))
 
 
 def _ordinal(n: int) -> str:
