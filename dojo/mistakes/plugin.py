@@ -1,10 +1,19 @@
 """``pytest -p dojo.mistakes.plugin tests/``: the learner's specs, run against every catalogue entry.
 
 Each spec test that a catalogue entry concerns runs once per entry, against the reference with
-that entry swapped in (``DOJO_SUBSTITUTE``, which reaches every rank and program too). A
-mistake's run passes when the test fails with a message that says everything the catalogue
-expects; a right answer's run passes when the test passes. Every other test is deselected, GPU
-tests included. A catalogue that names a test the spec does not have stops the run.
+that entry swapped in (``DOJO_SUBSTITUTE``, which reaches every rank and program too).
+
+A mistake runs as a learner meets it: the spec in file order, from the first test of the
+replaced function's step on (a test of an earlier step never reaches a later step's code: a
+learner at that step has not written it), until the first failure. That first failure is what
+``dojo check`` shows in full, so it must be one of the tests the entry names in ``fails`` and say
+every text in ``says``; the tests before it pass, as they would for the learner. The other
+tests in ``fails`` then run too, and must fail saying the same. A right answer's run passes when
+the test passes. Every other test is deselected, GPU tests included. A catalogue that names a
+test the spec does not have stops the run.
+
+Under xdist a mistake's tests stay together on one worker, in order: ``-n N --dist loadgroup``
+(another ``--dist`` stops the run).
 """
 
 from __future__ import annotations
@@ -42,6 +51,13 @@ class Variant:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[impl.ENV_VAR] = "solutions"  # entries are swapped into the reference
+    # A mistake's tests must run in order on one worker (the first failure is what counts).
+    dist = getattr(config.option, "dist", "no")
+    if dist not in ("no", "loadgroup"):
+        raise pytest.UsageError(
+            f"the mistakes catalogues run each mistake's tests in order on one worker: use "
+            f"`-n N --dist loadgroup` (or no -n), not --dist {dist}"
+        )
 
 
 def _kata_of(path) -> curriculum.Kata | None:
@@ -75,6 +91,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         Variant(kata, m)
         for m in catalogue.MISTAKES
         if any(t.split("[")[0] == name for t in m.fails)
+        or max(steps, default=0) >= _first_step(kata, m)
     ] + [
         Variant(kata, a)
         for a in catalogue.RIGHT_ANSWERS
@@ -82,6 +99,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     ]
     if variants:
         metafunc.parametrize("dojo_variant", variants, ids=[v.id for v in variants], indirect=True)
+
+
+def _first_step(kata: curriculum.Kata, mistake: Mistake) -> int:
+    """The first step whose tests can meet the mistake: its function's step in the stub."""
+    return mistakes.stub_steps(kata).get(mistake.replaces, 1)
 
 
 @pytest.fixture(autouse=True)
@@ -111,17 +133,24 @@ def _plain_name(item: pytest.Item, variant: Variant) -> str:
     return item.name.replace(f"-{variant.id}", "").replace(f"{variant.id}-", "")
 
 
+def _named(entry: Mistake, plain: str) -> bool:
+    return any(t == plain or t == plain.split("[")[0] for t in entry.fails)
+
+
 def _wanted(item: pytest.Item, variant: Variant) -> bool:
     if item.get_closest_marker("cuda"):
         return False
     if variant.is_mistake:
-        plain = _plain_name(item, variant)
-        return any(t == plain or t == plain.split("[")[0] for t in variant.entry.fails)
+        if _named(variant.entry, _plain_name(item, variant)):
+            return True
+        # a test a learner meets before the named ones: it must pass (or be the first failure)
+        return max(_steps_of(item), default=0) >= _first_step(variant.kata, variant.entry)
     if item.get_closest_marker("slow"):  # a right answer runs its step's quick tests; the slow
         return False  # ones (real torchrun, real hosts) run once, against the reference
     return bool(_steps_of(item) & set(mistakes.right_answer_steps(variant.kata, variant.entry)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist names the groups
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
@@ -129,9 +158,20 @@ def pytest_collection_modifyitems(
     for item in items:
         variant = _variant(item)
         (kept if variant is not None and _wanted(item, variant) else dropped).append(item)
+    # A mistake's tests in file order, together: the learner's -x order (xdist keeps the group).
+    position = {id(item): index for index, item in enumerate(kept)}
+    first_of = {}
+    for item in kept:
+        first_of.setdefault(_variant(item).id + str(item.path), position[id(item)])
+    kept.sort(key=lambda item: (first_of[_variant(item).id + str(item.path)], position[id(item)]))
+    for item in kept:
+        if _variant(item).is_mistake:
+            item.add_marker(
+                pytest.mark.xdist_group(f"{_kata_of(item.path).id}-{_variant(item).id}")
+            )
+    items[:] = kept
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
     if not config.getoption("keyword") and not config.getoption("markexpr"):
         _check_every_entry_runs(items, {_kata_of(item.path) for item in dropped + kept} - {None})
 
@@ -171,7 +211,24 @@ def _check_every_entry_runs(items: list[pytest.Item], katas: set[curriculum.Kata
         raise pytest.UsageError("mistakes catalogue:\n  " + "\n  ".join(problems))
 
 
-@pytest.hookimpl(hookwrapper=True)
+# A mistake's first failure, per worker (its tests run there together, in order): variant id ->
+# the test that failed first.
+_first_failure: dict[str, str] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a mistake's first failure, only the tests its entry names still run."""
+    variant = _variant(item)
+    if variant is None or not variant.is_mistake:
+        return None
+    key = f"{variant.kata.id}-{variant.id}"
+    if key in _first_failure and not _named(variant.entry, _plain_name(item, variant)):
+        return True  # the learner never gets here: nothing to run, nothing to report
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: after the learner's compact report
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
@@ -179,20 +236,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if variant is None or not variant.is_mistake or call.when != "call" or report.skipped:
         return
     entry, test = variant.entry, _plain_name(item, variant)
+    key = f"{variant.kata.id}-{variant.id}"
+    first = key not in _first_failure
+    named = _named(entry, test)
     if call.excinfo is None:
-        report.outcome = "failed"
-        report.longrepr = (
-            f"the mistake {entry.name!r} (in place of {entry.replaces}) PASSED {test}: "
-            "the spec does not catch it. Make the test stricter."
-        )
-        return
+        if named:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"the mistake {entry.name!r} (in place of {entry.replaces}) PASSED {test}: "
+                "the spec does not catch it. Make the test stricter."
+            )
+        return  # a test before the first failure passes, as it would for the learner
+    if first:
+        _first_failure[key] = test
     message = str(call.excinfo.value)
     missing = [text for text in entry.says if text not in message]
-    if missing:
+    if first and not named:
         report.outcome = "failed"
         report.longrepr = (
-            f"the mistake {entry.name!r} failed {test}, but the message does not say {missing}; "
-            f"it said:\n{call.excinfo.exconly()}"
+            f"the mistake {entry.name!r} first fails {test}, not one of {entry.fails}: that is the "
+            f"failure `dojo check` shows a learner in full"
+            + (
+                f", and it does not say {missing}. Make the earlier test name the mistake, or "
+                "the named test come first"
+                if missing
+                else f" (it does say {entry.says}: list it in fails)"
+            )
+            + f"; it said:\n{call.excinfo.exconly()}"
+        )
+    elif missing:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"the mistake {entry.name!r} failed {test}"
+            + (" (the first failure a learner sees)" if first else "")
+            + f", but the message does not say {missing}; it said:\n{call.excinfo.exconly()}"
         )
     else:
         report.outcome = "passed"

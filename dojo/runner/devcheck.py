@@ -183,6 +183,8 @@ def check(
                 "dojo.mistakes.plugin",
                 "-n",
                 workers,
+                "--dist",
+                "loadgroup",
                 "-q",
                 *pytest_select,
                 *catalogued,
