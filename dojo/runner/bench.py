@@ -6,9 +6,10 @@ status are its own.
 
 from __future__ import annotations
 
+import os
 import sys
 
-from dojo import curriculum
+from dojo import curriculum, impl
 from dojo.commands import dojo
 from dojo.runner.term import foreground
 
@@ -29,7 +30,8 @@ def available() -> list[str]:
     return sorted(found | set(KNOWN))
 
 
-def bench(name: str, args: list[str]) -> int:
+def bench(name: str, args: list[str], solutions: bool = False) -> int:
+    """``solutions``: the benchmarks that time a kata time the reference (they read DOJO_IMPL)."""
     path = curriculum.ROOT / "benchmarks" / f"{name}.py"
     if not path.exists():
         what = f" ({KNOWN[name]})" if name in KNOWN else ""
@@ -40,4 +42,6 @@ def bench(name: str, args: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if solutions:
+        os.environ[impl.ENV_VAR] = "solutions"  # the benchmark and its ranks inherit it
     return foreground([sys.executable, "-m", f"benchmarks.{name}", *args], curriculum.ROOT)

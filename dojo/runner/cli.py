@@ -22,48 +22,65 @@ torch-dist-katas: learn torch.distributed by doing. Edit katas/kNN_*.py until it
 With no command: your progress, a run of the current kata's tests, and what to do next."""
 
 
+LANG_HELP = (
+    "lessons, hints and messages in English or Chinese (中文); default: DOJO_LANG, else the locale"
+)
+SOLUTIONS_HELP = "the reference solutions instead of your katas (check, verify, run, trace, bench)"
+# The commands --solutions means something to; it may come before or after the command and kata.
+TAKE_SOLUTIONS = ("check", "verify", "run", "trace", "bench")
+# Commands that run a program: what follows the kata (the benchmark) is the program's, except
+# these options of dojo's own (anywhere before a `--`; after it, everything is the program's).
+PROGRAM_RUNNERS = {"run": ("--lang",), "trace": ("--lang", "--out"), "bench": ("--lang",)}
+
+
+def _global_options(parser: argparse.ArgumentParser, solutions: str | None = None) -> None:
+    """--lang and --solutions on a command too, so that they work after it as well as before.
+    SUPPRESS: given before the command, a command's own default must not overwrite them."""
+    parser.add_argument("--lang", choices=("en", "zh"), default=argparse.SUPPRESS, help=LANG_HELP)
+    parser.add_argument(
+        "--solutions", action="store_true", default=argparse.SUPPRESS,
+        help=solutions or argparse.SUPPRESS,
+    )  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dojo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--lang", choices=("en", "zh"), help="lessons, hints and messages in English or Chinese (中文); "
-        "default: DOJO_LANG, else the locale"
-    )  # fmt: skip
+    parser.add_argument("--lang", choices=("en", "zh"), help=LANG_HELP)
+    parser.add_argument("--solutions", action="store_true", help=SOLUTIONS_HELP)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, text: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=text, description=text)
+    def command(name: str, text: str, solutions: str | None = None) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=text, description=text)
+        _global_options(sub, solutions)
+        return sub
 
     listing = command("list", "every kata: done, current, pending or not written yet")
     listing.add_argument("--json", action="store_true", help="as JSON, for scripts")
     check = command(
-        "check", "run one kata's tests (default: the current kata); marks it done when it passes"
+        "check",
+        "run one kata's tests (default: the current kata); marks it done when it passes",
+        solutions="test the reference instead (instructors; progress untouched)",
     )
     check.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
-    check.add_argument(
-        "--solutions",
-        action="store_true",
-        help="test the reference instead (instructors; progress untouched)",
-    )
     check.add_argument(
         "--trace",
         metavar="DIR",
         help="record every rank's torch.distributed calls of every test world: DIR/TEST.json "
         "(Perfetto, chrome://tracing) and DIR/TEST.png (a timeline)",
     )
-    verify = command("verify", "every kata in order; exits 1 naming the first that does not pass")
+    verify = command(
+        "verify",
+        "every kata in order; exits 1 naming the first that does not pass",
+        solutions="verify the reference solutions instead (progress untouched)",
+    )
     verify.add_argument(
         "--fresh", action="store_true", help="re-run katas that passed and have not changed since"
     )
-    verify.add_argument(
-        "--solutions",
-        action="store_true",
-        help="verify the reference solutions instead (progress untouched)",
-    )
     command("next", "move on to the next kata once the current one passes")
     goto = command("goto", "make a kata the current one (going back, or skipping ahead on purpose)")
-    goto.add_argument("kata")
+    goto.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
     lesson = command("lesson", "the kata's lesson (default: the current kata), in your language")
     lesson.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
     hint = command(
@@ -103,41 +120,51 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between checks for saved files (default 0.5)",
     )
     watch.add_argument("-y", "--yes", action="store_true", help="[r] resets without asking")
-    run = command("run", "run a kata's program: python -m katas.kNN_topic [ARGS]")
-    run.add_argument("--solutions", action="store_true", help="run the reference program instead")
-    run.add_argument("kata")
-    run.add_argument(
-        "args", nargs=argparse.REMAINDER, help="passed to the program (e.g. --world-size 2)"
+    program_args = (
+        "passed to the program (e.g. --world-size 2; --help: its options), but for this "
+        "command's own options; after `--`, everything is the program's"
     )
+    run = command(
+        "run",
+        "run a kata's program (default: the current kata's): python -m katas.kNN_topic [ARGS]",
+        solutions="run the reference program instead",
+    )
+    run.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
+    run.add_argument("args", nargs="*", metavar="ARGS", help=program_args)
     traced = command(
         "trace",
-        "run a kata's program with every rank's torch.distributed calls recorded: a timeline "
-        "(PNG) and a trace for https://ui.perfetto.dev or chrome://tracing (JSON)",
+        "run a kata's program (default: the current kata's) with every rank's torch.distributed "
+        "calls recorded: a timeline (PNG) and a trace for https://ui.perfetto.dev or "
+        "chrome://tracing (JSON)",
+        solutions="trace the reference program",
     )
-    traced.add_argument("--solutions", action="store_true", help="trace the reference program")
     traced.add_argument(
         "--out", metavar="DIR", help="where the files go (default: traces/kNN in the checkout)"
     )
-    traced.add_argument("kata")
-    traced.add_argument(
-        "args", nargs=argparse.REMAINDER, help="passed to the program (e.g. --world-size 2)"
-    )
+    traced.add_argument("kata", nargs="?", help="k01, 1 or k01_spawn")
+    traced.add_argument("args", nargs="*", metavar="ARGS", help=program_args)
     doctor = command("doctor", "what this machine offers the katas, and what will not work")
     doctor.add_argument("--json", action="store_true")
     from dojo.runner.bench import KNOWN  # light: names and one-line descriptions
 
-    bench = command("bench", f"run a benchmark from benchmarks/: {', '.join(sorted(KNOWN))}")
-    bench.add_argument(
-        "name", help="which one (a file benchmarks/NAME.py; `--help` after it: its options)"
+    bench = command(
+        "bench",
+        f"run a benchmark from benchmarks/: {', '.join(sorted(KNOWN))}",
+        solutions="measure the reference solutions instead of your katas",
     )
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bench.add_argument(
+        "name",
+        nargs="?",
+        help="which one (a file benchmarks/NAME.py; `--help` after it: its options)",
+    )
+    bench.add_argument("args", nargs="*", metavar="ARGS", help="passed to the benchmark")
 
     grade = command(
         "grade", "instructors: grade a class's katas (checkouts, katas/ folders, zips or tarballs)"
     )
     grade.add_argument(
         "submissions",
-        nargs="+",
+        nargs="*",
         metavar="SUBMISSION",
         help="a learner's checkout, katas/ folder or archive",
     )
@@ -153,9 +180,15 @@ def _parser() -> argparse.ArgumentParser:
         "--out", help="folder for grades.csv/.json/.xml/.html (default: grades-DATE-TIME)"
     )
     dev = command("dev", "maintainer commands").add_subparsers(
-        dest="dev_command", required=True, metavar="DEV_COMMAND"
+        dest="dev_command", metavar="DEV_COMMAND"
     )
-    devcheck_ = dev.add_parser("check", help="the maintainer gate that `make test` runs")
+
+    def dev_command(name: str, text: str) -> argparse.ArgumentParser:
+        sub = dev.add_parser(name, help=text, description=text)
+        _global_options(sub)
+        return sub
+
+    devcheck_ = dev_command("check", "the maintainer gate that `make test` runs")
     devcheck_.add_argument(
         "--repeat", type=int, default=1, help="run the pytest passes this many times"
     )
@@ -173,18 +206,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="EXPR",
         help="only the tests matching this pytest -k expression",
     )
-    dev.add_parser(
+    dev_command(
         "classroom",
-        help="rewrite dojo/classroom/autograding.yml (GitHub Classroom) from the curriculum",
+        "rewrite dojo/classroom/autograding.yml (GitHub Classroom) from the curriculum",
     )
-    dev.add_parser(
+    dev_command(
         "timelines",
-        help="regenerate docs/timelines/*.png (the k09 and k21 lessons' timelines) from solutions/",
+        "regenerate docs/timelines/*.png (the k09 and k21 lessons' timelines) from solutions/",
     )
-    dev.add_parser("readme", help="rewrite README.md's kata table from dojo/curriculum/")
-    dev.add_parser(
+    dev_command("readme", "rewrite README.md's kata table from dojo/curriculum/")
+    dev_command(
         "pristine",
-        help="copy the shipped stubs in katas/ to dojo/pristine/ (what `dojo reset` restores)",
+        "copy the shipped stubs in katas/ to dojo/pristine/ (what `dojo reset` restores)",
     )
     return parser
 
@@ -195,10 +228,61 @@ _NEED_TORCH = (
 )  # fmt: skip
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line as a person types it: --lang and --solutions before or after the command
+    and the kata; for run, trace and bench, what follows the kata goes to the program
+    (``args.args``), but for the command's own options."""
+    ours, program = split_program_args(argv)
+    args = _parser().parse_args(ours)
+    if program is not None:
+        args.args = program
+    return args
+
+
+def split_program_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``(words for dojo, the program's arguments)``; None for a command that runs no program.
+
+    Before the kata, ``-h`` is dojo's; after it, the program's. The kata is the first word that is
+    not an option, if it comes before the program's first argument (else: the current kata)."""
+    at = 0
+    while at < len(argv) and argv[at].startswith("-"):
+        at += 2 if argv[at] == "--lang" else 1  # the only top-level option with a value
+    if at >= len(argv) or argv[at] not in PROGRAM_RUNNERS:
+        return argv, None
+    valued = PROGRAM_RUNNERS[argv[at]]
+    ours, program, rest = argv[: at + 1], [], argv[at + 1 :]
+    named, index = False, 0
+    while index < len(rest):
+        word = rest[index]
+        if word == "--":
+            program += rest[index + 1 :]
+            break
+        if word.split("=", 1)[0] in valued:
+            width = 1 if "=" in word else 2
+            ours += rest[index : index + width]
+            index += width
+            continue
+        if word == "--solutions" or (not program and not named and word in ("-h", "--help")):
+            ours.append(word)
+        elif not program and not named and not word.startswith("-"):
+            ours.append(word)
+            named = True
+        else:
+            program.append(word)
+        index += 1
+    return ours, program
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else list(argv))
     if args.lang:  # pytest and the programs the runner starts read it too
         os.environ["DOJO_LANG"] = args.lang
+    if args.solutions and args.command not in TAKE_SOLUTIONS:
+        what = f"`{dojo()} {args.command}`" if args.command else f"plain `{dojo()}`"
+        return fail(
+            f"--solutions (the reference instead of your katas) goes with "
+            f"{', '.join(TAKE_SOLUTIONS)}, not {what}: e.g. `{dojo()} check k01 --solutions`"
+        )
     if args.command in _NEED_TORCH and (problem := environment_problem(argv)):
         return fail(problem)
     try:
@@ -252,6 +336,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             case "next":
                 return learn.next_kata()
             case "goto":
+                if args.kata is None:
+                    raise _Usage(
+                        f"say which kata to make the current one: `{dojo()} goto k05` "
+                        f"(`{dojo()} list` shows them)"
+                    )
                 return learn.goto(_kata(args.kata))
             case "lesson":
                 return learn.lesson(_kata(args.kata))
@@ -269,22 +358,28 @@ def _dispatch(args: argparse.Namespace) -> int:
             case "watch":
                 return watch.watch(args.interval, args.yes)
             case "run":
-                extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-                return learn.run_program(_kata(args.kata), args.solutions, extra)
+                return learn.run_program(_kata(args.kata), args.solutions, args.args)
             case "trace":
                 from dojo.runner import trace
 
-                extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-                return trace.trace_program(_kata(args.kata), args.solutions, extra, args.out)
+                return trace.trace_program(_kata(args.kata), args.solutions, args.args, args.out)
             case "doctor":
                 return doctor.doctor(args.json)
             case "bench":
-                return bench.bench(
-                    args.name, args.args[1:] if args.args[:1] == ["--"] else args.args
-                )
+                if args.name is None:
+                    raise _Usage(
+                        f"say which benchmark: {', '.join(bench.available())} "
+                        f"(`{dojo()} bench allreduce`; `--help` after the name: its options)"
+                    )
+                return bench.bench(args.name, args.args, args.solutions)
             case "grade":
                 from dojo.runner import grade
 
+                if not args.submissions:
+                    raise _Usage(
+                        "say whose work to grade: learners' checkouts, katas/ folders, zips or "
+                        f"tarballs (`{dojo()} grade class/* --katas k01-k04`)"
+                    )
                 try:
                     return grade.grade(
                         args.submissions, args.katas, args.jobs, args.timeout, args.out
@@ -299,6 +394,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _dev(args: argparse.Namespace, devcheck, reset) -> int:
+    if args.dev_command is None:
+        raise _Usage(
+            f"say which: `{dojo()} dev check` (the gate `make test` runs), classroom, timelines, "
+            f"readme or pristine (`{dojo()} dev --help`)"
+        )
     if args.dev_command == "check":
         try:
             katas = devcheck.resolve(args.kata)

@@ -33,6 +33,8 @@ def test_a_chinese_learner_reads_the_runner_the_lesson_and_the_hints_in_chinese(
     assert "思路" in lesson.stdout and "``average_gradients``" in lesson.stdout, lesson.stdout
     hint = dojo(root, "--lang", "zh", "hint", "k04", "--step", "3")
     assert "第 3 步" in hint.stdout and "提示 1/3" in hint.stdout, hint.stdout
+    after = dojo(root, "lesson", "k04", "--lang", "zh", env=learner_env(DOJO_LANG="en"))
+    assert "思路" in after.stdout, f"--lang after the kata is the same --lang:\n{after.stderr}"
     english = dojo(root, "--lang", "en", "lesson", "k04")
     assert "THE IDEA" in english.stdout, english.stdout
 

@@ -136,3 +136,105 @@ def test_every_failure_after_the_first_keeps_its_whole_message_with_the_advice_a
     )
     digest = " ".join(result.digest().split())
     assert advice in digest, f"the advice at the end of the message was cut off:\n{result.digest()}"
+
+
+# ---------------------------------------------------------------- how the runner reads a command line
+
+
+def _commands(parser) -> dict:
+    """Every subcommand's parser by its words: ``("check",)``, ``("dev", "check")``, ..."""
+    import argparse
+
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[(name,)] = sub
+                found.update({(name, *words): p for words, p in _commands(sub).items()})
+    return found
+
+
+def test_lang_and_solutions_work_before_and_after_every_command_and_its_kata():
+    from dojo.runner import cli
+
+    commands = [words for words in _commands(cli._parser()) if words != ("dev",)]
+    assert ("lesson",) in commands and ("dev", "check") in commands, commands
+    for words in commands:
+        kata = ["k05"] if words[0] in ("check", "lesson", "hint", "goto", "run", "trace") else []
+        for line in (["--lang", "zh", *words, *kata], [*words, *kata, "--lang", "zh"],
+                     [*words, "--lang=zh", *kata]):  # fmt: skip
+            args = cli.parse(line)
+            assert args.lang == "zh", f"`dojo {' '.join(line)}` lost --lang"
+            assert getattr(args, "args", []) == [], (
+                f"`dojo {' '.join(line)}` gave it to the program"
+            )
+        if words[0] in cli.TAKE_SOLUTIONS:
+            for line in (["--solutions", *words, *kata], [*words, *kata, "--solutions"]):
+                args = cli.parse(line)
+                assert args.solutions is True and getattr(args, "args", []) == [], line
+
+
+def test_a_programs_arguments_are_its_own_but_for_dojos_options():
+    from dojo.runner import cli
+
+    def read(*line):
+        args = cli.parse(list(line))
+        return args.kata, args.solutions, args.args
+
+    assert read("trace", "k09", "--solutions", "--world-size", "2") == (
+        "k09",
+        True,
+        ["--world-size", "2"],
+    )
+    assert read("run", "--solutions", "k09", "--length", "8", "--lang", "zh") == (
+        "k09",
+        True,
+        ["--length", "8"],
+    )
+    assert read("run", "k01", "--help") == ("k01", False, ["--help"]), (
+        "after the kata: the program's help"
+    )
+    assert read("run", "--world-size", "2") == (None, False, ["--world-size", "2"]), (
+        "the current kata"
+    )
+    assert read("run") == (None, False, [])
+    assert read("run", "k01", "--", "--solutions", "k02") == ("k01", False, ["--solutions", "k02"])
+    assert read("run", "k01", "--world-size", "2", "k02") == (
+        "k01",
+        False,
+        ["--world-size", "2", "k02"],
+    )
+    traced = cli.parse(["trace", "k16", "--out", "/tmp/t", "--", "--out", "final.pt"])
+    assert (traced.out, traced.args) == ("/tmp/t", ["--out", "final.pt"])
+    bench = cli.parse(["bench", "ddp", "--steps", "3", "--solutions"])
+    assert (bench.name, bench.solutions, bench.args) == ("ddp", True, ["--steps", "3"])
+    assert cli.parse(["check", "k01", "--trace", "t"]).trace == "t"
+
+
+def test_run_and_trace_without_a_kata_take_the_current_one(monkeypatch):
+    from dojo.runner import cli, learn, progress, trace
+
+    seen = []
+    monkeypatch.setattr(progress, "load", lambda: None)
+    monkeypatch.setattr(progress, "current", lambda state: K01)
+    monkeypatch.setattr(learn, "run_program", lambda *a: seen.append(("run", *a)) or 0)
+    monkeypatch.setattr(trace, "trace_program", lambda *a: seen.append(("trace", *a)) or 0)
+    assert cli.main(["run", "--world-size", "2"]) == 0
+    assert cli.main(["trace", "--solutions"]) == 0
+    assert seen == [("run", K01, False, ["--world-size", "2"]), ("trace", K01, True, [], None)]
+
+
+def test_a_missing_argument_or_a_misplaced_option_is_explained_in_one_line(capsys):
+    from dojo.runner import cli
+
+    for line, says in (
+        (["goto"], "say which kata to make the current one"),
+        (["grade"], "say whose work to grade"),
+        (["bench"], "say which benchmark: allreduce"),
+        (["dev"], "dev check` (the gate `make test` runs)"),
+        (["lesson", "k01", "--solutions"], "--solutions (the reference instead of your katas) goes with check"),
+        (["--solutions"], "not plain `"),
+    ):  # fmt: skip
+        assert cli.main(line) == 2, line
+        err = capsys.readouterr().err
+        assert err.startswith("dojo: ") and says in err and err.count("\n") == 1, (line, err)
