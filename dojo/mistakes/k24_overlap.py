@@ -258,6 +258,43 @@ def _at_wait(original, comms):
 completed_at_wait = _watcher(_at_wait)
 
 
+def _waits_itself(original, comms):
+    def all_reduce(tensor, *args, **kwargs):
+        comm = Comm(time.perf_counter(), tensor.numel() * tensor.element_size(), False)
+        comms.append(comm)
+        work = original(tensor, *args, **kwargs)
+        if work is not None:
+            comm.is_async = True
+            work.wait()  # "then I know when it finished": every async call becomes blocking
+        comm.completed = time.perf_counter()
+        return work
+
+    return all_reduce
+
+
+waits_for_the_work = _watcher(_waits_itself)
+
+
+def _loses_the_work(original, comms):
+    def all_reduce(tensor, *args, **kwargs):
+        comm = Comm(time.perf_counter(), tensor.numel() * tensor.element_size(), False)
+        comms.append(comm)
+        work = original(tensor, *args, **kwargs)
+        if work is None:
+            comm.completed = time.perf_counter()
+        else:
+            comm.is_async = True
+            work.get_future().add_done_callback(
+                lambda _: setattr(comm, "completed", time.perf_counter())
+            )
+        # no return: the caller's work.wait() meets None
+
+    return all_reduce
+
+
+loses_the_work = _watcher(_loses_the_work)
+
+
 def _future_only(original, comms):
     def all_reduce(tensor, *args, **kwargs):
         comm = Comm(time.perf_counter(), tensor.numel() * tensor.element_size(), False)
@@ -557,6 +594,21 @@ MISTAKES = [
             "test_an_async_all_reduce_completes_only_once_its_late_peer_arrived",
         ],
         says=["wait()", "work.get_future().add_done_callback"],
+    ),
+    Mistake(
+        "waits_for_the_work",
+        replaces="watch_all_reduces",
+        fails=["test_an_async_all_reduce_completes_only_once_its_late_peer_arrived"],
+        says=["your watch waited for the work", "makes every async_op=True call blocking"],
+    ),
+    Mistake(
+        "loses_the_work",
+        replaces="watch_all_reduces",
+        fails=[
+            "test_an_async_all_reduce_completes_only_once_its_late_peer_arrived",
+            "test_an_async_all_reduce_completes_when_it_finished_not_at_wait",
+        ],
+        says=["returned None", "return the original's work handle"],
     ),
     Mistake(
         "blocking_never_completed",
