@@ -12,6 +12,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sysconfig
 from dataclasses import dataclass
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -25,6 +26,9 @@ _HIDDEN = (
 _KATA_CODE = ("katas", "solutions", os.path.join("dojo", "mistakes"))
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", re.M)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,97 @@ def where(frames: list[Frame] | None) -> str:
     own = [f for f in frames if not f.in_torch]
     # The learner's line, not a test's wrapper around torch.distributed (which records calls).
     own = [f for f in own if f.is_learners] or own
-    call = frames[-1].function if frames[-1].in_torch else None
+    call = _call(frames)
     if not own:
         return call or frames[-1].function
     line = f"{own[-1].shown_path}:{own[-1].line}, {own[-1].function}"
     return f"{call} ({line})" if call else f"{own[-1].function} ({line})"
+
+
+# torch.distributed's point-to-point calls: a rank that waits in one waits for one peer.
+_POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+
+
+def innermost(dump: str) -> Frame | None:
+    """The frame the rank's main thread is executing, harness and library frames included."""
+    for block in _THREAD.split(dump)[1:]:
+        frames = [
+            Frame(m["file"], int(m["line"]), m["func"])
+            for m in map(_FRAME.match, block.splitlines())
+            if m
+        ]
+        if any(
+            f.function == "main" and f.file.endswith(os.path.join("dojo", "rank.py"))
+            for f in frames
+        ):
+            return frames[0] if frames else None
+    return None
+
+
+def waits_in_torch_distributed(dump: str) -> bool:
+    """Whether the rank's main thread is blocked in a torch.distributed call: in its Python
+    code (``dist.all_reduce``, ``dist.recv``, a barrier) or in the C++ ``wait()`` of an
+    asynchronous operation's handle (``work.wait()``, whose innermost Python frame is the line
+    that called it). A rank that sleeps, computes, imports or waits for a process is not."""
+    frame = innermost(dump)
+    if frame is None:
+        return False
+    folder = os.sep + "torch" + os.sep
+    if folder + "distributed" + os.sep in frame.file or folder + "futures" + os.sep in frame.file:
+        return True
+    if any(frame.file.endswith(os.path.join("dojo", name)) for name in ("calls.py", "trace.py")):
+        return True  # inside the recorder's wrapper of a torch.distributed call or a wait()
+    if frame.in_torch or frame.file.startswith(_LIBRARIES) or frame.file.startswith("<"):
+        return False  # torch computing, or the standard library (time.sleep, queue.get, join)
+    return ".wait(" in linecache.getline(frame.file, frame.line)
+
+
+def learners_line(dump: str) -> tuple[str, int] | None:
+    """The learner's own line (kata code) a rank waits at: what a deadlock is remembered by."""
+    frames = [f for f in main_thread_frames(dump) or [] if f.is_learners]
+    return (frames[-1].file, frames[-1].line) if frames else None
+
+
+def own_line(dump: str) -> tuple[str, int] | None:
+    """The innermost line outside torch a rank waits at (the learner's, or the checking code's)."""
+    frames = [f for f in main_thread_frames(dump) or [] if not f.in_torch]
+    return (frames[-1].file, frames[-1].line) if frames else None
+
+
+def _call(frames: list[Frame] | None) -> str | None:
+    """The torch.distributed call a rank waits in (``wait`` for an async handle's wait)."""
+    if not frames:
+        return None
+    if frames[-1].in_torch:
+        return frames[-1].function
+    return "wait" if ".wait(" in linecache.getline(frames[-1].file, frames[-1].line) else None
+
+
+def calls(dumps: dict[int, str]) -> set[str]:
+    return {c for c in (_call(main_thread_frames(d)) for d in dumps.values()) if c}
+
+
+def advice(dumps: dict[int, str]) -> str:
+    """What a learner should check, for the calls the ranks wait in: a blocking send or recv
+    waits for its peer's matching call; a collective for every rank of the group."""
+    waited = calls(dumps) - {"wait"}  # an async handle's wait: a collective's or a send's
+    if waited and waited <= _POINT_TO_POINT:
+        return (
+            "A send or recv returns only once its peer has made the matching call (gloo's send "
+            "waits for the recv): does every send have a recv on its destination, and is it "
+            "posted in time (two ranks that both send first, or both receive first, wait for each "
+            "other; let one side receive first, or use isend/irecv and wait on both)?"
+        )
+    if waited & _POINT_TO_POINT:
+        return (
+            "Some ranks wait in a send or recv, others in a collective: a rank whose peer is "
+            "inside a collective never gets the matching call. Does every rank make the same "
+            "calls in the same order?"
+        )
+    return (
+        "Every rank of a group must call every collective, in the same order: is there one that "
+        "only some ranks call, or that they call in a different order?"
+    )
 
 
 def ranks_text(numbers: list[int]) -> str:
@@ -111,12 +201,8 @@ def ranks_text(numbers: list[int]) -> str:
 def summary(dumps: dict[int, str], returned: list[int]) -> str:
     """One line: which ranks wait where, grouped; a note when they wait in different calls."""
     groups: dict[str, list[int]] = {}
-    calls: set[str] = set()
-    for number, dump in sorted(dumps.items()):
-        frames = main_thread_frames(dump)
-        groups.setdefault(where(frames), []).append(number)
-        if frames and frames[-1].in_torch:
-            calls.add(frames[-1].function)
+    for number, dump in _learners_first(dumps):
+        groups.setdefault(where(main_thread_frames(dump)), []).append(number)
     parts = [
         f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {place}"
         for place, numbers in groups.items()
@@ -124,15 +210,23 @@ def summary(dumps: dict[int, str], returned: list[int]) -> str:
     line = "; ".join(parts)
     if returned:
         line += f"; {ranks_text(returned)} returned"
-    if len(calls) > 1:
-        line += f": the ranks called different collectives ({', '.join(sorted(calls))})"
+    waited = calls(dumps)
+    if len(waited) > 1:
+        kind = "collectives" if not waited & _POINT_TO_POINT else "calls"
+        line += f": the ranks called different {kind} ({', '.join(sorted(waited))})"
     return line
+
+
+def _learners_first(dumps: dict[int, str]) -> list[tuple[int, str]]:
+    """Ranks waiting in the learner's own code first (their line is the one to look at), then
+    those waiting in the checking code; each in rank order."""
+    return sorted(dumps.items(), key=lambda item: (learners_line(item[1]) is None, item[0]))
 
 
 def grouped_stacks(dumps: dict[int, str]) -> str:
     """Each distinct stack once, headed by the ranks stuck in it."""
     groups: dict[str, list[int]] = {}
-    for number, dump in sorted(dumps.items()):
+    for number, dump in _learners_first(dumps):
         groups.setdefault(format_stack_dump(dump), []).append(number)
     return "\n\n".join(
         f"{ranks_text(numbers)} {'is' if len(numbers) == 1 else 'are'} waiting here (most recent call last):\n{stack}"

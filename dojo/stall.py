@@ -1,9 +1,9 @@
-"""Whether a world without a deadline (a program) still makes progress.
+"""Whether a world's ranks still make progress: the CPU time they (and what they started) use.
 
 A world makes progress while a rank returns, or while its waiting ranks burn CPU (computing,
-not blocked in a collective). Where the CPU time cannot be read (no ``/proc``), only ranks that
-have returned while others have not count as a stall: a long computation is never taken for
-a hang.
+importing, starting processes: not blocked in a collective). Where the CPU time cannot be read
+(no ``/proc``), only ranks that have returned while others have not count as a stall: a long
+computation is never taken for a hang.
 """
 
 from __future__ import annotations
@@ -22,6 +22,25 @@ def cpu_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(groups: list[int]) -> float | None:
+    """CPU time of every process in these process groups (a rank leads its own, and the
+    processes it starts join it), the children they have reaped included; None without /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    wanted, total = set(groups), 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) in wanted:  # fields[2]: the process group
+            total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class StallWatch:
@@ -52,3 +71,29 @@ class StallWatch:
     def moved(self) -> None:
         """Start counting afresh (after a report, or when the caller knows something moved)."""
         self.last_progress = time.monotonic()
+
+
+class BusyWatch:
+    """Whether the processes of some groups used the CPU lately: ``watch.busy(groups)`` is True
+    when they did since the last call that returned (a second or more ago); a deadline that
+    would end a world now waits while its ranks are still at work (a loaded machine, a rank
+    importing torch in a process it started), not while they sit idle."""
+
+    def __init__(self, every: float = 1.0):
+        self.every = every
+        self._cpu: float | None = None
+        self._checked = 0.0
+        self._busy = True  # until measured: a world that just started is starting
+
+        self._groups: list[int] = []
+
+    def busy(self, groups: list[int]) -> bool:
+        now = time.monotonic()
+        if now - self._checked >= self.every or groups != self._groups:
+            cpu = group_cpu_seconds(groups)
+            if cpu is None:
+                self._busy = False  # cannot tell: deadlines are what they say
+            elif self._cpu is not None and groups == self._groups:
+                self._busy = cpu - self._cpu >= _BUSY_FRACTION * (now - self._checked)
+            self._cpu, self._checked, self._groups = cpu, now, list(groups)
+        return self._busy

@@ -7,7 +7,12 @@ What it guarantees, whatever the function does:
 * rendezvous that cannot collide: the parent owns a TCPStore bound to port 0 for its whole life,
   and each world uses a fresh key prefix of it (safe under ``pytest -n auto``);
 * a rank's exception comes back with its rank and traceback, and its peers are stopped at once;
-* a deadlock ends at the deadline as a report of the stuck ranks and where each one waits;
+* a deadlock ends as a report of the stuck ranks and where each one waits, seconds after they
+  stopped (ranks idle inside torch.distributed calls), not at the deadline; a place this process
+  has already seen deadlock ends a later world sooner still (a spec's tests often share one);
+* deadlines allow for a loaded machine: while a world's processes still use the CPU (a busy
+  machine, a rank importing torch in a process it started) its deadline stretches, up to
+  ``MAX_STRETCH`` times; idle ranks get what it says;
 * a crash (segfault, abort, ``os._exit``) names the rank, the signal or exit code and its output;
 * nothing is left running: every rank leads its own process group and the parent kills the
   group; a rank whose parent dies (even ``kill -9``) kills its own group;
@@ -20,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -33,15 +39,24 @@ from typing import Any
 
 from dojo import impl, stacks
 from dojo import rank as _rank
-from dojo.stall import StallWatch
+from dojo.stall import BusyWatch, StallWatch
 from dojo.todo import KataTodo
 
 DEFAULT_DEADLINE_S = 20.0
 # Once one rank has returned, its peers get this long to return too: a peer that does not is
 # almost always stuck in a collective the others never called.
 DEFAULT_STRAGGLER_S = 5.0
-_STACK_WAIT_S = 1.0  # how long stuck ranks get to write their stacks
-_TEARDOWN_WAIT_S = 10.0
+# Waiting ranks that sit idle inside torch.distributed calls this long, at a line where an earlier
+# world of this process deadlocked, are taken to deadlock again (run_world's ``stall`` does the
+# same for any line, for callers that know no call of theirs times out by itself).
+KNOWN_STALL_S = 1.0
+_LOOK_AGAIN_S = 3.0  # idle ranks outside torch.distributed: how often their stacks are read
+# A deadline (or straggler window) stretches while the world's processes use the CPU, up to
+# this many times itself: a loaded machine is slow, not stuck; a busy loop still ends.
+MAX_STRETCH = 4.0
+_POLL_S = 0.25  # how often a world with a deadline looks at its ranks' CPU time
+_STACK_WAIT_S = 3.0  # how long stuck ranks get to write their stacks (they answer at once)
+_TEARDOWN_WAIT_S = 10.0  # stretched as deadlines are, while ranks still work
 
 
 class WorldFailure(AssertionError):
@@ -95,6 +110,7 @@ def run_world(
     threads: int = 1,
     hang_report: float | None = None,
     hang_fails: bool = False,
+    stall: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
@@ -105,6 +121,11 @@ def run_world(
     level, so that rank processes can import it. Returns the results in rank order; raises a
     ``WorldFailure`` (or the ``KataTodo`` a rank raised) otherwise.
 
+    A world whose ranks all wait idle inside torch.distributed calls, some at a line where an
+    earlier world of this process deadlocked, ends as a ``WorldDeadlock`` after ``KNOWN_STALL_S``
+    (the same wait would hang again). With ``stall`` seconds, any such wait ends it that soon;
+    by default only the deadline does, as a rank may be inside a call that times out by itself
+    (a group, a barrier or a store wait given a timeout).
     ``deadline=None`` waits for ever (programs; Ctrl-C still stops every rank, after saying where
     each one was). There ``hang_report`` seconds without progress (no rank returns, the waiting
     ranks idle) print which ranks wait where, and the world keeps waiting; with ``hang_fails``
@@ -141,14 +162,14 @@ def run_world(
                     store_port=_store_port() if init_group else None,
                     backend=backend,
                     # The harness's deadline must fire before the group's own timeout does.
-                    group_timeout_s=(deadline or 1800.0) + 30.0,
+                    group_timeout_s=(deadline or 1800.0) * MAX_STRETCH + 30.0,
                     env={**(env or {}), **_implementation_env()},
                     capture_output=capture_output,
                     threads=threads,
                 )
             )
         try:
-            _collect(ranks, deadline, straggler, hang_report, hang_fails)
+            _collect(ranks, deadline, straggler, hang_report, hang_fails, stall)
         except KeyboardInterrupt:
             if not capture_output:  # a learner's program: say where every rank was
                 _say(_interrupted_report(ranks))
@@ -237,31 +258,59 @@ def _collect(
     straggler: float | None,
     hang_report: float | None = None,
     hang_fails: bool = False,
+    stall: float | None = None,
 ) -> None:
-    """Wait for every rank's outcome; raise on the first error, crash or missed deadline."""
-    give_up = time.monotonic() + deadline if deadline is not None else float("inf")
-    straggling = False  # some ranks have returned; the rest now have `straggler` seconds
-    watch = StallWatch() if hang_report is not None else None
+    """Wait for every rank's outcome; raise on the first error, crash, deadlock or missed
+    deadline."""
+    window = _Window(deadline)  # the deadline; once some ranks return, the straggler window
+    watch = StallWatch() if hang_report is not None or deadline is not None else None
+    busy = BusyWatch()
+    looked = 0.0  # how idle the ranks were when their stacks were last looked at
     while True:
         waiting = [r for r in ranks if r.outcome is None]
         if not waiting:
             return
-        if not straggling and straggler is not None and len(waiting) < len(ranks):
-            straggling = True
-            give_up = min(give_up, time.monotonic() + straggler)
-        timeout = give_up - time.monotonic()
-        if timeout <= 0:
-            raise _deadlock(ranks, waiting, straggler if straggling else deadline, straggling)
+        if window.straggler is None and straggler is not None and len(waiting) < len(ranks):
+            window.stragglers(straggler)
+        now = time.monotonic()
+        if now >= window.end:
+            if now < window.hard_end and busy.busy([r.process.pid for r in waiting]):
+                window.end = min(window.hard_end, now + _POLL_S)  # still at work: not stuck
+            else:
+                raise _deadlock(
+                    ranks,
+                    waiting,
+                    window.seconds,
+                    window.straggler is not None,
+                    stretched=window.stretched(now),
+                )
+        timeout = window.end - time.monotonic()
         if watch is not None:
             stalled = watch.check([r.process.pid for r in waiting], len(ranks) - len(waiting))
-            if stalled >= hang_report:
+            if hang_report is not None and stalled >= hang_report:
                 if hang_fails:
                     raise _deadlock(ranks, waiting, hang_report, straggling=False, stalled=True)
                 _say(_stall_report(ranks, waiting, stalled))
                 watch.moved()  # the next report after as long again
-            timeout = min(timeout, 1.0)
+            elif stall is not None or _known_deadlocks:
+                if stalled < looked:
+                    looked = 0.0  # something moved since
+                verdict = _idle_verdict(waiting, stalled, looked, stall)
+                if verdict is not None:
+                    looked = stalled
+                    if verdict[0]:
+                        raise _deadlock(
+                            ranks,
+                            waiting,
+                            stalled,
+                            window.straggler is not None,
+                            stalled=True,
+                            dumps=verdict[1],
+                            known=verdict[0] == "known",
+                        )
+            timeout = min(timeout, _POLL_S if stall is not None or _known_deadlocks else 1.0)
         pipes = [r.results for r in waiting] + [r.process.sentinel for r in waiting]
-        ready = wait(pipes, None if timeout == float("inf") else timeout)
+        ready = wait(pipes, None if timeout == float("inf") else max(0.0, timeout))
         for rank in waiting:
             if rank.results in ready or rank.results.poll():
                 try:
@@ -269,9 +318,73 @@ def _collect(
                 except (EOFError, OSError):
                     raise _crashed(rank, ranks) from None
                 if rank.outcome[0] == "error":
-                    raise _failed(rank.outcome[1], ranks)
+                    raise _first_cause(rank, ranks)
             elif rank.process.sentinel in ready:
                 raise _crashed(rank, ranks)
+
+
+class _Window:
+    """When a world gives up: ``end`` (stretched while ranks work, never past ``hard_end``)."""
+
+    def __init__(self, deadline: float | None):
+        self.began = time.monotonic()
+        self.seconds = deadline
+        self.end = self.began + deadline if deadline is not None else float("inf")
+        self.hard_end = self.began + deadline * MAX_STRETCH if deadline is not None else self.end
+        self.straggler: float | None = None
+
+    def stragglers(self, seconds: float) -> None:
+        """Some ranks returned: the rest have ``seconds`` (stretched likewise) to return too."""
+        now = time.monotonic()
+        self.began, self.seconds, self.straggler = now, seconds, seconds
+        self.end = min(self.end, now + seconds)
+        self.hard_end = min(self.hard_end, now + seconds * MAX_STRETCH)
+
+    def stretched(self, now: float) -> float | None:
+        """How long the window lasted, where that is longer than it says."""
+        lasted = now - self.began
+        return lasted if self.seconds is not None and lasted > self.seconds + 1.0 else None
+
+
+# Where worlds of this process deadlocked: (implementation, catalogue swap, file, line).
+_known_deadlocks: set[tuple[str, str, str, int]] = set()
+
+
+def _place_key(dump: str) -> tuple[str, str, str, int] | None:
+    line = stacks.own_line(dump)
+    if line is None:
+        return None
+    return (os.environ.get(impl.ENV_VAR, ""), os.environ.get(impl.SUBSTITUTE_VAR, ""), *line)
+
+
+def _idle_verdict(
+    waiting: list[_Rank], idle: float, looked: float, stall: float | None
+) -> tuple[str | None, dict[int, str]] | None:
+    """Look at idle ranks' stacks now and then: ``("stalled" or "known", dumps)`` when every one
+    waits inside torch.distributed (at a known place, or for ``stall`` seconds), ``(None,
+    dumps)`` when not (asleep, waiting for a process: the deadline decides), None when it is not
+    time to look."""
+    first = min(t for t in (stall, KNOWN_STALL_S if _known_deadlocks else None) if t is not None)
+    due = first if looked == 0.0 else looked + (stall or _LOOK_AGAIN_S)
+    if idle < due:
+        return None
+    dumps = _dump_stacks(waiting)
+    if not all(stacks.waits_in_torch_distributed(d) for d in dumps.values()):
+        return None, dumps
+    keys = {_place_key(d) for d in dumps.values()} - {None}
+    with _lock:
+        known = bool(keys & _known_deadlocks)
+    if stall is not None and idle >= stall:
+        return "stalled", dumps
+    return ("known", dumps) if known else (None, dumps)
+
+
+def _remember(dumps: dict[int, str]) -> None:
+    """A world deadlocked: where its ranks waited, for later worlds (when they all waited inside
+    torch.distributed calls; ranks asleep or computing are no deadlock to remember)."""
+    if dumps and all(stacks.waits_in_torch_distributed(d) for d in dumps.values()):
+        with _lock:
+            _known_deadlocks.update({_place_key(d) for d in dumps.values()} - {None})
 
 
 def _release(ranks: list[_Rank]) -> None:
@@ -279,8 +392,18 @@ def _release(ranks: list[_Rank]) -> None:
     for rank in ranks:
         rank.lifeline.send("release")
     end = time.monotonic() + _TEARDOWN_WAIT_S
+    hard_end = time.monotonic() + _TEARDOWN_WAIT_S * MAX_STRETCH
+    busy = BusyWatch()
     for rank in ranks:
-        rank.process.join(max(0.0, end - time.monotonic()))
+        while True:
+            rank.process.join(max(0.0, min(end - time.monotonic(), 1.0)))
+            if rank.process.exitcode is not None or time.monotonic() >= hard_end:
+                break
+            if time.monotonic() >= end:
+                alive = [r.process.pid for r in ranks if r.process.exitcode is None]
+                if not busy.busy(alive):
+                    break
+                end = time.monotonic() + 1.0  # still tearing down on a busy machine
     for rank in ranks:
         code = rank.process.exitcode
         if code != _rank.EXIT_OK:
@@ -317,7 +440,42 @@ def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
     return RankFailed(text, error.rank, original)
 
 
-def _crashed(rank: _Rank, ranks: list[_Rank]) -> RankCrashed:
+# What gloo says on a rank whose peer died or was killed: a consequence, not the cause.
+_PEER_LOST = re.compile(
+    r"connection (reset|closed) by peer|broken pipe|socket closed|connection refused", re.I
+)
+_CAUSE_WAIT_S = 3.0  # how long a rank that lost its peer waits for the peer's own outcome
+
+
+def _first_cause(rank: _Rank, ranks: list[_Rank]) -> BaseException:
+    """The report for ``rank``'s error, unless it only says a peer went away: then the peer's
+    crash or error, which came first (gloo's "Connection reset by peer" follows it)."""
+    error = rank.outcome[1]
+    if not _PEER_LOST.search(error.message):
+        return _failed(error, ranks)
+    others = [r for r in ranks if r.outcome is None]
+    end = time.monotonic() + _CAUSE_WAIT_S
+    while others and time.monotonic() < end:
+        ready = wait([r.results for r in others] + [r.process.sentinel for r in others], 0.1)
+        for other in others:
+            if other.results in ready or other.results.poll():
+                try:
+                    other.outcome = other.results.recv()
+                except (EOFError, OSError):
+                    return _crashed(other, ranks, lost=[rank.number])
+                if other.outcome[0] == "error" and not _PEER_LOST.search(other.outcome[1].message):
+                    return _failed(other.outcome[1], ranks)
+            elif other.process.sentinel in ready:
+                return _crashed(other, ranks, lost=[rank.number])
+        others = [r for r in others if r.outcome is None]
+    return _failed(error, ranks)
+
+
+# gloo aborts a rank whose peer sent an operation of another size than the one it waits in.
+_GLOO_MISMATCH = ("op.preamble.length <= op.nbytes", "op.nbytes", "preamble")
+
+
+def _crashed(rank: _Rank, ranks: list[_Rank], lost: list[int] | None = None) -> RankCrashed:
     rank.process.join(2.0)
     _kill(ranks)
     code = rank.process.exitcode
@@ -327,6 +485,14 @@ def _crashed(rank: _Rank, ranks: list[_Rank]) -> RankCrashed:
         f"rank {rank.number} {how} without a Python exception (a crash, an abort or "
         "os._exit), and its peers were stopped."
     )
+    if lost:
+        text += f" (rank(s) {_join(lost)} then lost the connection to it: that error follows this.)"
+    if any(sign in output for sign in _GLOO_MISMATCH):
+        text += (
+            "\ngloo aborted it: a peer's message did not fit the operation this rank was in. "
+            "The ranks' calls did not match: a collective only some ranks call, calls in a "
+            "different order, or tensors of different sizes."
+        )
     if "bootstrapping phase" in output:
         text += (
             "\nIt failed while starting: the main module starts processes when it is imported. "
@@ -349,33 +515,59 @@ def _describe_exit(code: int) -> str:
 
 
 def _deadlock(
-    ranks: list[_Rank], stuck: list[_Rank], seconds: float, straggling: bool, stalled: bool = False
+    ranks: list[_Rank],
+    stuck: list[_Rank],
+    seconds: float,
+    straggling: bool,
+    stalled: bool = False,
+    dumps: dict[int, str] | None = None,
+    known: bool = False,
+    stretched: float | None = None,
 ) -> WorldDeadlock:
-    dumps = _dump_stacks(stuck)
+    dumps = dumps if dumps is not None else _dump_stacks(stuck)
+    _remember(dumps)
     numbers = [r.number for r in stuck]
     finished = [r.number for r in ranks if r.outcome is not None]
-    if straggling:
+    advice = stacks.advice(dumps)
+    waited = "wait" if len(numbers) > 1 else "waits"
+    if known:
         head = (
-            f"deadlock: rank(s) {_join(numbers)} still had not returned {seconds:g} s "
-            f"after rank(s) {_join(finished)} had: a rank is probably waiting in a collective or "
-            "a recv that its peers never call (every rank must call every collective, in the "
-            "same order)."
+            f"deadlock: rank(s) {_join(numbers)} {waited} where an earlier test's ranks "
+            f"deadlocked, and made no progress for {seconds:.0f} s: ended at once rather than "
+            f"waiting again. {advice}"
+        )
+    elif stalled and straggling:
+        head = (
+            f"deadlock: rank(s) {_join(numbers)} {waited} inside torch.distributed calls, making "
+            f"no progress for {seconds:.0f} s, after rank(s) {_join(finished)} returned: a call "
+            f"its peers never make. {advice}"
         )
     elif stalled:
         head = (
-            f"deadlock: rank(s) {_join(numbers)} made no progress for {seconds:g} s (no rank "
-            "returned, none computed). Is every rank calling the same collectives in the same "
-            "order, and does every recv have a matching send?"
+            f"deadlock: rank(s) {_join(numbers)} made no progress for {seconds:.0f} s (no rank "
+            f"returned, none computed). {advice}"
+        )
+    elif straggling:
+        head = (
+            f"deadlock: rank(s) {_join(numbers)} still had not returned {_lasted(seconds, stretched)} "
+            f"after rank(s) {_join(finished)} had. {advice}"
         )
     else:
         head = (
-            f"deadlock: rank(s) {_join(numbers)} did not return within the {seconds:g} s "
-            "deadline. Is every rank calling the same collectives in the same order, and does "
-            "every recv have a matching send?"
+            f"deadlock: rank(s) {_join(numbers)} did not return within the "
+            f"{_lasted(seconds, stretched, 'deadline')}. {advice}"
         )
     text = f"{head}\n{stacks.summary(dumps, finished)}\n\n{stacks.grouped_stacks(dumps)}"
     _kill(ranks)
     return WorldDeadlock(text, numbers)
+
+
+def _lasted(seconds: float, stretched: float | None, what: str = "") -> str:
+    """``20 s deadline`` or ``20 s deadline (stretched to 45 s while the ranks were busy)``."""
+    text = f"{seconds:g} s" + (f" {what}" if what else "")
+    if stretched is not None:
+        text += f" (stretched to {stretched:.0f} s while they still used the CPU)"
+    return text
 
 
 def _stall_report(ranks: list[_Rank], stuck: list[_Rank], seconds: float) -> str:
@@ -383,8 +575,7 @@ def _stall_report(ranks: list[_Rank], stuck: list[_Rank], seconds: float) -> str
     finished = [r.number for r in ranks if r.outcome is not None]
     return (
         f"no progress for {seconds:.0f} s: {stacks.summary(dumps, finished)}.\n"
-        "Still waiting (Ctrl-C stops every rank). A rank that waits in a collective for ever is "
-        "waiting for a peer that never calls it.\n\n"
+        f"Still waiting (Ctrl-C stops every rank). {stacks.advice(dumps)}\n\n"
         f"{stacks.grouped_stacks(dumps)}"
     )
 

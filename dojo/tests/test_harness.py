@@ -161,6 +161,90 @@ def test_a_world_where_every_rank_is_stuck_ends_at_the_deadline(tmp_path):
     assert [r["sum"] for r in run_world(_identify, 2, None)] == [1, 1]
 
 
+def _receive_from_the_next(rank, world_size):
+    dist.recv(torch.zeros(1), src=(rank + 1) % world_size)  # nobody sends: every rank waits
+
+
+def test_a_wait_where_an_earlier_world_deadlocked_ends_at_once():
+    with pytest.raises(WorldDeadlock):
+        run_world(_receive_from_the_next, 2, deadline=3)  # at its deadline: remembered
+    start = time.monotonic()
+    with pytest.raises(WorldDeadlock) as again:
+        run_world(_receive_from_the_next, 2, deadline=120)
+    assert time.monotonic() - start < 20, "a known deadlock must not wait out the deadline again"
+    message = str(again.value)
+    assert "where an earlier test's ranks deadlocked" in message, message
+    assert "ranks 0, 1 wait in recv (dojo/tests/test_harness.py:" in message, message
+
+
+def _receive_from_the_previous(rank, world_size):
+    dist.recv(torch.zeros(1), src=(rank - 1) % world_size)
+
+
+def test_stall_ends_a_deadlock_seconds_after_the_ranks_stop():
+    start = time.monotonic()
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_receive_from_the_previous, 2, deadline=120, stall=2)
+    assert time.monotonic() - start < 30, "ranks idle in recv for 2 s are deadlocked"
+    assert "made no progress for" in str(caught.value), str(caught.value)
+
+
+def _sleep_then_return(rank, world_size, seconds):
+    time.sleep(seconds)  # idle, but not inside a torch.distributed call: not a deadlock
+    dist.barrier()
+    return rank
+
+
+def test_idle_ranks_outside_torch_distributed_are_not_taken_for_a_deadlock():
+    assert run_world(_sleep_then_return, 2, 4.0, deadline=30, stall=1) == [0, 1]
+
+
+def _spin(rank, world_size, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return rank
+
+
+def test_a_deadline_stretches_while_ranks_still_compute_and_a_busy_loop_still_ends():
+    # A loaded machine: ranks that take longer than the deadline but use the CPU all along.
+    assert run_world(_spin, 2, 3.0, deadline=1.5) == [0, 1]
+    start = time.monotonic()
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_spin, 2, 600.0, deadline=1.0)
+    assert time.monotonic() - start < 30, "a busy loop must still end, at a few times its deadline"
+    assert "stretched to" in str(caught.value), str(caught.value)
+
+
+def _both_send_first(rank, world_size):
+    dist.send(torch.ones(1 << 16), dst=1 - rank)  # gloo's send waits for the matching recv
+    dist.recv(torch.ones(1 << 16), src=1 - rank)
+
+
+def test_ranks_that_both_send_first_are_told_about_sends_not_collectives():
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_both_send_first, 2, deadline=5)
+    message = str(caught.value)
+    assert "ranks 0, 1 wait in send (dojo/tests/test_harness.py:" in message, message
+    assert "returns only once its peer has made the matching call" in message, message
+    assert "collective" not in message.split("\n")[0], message
+
+
+def _abort_while_the_peer_waits(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)
+        print("rank 1 is about to abort")
+        os.abort()
+    dist.all_reduce(torch.ones(1 << 16))  # gloo: "Connection reset by peer" once rank 1 dies
+
+
+def test_a_crash_is_reported_not_the_peers_lost_connection_that_follows_it():
+    with pytest.raises(RankCrashed) as caught:
+        run_world(_abort_while_the_peer_waits, 2, deadline=60)
+    message = str(caught.value)
+    assert "rank 1 died from SIGABRT" in message and "about to abort" in message, message
+
+
 def _crash(rank, world_size, how):
     if rank == 1:
         print("rank 1 is about to crash")
