@@ -6,8 +6,10 @@ graded in a fresh copy of this project's tests, harness and curriculum, so a lea
 ``tests/`` or ``dojo/`` gains nothing, and nothing in the submissions is changed. Every kata's
 spec runs with a deadline in a session of its own, which is killed afterwards whatever happened:
 a learner whose code hangs, crashes or deadlocks gets that kata failed with the reason, and the
-class goes on. The result is printed as a table and written as CSV, JSON, JUnit XML (one test
-suite per learner) and an HTML page.
+class goes on. The result is printed as a table (each stuck learner's reason cut to a line) and
+written whole as CSV, JSON, JUnit XML (one test suite per learner) and an HTML page for after the
+class: its totals, each kata's pass rate, a learner x kata grid, and behind a click each learner's
+first failing test, its whole message and the end of its log.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class BadSubmission(Exception):
     """A submission that cannot be graded; the message says why, for the instructor."""
 
 
+SHORT_REASON = 240  # characters of a reason on the terminal; the reports hold it whole
+LOG_LINES = 60  # the end of a failure's report kept in the reports
+
+
 @dataclass
 class KataGrade:
     kata: str
@@ -49,7 +55,18 @@ class KataGrade:
     total: int = 0
     first_failing_step: str = ""
     seconds: float = 0.0
-    reason: str = ""
+    reason: str = ""  # why it fails, whole: the first failure's message (a todo: its line)
+    failing_test: str = ""  # the first failing test, as the spec names it
+    failed_tests: list[str] = field(default_factory=list)  # every failing test, in file order
+    log: str = ""  # the end of the first failure's report (where it failed, and why)
+
+    @property
+    def short_reason(self) -> str:
+        """The reason on one line, cut at a word (the terminal's; the reports keep it whole)."""
+        line = " ".join(self.reason.split())
+        if len(line) <= SHORT_REASON:
+            return line
+        return line[:SHORT_REASON].rsplit(" ", 1)[0] + " ..."
 
 
 @dataclass
@@ -184,29 +201,33 @@ def grade_kata(root: Path, kata: curriculum.Kata, submitted: bool, timeout: floa
     try:
         ast.parse(source)
     except SyntaxError as error:
+        where = f"katas/{kata.module}.py, line {error.lineno}"
+        pointer = " " * max(0, (error.offset or 1) - 1) + "^"
         return KataGrade(
             kata.id,
             "failed",
             reason=f"katas/{kata.module}.py does not parse: line {error.lineno}: {error.msg}",
+            log=f"{where}\n    {(error.text or '').rstrip()}\n    {pointer}\nSyntaxError: {error.msg}",
         )
-    log = root / f".grade-{kata.id}.jsonl"
+    log, output = root / f".grade-{kata.id}.jsonl", root / f".grade-{kata.id}.out"
     env = {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.SUBSTITUTE_VAR)}
     env.update({testlog.ENV_VAR: str(log), "PYTHONDONTWRITEBYTECODE": "1"})
     command = [sys.executable, "-m", "pytest", "-q", "--tb=no", "-rN", "-p", "dojo.runner.testlog",
                "-p", "no:cacheprovider", runs.spec_file(kata)]  # fmt: skip
     start = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    timed_out = False
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        kill_session(process.pid)  # whatever it left: ranks, programs, a learner's children
-        process.wait()
+    with open(output, "wb") as printed:  # kept for a run that ends without a failure to show
+        process = subprocess.Popen(
+            command, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=printed,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        timed_out = False
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_session(process.pid)  # whatever it left: ranks, programs, a learner's children
+            process.wait()
     seconds = time.monotonic() - start
     records = (
         [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -219,28 +240,66 @@ def grade_kata(root: Path, kata: curriculum.Kata, submitted: bool, timeout: floa
         kata.id, "passed" if result.passed else "failed", summary["passed"],
         summary["passed"] + summary["failed"], seconds=round(seconds, 1),
     )  # fmt: skip
+    if result.passed:
+        return grade
     step = result.first_failing_step()
-    if step is not None and not result.passed:
+    if step is not None:
         grade.first_failing_step = runs.describe_step(kata, step)
+    failures = [r for r in records if r["outcome"] == "failed"]
+    grade.failed_tests = [_test_name(r) for r in failures]
+    if failures:
+        grade.failing_test = grade.failed_tests[0]
+        grade.log = _tail(failures[0]["text"])
     if timed_out:
-        grade.reason = f"stopped after {timeout:g} s: the tests did not finish (a hang the harness did not catch)"
-    elif not result.passed:
+        finished = [r for r in records if r["when"] == "call"]
+        grade.reason = (
+            f"stopped after {timeout:g} s: the tests did not finish (a hang the harness did not "
+            "catch); the last test to finish was "
+            + (_test_name(finished[-1]) if finished else "none")
+        )
+        grade.log = _tail(output.read_text(encoding="utf-8", errors="replace"))
+    else:
         grade.reason = _first_reason(result) or f"pytest exited with status {process.returncode}"
+        grade.log = grade.log or _tail(output.read_text(encoding="utf-8", errors="replace"))
     return grade
 
 
+def _test_name(record: dict) -> str:
+    return record["test"].split("::", 1)[-1]
+
+
+def _tail(text: str) -> str:
+    return "\n".join(text.rstrip().splitlines()[-LOG_LINES:])
+
+
 def _first_reason(result: runs.RunResult) -> str:
-    """The first failure's message, short: a todo as its own line, anything else cut at a word."""
+    """The first failure's message, whole: a todo as its own line, else the exception as pytest
+    shows it (its ``E`` lines: every line of a message that spans several)."""
     for record in result.records:
         if record["outcome"] == "failed":
             todo = TODO_PATTERN.search(record["text"]) or TODO_PATTERN.search(
                 record.get("message", "")
             )
+            if todo and todo.group(1) != result.kata.id:  # its tests use an earlier kata's code
+                return (
+                    f"{todo.group(0)}: {result.kata.id}'s tests use {todo.group(1)}'s code, which "
+                    f"this submission leaves unwritten (katas/{curriculum.find(todo.group(1)).module}.py)"
+                )
             if todo:
                 return todo.group(0)
-            message = " ".join((record.get("message") or record["text"].strip()).split())
-            return message if len(message) <= 240 else message[:240].rsplit(" ", 1)[0] + " ..."
+            return _whole_message(record)
     return ""
+
+
+def _whole_message(record: dict) -> str:
+    first = record.get("message", "")
+    shown = [line for line in record["text"].splitlines() if line == "E" or line.startswith("E ")]
+    if not shown:
+        return (first or record["text"]).strip()
+    whole = "\n".join(line[4:] if line.startswith("E   ") else line[1:].strip() for line in shown)
+    whole = whole.strip()
+    # the log keeps a failure's end: a message longer than that lost its start, which `first` holds
+    return whole if not first or whole.startswith(first) else f"{first}\n...\n{whole}"
 
 
 def grade_learner(submission: Path, katas: list[curriculum.Kata], timeout: float) -> LearnerGrade:
@@ -283,26 +342,48 @@ def grade_class(
         return list(pool.map(lambda s: grade_learner(s, katas, timeout), submissions))
 
 
+def _cell(kata: KataGrade) -> str:
+    if kata.status == "not submitted":
+        return "-"
+    if kata.status == "failed" and kata.total == 0:
+        return "broken"  # it did not parse, or no test could run
+    return f"{kata.passed}/{kata.total}" + (" ok" if kata.status == "passed" else "")
+
+
+def _graded(grades: list[LearnerGrade]) -> list[LearnerGrade]:
+    return [g for g in grades if not g.problem]
+
+
+def pass_rate(grades: list[LearnerGrade], kata_id: str) -> tuple[int, int]:
+    """(learners who pass the kata, learners graded)."""
+    graded = _graded(grades)
+    passed = sum(1 for g in graded for k in g.katas if k.kata == kata_id and k.status == "passed")
+    return passed, len(graded)
+
+
 def table(grades: list[LearnerGrade], katas: list[curriculum.Kata]) -> str:
-    width = max([len("learner"), *(len(g.learner) for g in grades)])
-    lines = [f"{'learner':<{width}}  " + "  ".join(f"{k.id:>7}" for k in katas) + "  katas passed"]
+    rows = [[g.learner, *(_cell(k) for k in g.katas), f"{g.katas_passed} of {len(katas)}"]
+            for g in grades if not g.problem]  # fmt: skip
+    rates = [pass_rate(grades, k.id) for k in katas]
+    footer = ["passed by", *(f"{n}/{total}" for n, total in rates), ""]
+    width = max(len(r[0]) for r in [["learner"], footer, *rows])
+    cells = [max([7, *(len(r[i + 1]) for r in [footer, *rows])]) for i in range(len(katas))]
+
+    def line(row: list[str]) -> str:
+        middle = "  ".join(f"{c:>{w}}" for c, w in zip(row[1:-1], cells))
+        return f"{row[0]:<{width}}  {middle}  {row[-1]}".rstrip()
+
+    lines = [line(["learner", *(k.id for k in katas), "katas passed"])]
     for grade in grades:
         if grade.problem:
             lines.append(f"{grade.learner:<{width}}  not graded: {grade.problem}")
-            continue
-        cells = []
-        for kata in grade.katas:
-            cell = "-" if kata.status == "not submitted" else f"{kata.passed}/{kata.total}"
-            cells.append(f"{cell + (' ok' if kata.status == 'passed' else ''):>7}")
-        lines.append(
-            f"{grade.learner:<{width}}  "
-            + "  ".join(cells)
-            + f"  {grade.katas_passed} of {len(katas)}"
-        )
+        else:
+            lines.append(line(rows.pop(0)))
+    lines.append(line(footer))
     details = [
         f"  {g.learner} {k.kata}: "
         + (f"{k.first_failing_step}: " if k.first_failing_step else "")
-        + k.reason
+        + k.short_reason
         for g in grades
         for k in g.katas
         if k.status == "failed"
@@ -315,49 +396,31 @@ def write_reports(
 ) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"grades.{ext}" for ext in ("csv", "json", "xml", "html")]
+    columns = ["learner", "kata", "status", "passed", "total", "first_failing_step", "seconds",
+               "reason", "failing_test", "failed_tests", "log"]  # fmt: skip
     with open(paths[0], "w", newline="", encoding="utf-8") as out:
         writer = csv.writer(out)
-        writer.writerow(
-            [
-                "learner",
-                "kata",
-                "status",
-                "passed",
-                "total",
-                "first_failing_step",
-                "seconds",
-                "reason",
-            ]
-        )
+        writer.writerow(columns)
         for g in grades:
             if g.problem:
-                writer.writerow([g.learner, "", "not graded", 0, 0, "", 0, g.problem])
+                writer.writerow([g.learner, "", "not graded", 0, 0, "", 0, g.problem, "", "", ""])
             for k in g.katas:
-                writer.writerow(
-                    [
-                        g.learner,
-                        k.kata,
-                        k.status,
-                        k.passed,
-                        k.total,
-                        k.first_failing_step,
-                        k.seconds,
-                        k.reason,
-                    ]
-                )
+                row = {**asdict(k), "learner": g.learner, "failed_tests": " ".join(k.failed_tests)}
+                writer.writerow([row[c] for c in columns])
     paths[1].write_text(json.dumps([asdict(g) for g in grades], indent=2) + "\n", encoding="utf-8")
     paths[2].write_text(_junit(grades), encoding="utf-8")
-    paths[3].write_text(_html(grades, katas), encoding="utf-8")
+    paths[3].write_text(report_html(grades, katas), encoding="utf-8")
     return paths
 
 
 def _junit(grades: list[LearnerGrade]) -> str:
     suites = ElementTree.Element("testsuites", name="torch-dist-katas")
     for g in grades:
-        failures = sum(1 for k in g.katas if k.status != "passed")
+        failures = sum(1 for k in g.katas if k.status == "failed")
         suite = ElementTree.SubElement(
             suites, "testsuite", name=g.learner, tests=str(max(1, len(g.katas))),
             failures=str(failures), errors="1" if g.problem else "0",
+            skipped=str(sum(1 for k in g.katas if k.status == "not submitted")),
             time=f"{sum(k.seconds for k in g.katas):.1f}",
         )  # fmt: skip
         if g.problem:
@@ -371,9 +434,11 @@ def _junit(grades: list[LearnerGrade]) -> str:
             if k.status == "not submitted":
                 ElementTree.SubElement(case, "skipped", message=k.reason)
             elif k.status != "passed":
-                ElementTree.SubElement(
-                    case, "failure", message=f"{k.first_failing_step}: {k.reason}".strip(": ")
-                )
+                failure = ElementTree.SubElement(
+                    case, "failure", message=f"{k.first_failing_step}: {k.reason}".strip(": "),
+                    type=k.failing_test or "kata",
+                )  # fmt: skip
+                failure.text = k.log  # a failure's body is its trace, as JUnit readers show it
     ElementTree.indent(suites)
     return (
         '<?xml version="1.0" encoding="utf-8"?>\n'
@@ -382,46 +447,241 @@ def _junit(grades: list[LearnerGrade]) -> str:
     )
 
 
-def _html(grades: list[LearnerGrade], katas: list[curriculum.Kata]) -> str:
-    head = "".join(f"<th title='{html.escape(k.title)}'>{k.id}</th>" for k in katas)
-    rows = []
-    for g in grades:
-        if g.problem:
-            rows.append(f"<tr><th>{html.escape(g.learner)}</th><td class='bad' colspan='{len(katas) + 1}'>"
-                        f"not graded: {html.escape(g.problem)}</td></tr>")  # fmt: skip
-            continue
-        cells = []
-        for k in g.katas:
-            css = {"passed": "ok", "failed": "bad"}.get(k.status, "none")
-            text = "-" if k.status == "not submitted" else f"{k.passed}/{k.total}"
-            tip = html.escape(f"{k.first_failing_step}: {k.reason}".strip(": ") or k.status)
-            cells.append(f"<td class='{css}' title='{tip}'>{text}</td>")
-        rows.append(
-            f"<tr><th>{html.escape(g.learner)}</th>{''.join(cells)}<td>{g.katas_passed} of {len(katas)}</td></tr>"
-        )
-    stuck = "".join(
-        f"<li><b>{html.escape(g.learner)} {k.kata}</b>: "
-        + (f"{html.escape(k.first_failing_step)}: " if k.first_failing_step else "")
-        + f"{html.escape(k.reason)}</li>"
-        for g in grades
-        for k in g.katas
-        if k.status == "failed"
+def _css_class(kata: KataGrade) -> str:
+    if kata.status == "passed":
+        return "ok"
+    if kata.status == "not submitted":
+        return "none"
+    return "part" if kata.passed else "bad"
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+def _bar(part: int, whole: int) -> str:
+    width = 100 * part / whole if whole else 0
+    return (
+        f"<span class='bar' title='{_percent(part, whole)}'>"
+        f"<span style='width:{width:.0f}%'></span></span>"
     )
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def report_html(grades: list[LearnerGrade], katas: list[curriculum.Kata]) -> str:
+    """One self-contained page (no external assets): class totals, each kata's pass rate and where
+    the class is stuck, a learner x kata grid, and each learner's detail behind a click."""
+    graded = _graded(grades)
+    titles = {k.id: k.title for k in katas}
+    cells_total = len(graded) * len(katas)
+    passed_total = sum(g.katas_passed for g in graded)
+    tests = (
+        sum(k.passed for g in graded for k in g.katas),
+        sum(k.total for g in graded for k in g.katas),
+    )
+    every = [g.learner for g in graded if katas and g.katas_passed == len(katas)]
+    counts = sorted(g.katas_passed for g in graded)
+    median = (counts[(len(counts) - 1) // 2] + counts[len(counts) // 2]) / 2 if counts else 0
+    unread = len(grades) - len(graded)
+    cards = [
+        ("learners graded", f"{len(graded)}", f"{unread} not graded" if unread else "every submission read"),
+        ("katas passed", f"{passed_total} of {cells_total}", f"{_percent(passed_total, cells_total)} of learner x kata"),
+        ("tests passed", f"{tests[0]} of {tests[1]}", _percent(*tests)),
+        ("passed every kata", f"{len(every)}", ", ".join(every) or "nobody yet"),
+        ("median learner", f"{median:g} of {len(katas)}", "katas passed"),
+    ]  # fmt: skip
+    totals = "".join(
+        f"<div class='card'><div class='label'>{_e(label)}</div><div class='big'>{_e(value)}</div>"
+        f"<div class='small'>{_e(note)}</div></div>"
+        for label, value, note in cards
+    )
+
+    per_kata = []
+    for kata in katas:
+        passed, of = pass_rate(grades, kata.id)
+        mine = [k for g in graded for k in g.katas if k.kata == kata.id]
+        stuck: dict[str, int] = {}
+        for k in mine:
+            if k.status == "failed":
+                where = k.first_failing_step or ("broken" if k.total == 0 else "failing")
+                stuck[where] = stuck.get(where, 0) + 1
+        missing = sum(1 for k in mine if k.status == "not submitted")
+        notes = [
+            f"{_e(where)} <b>×{n}</b>" for where, n in sorted(stuck.items(), key=lambda i: -i[1])
+        ]
+        notes += [f"not submitted <b>×{missing}</b>"] if missing else []
+        kata_tests = (sum(k.passed for k in mine), sum(k.total for k in mine))
+        per_kata.append(
+            f"<tr><th>{kata.id}</th><td class='title'>{_e(kata.title)}</td>"
+            f"<td class='num'>{passed} of {of}</td><td class='num'>{_percent(passed, of)}</td>"
+            f"<td>{_bar(passed, of)}</td><td class='num'>{_percent(*kata_tests)}</td>"
+            f"<td class='stuck'>{'<br>'.join(notes) or '-'}</td></tr>"
+        )
+
+    head = "".join(f"<th title='{_e(k.title)}'>{k.id}</th>" for k in katas)
+    rows = []
+    for i, g in enumerate(grades):
+        name = f"<th class='who'><a href='#g{i}'>{_e(g.learner)}</a></th>"
+        if g.problem:
+            rows.append(f"<tr>{name}<td class='bad problem' colspan='{len(katas) + 1}'>"
+                        f"not graded: {_e(g.problem)}</td></tr>")  # fmt: skip
+            continue
+        cells = "".join(
+            f"<td class='{_css_class(k)}' title='{_e(_tip(k))}'>"
+            f"<a href='#g{i}-{k.kata}'>{_e(_cell(k))}</a></td>"
+            for k in g.katas
+        )
+        rows.append(f"<tr>{name}{cells}<td class='num'>{g.katas_passed} of {len(katas)}</td></tr>")
+    rates = "".join(f"<td class='num'>{_percent(*pass_rate(grades, k.id))}</td>" for k in katas)
+    rows.append(f"<tr class='foot'><th>passed by</th>{rates}"
+                f"<td class='num'>{_percent(passed_total, cells_total)}</td></tr>")  # fmt: skip
+
+    learners = "".join(_learner_html(i, g, titles, len(katas)) for i, g in enumerate(grades))
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>torch-dist-katas: grades</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; }} th, td {{ border: 1px solid #ccc; padding: .3em .6em; text-align: center; }}
-td.ok {{ background: #d9f2d9; }} td.bad {{ background: #f8d7d7; }} td.none {{ color: #999; }}
-</style></head><body>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>torch-dist-katas: grades {time.strftime("%Y-%m-%d")}</title>
+<style>{_STYLE}</style></head><body>
 <h1>torch-dist-katas: grades</h1>
-<p>Tests passed of total, per learner and kata (hover a cell for the first failing step).
-Made {time.strftime("%Y-%m-%d %H:%M")}.</p>
-<table><tr><th>learner</th>{head}<th>katas passed</th></tr>
+<p class="meta">{len(grades)} submission(s), graded {time.strftime("%Y-%m-%d %H:%M")} on
+{", ".join(k.id for k in katas)} against this project's own specs (never the learners' own
+tests or tooling).</p>
+<h2>The class</h2><div class="cards">{totals}</div>
+<h2>Each kata</h2>
+<table class="katas"><thead><tr><th>kata</th><th>title</th><th>passed by</th>
+<th colspan="2">pass rate</th><th>tests passed</th>
+<th>where the others are stuck (first failing step)</th></tr></thead><tbody>
+{"".join(per_kata)}</tbody></table>
+<h2>Learners x katas</h2>
+<p class="legend"><span class="ok">8/8 ok</span> passes · <span class="part">5/8</span> some
+tests pass · <span class="bad">0/8</span> none pass · <span class="bad">broken</span> does not
+parse · <span class="none">-</span> not submitted. Click a cell: the failing test, its whole
+message and the end of its log.</p>
+<div class="scroll"><table class="grid"><thead><tr><th>learner</th>{head}<th>katas passed</th>
+</tr></thead><tbody>
 {chr(10).join(rows)}
-</table>
-<h2>Where each one is stuck</h2><ul>{stuck or "<li>nowhere: every graded kata passes</li>"}</ul>
+</tbody></table></div>
+<h2>Each learner <button type="button" onclick="openAll(true)">open all</button>
+<button type="button" onclick="openAll(false)">close all</button></h2>
+{learners}
+<script>{_SCRIPT}</script>
 </body></html>
+"""
+
+
+def _tip(kata: KataGrade) -> str:
+    if kata.status == "passed":
+        return f"every test passes ({kata.seconds:g} s)"
+    return f"{kata.first_failing_step}: {kata.short_reason}".strip(": ") or kata.status
+
+
+def _learner_html(index: int, grade: LearnerGrade, titles: dict[str, str], count: int) -> str:
+    if grade.problem:
+        return (
+            f"<details class='learner' id='g{index}'><summary><b>{_e(grade.learner)}</b> "
+            f"<span class='bad'>not graded</span></summary><p>{_e(grade.problem)}</p>"
+            f"<p class='small'>submission: <code>{_e(grade.submission)}</code></p></details>\n"
+        )
+    parts = []
+    for k in grade.katas:
+        anchor, title = f"g{index}-{k.kata}", _e(titles.get(k.kata, ""))
+        if k.status != "failed":
+            said = (
+                f"every test passes ({k.total}, {k.seconds:g} s)"
+                if k.status == "passed"
+                else _e(k.reason)
+            )
+            parts.append(
+                f"<div class='kata {_css_class(k)}' id='{anchor}'><b>{k.kata}</b> {title}: {said}</div>"
+            )
+            continue
+        facts = [("first failing step", _e(k.first_failing_step or "-"))]
+        if k.failing_test:
+            facts.append(("first failing test", f"<code>{_e(k.failing_test)}</code>"))
+        facts.append(("why", f"<pre class='reason'>{_e(k.reason)}</pre>"))
+        others = k.failed_tests[1:]
+        if others:
+            listed = "<br>".join(f"<code>{_e(t)}</code>" for t in others)
+            facts.append((f"also failing ({len(others)})", listed))
+        if k.log:
+            facts.append(("the log's end", f"<pre class='log'>{_e(k.log)}</pre>"))
+        facts.append(("time", f"{k.seconds:g} s"))
+        body = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in facts)
+        parts.append(
+            f"<details class='kata {_css_class(k)}' id='{anchor}'><summary><b>{k.kata}</b> "
+            f"{title}: {_e(_cell(k))} · {_e(k.first_failing_step or k.short_reason)}</summary>"
+            f"<dl>{body}</dl></details>"
+        )
+    stuck = ", ".join(
+        f"{k.kata} ({k.first_failing_step.split(' · ')[0] or _cell(k)})" if k.first_failing_step
+        else f"{k.kata} ({_cell(k)})"
+        for k in grade.katas
+        if k.status == "failed"
+    )  # fmt: skip
+    return (
+        f"<details class='learner' id='g{index}'><summary><b>{_e(grade.learner)}</b> "
+        f"{grade.katas_passed} of {count} katas {_bar(grade.katas_passed, count)}"
+        + (f" <span class='small'>stuck: {_e(stuck)}</span>" if stuck else "")
+        + "</summary>"
+        f"<p class='small'>submission: <code>{_e(grade.submission)}</code></p>"
+        f"{''.join(parts)}</details>\n"
+    )
+
+
+_STYLE = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em 2em;
+       color: #1f2328; }
+h1 { margin: 0 0 .2em; }
+h2 { margin-top: 1.6em; border-bottom: 1px solid #d0d7de; padding-bottom: .2em; }
+h2 button { font-size: 12px; margin-left: .6em; vertical-align: middle; }
+.meta, .small, .legend { color: #59636e; } .small { font-size: 13px; }
+.cards { display: flex; flex-wrap: wrap; gap: .8em; }
+.card { border: 1px solid #d0d7de; border-radius: 8px; padding: .6em 1em; min-width: 11em;
+        background: #f6f8fa; }
+.card .label { font-size: 13px; color: #59636e; } .card .big { font-size: 24px; font-weight: 600; }
+table { border-collapse: collapse; } th, td { border: 1px solid #d0d7de; padding: .3em .6em; }
+table.katas td.title { text-align: left; } td.num { text-align: right; white-space: nowrap; }
+td.stuck { font-size: 13px; text-align: left; }
+.scroll { overflow-x: auto; } table.grid td { text-align: center; white-space: nowrap; }
+table.grid th.who { text-align: left; }
+table.grid a { color: inherit; text-decoration: none; display: block; }
+table.grid tr.foot th, table.grid tr.foot td { background: #f6f8fa; font-weight: 600; }
+td.problem { text-align: left !important; white-space: normal !important; }
+.ok { background: #dafbe1; color: #116329; } .part { background: #fff8c5; color: #7d4e00; }
+.bad { background: #ffebe9; color: #a40e26; } .none { color: #8c959f; }
+.legend span { padding: 0 .3em; border-radius: 3px; }
+.bar { display: inline-block; width: 7em; height: .7em; background: #eaeef2; border-radius: 4px;
+       vertical-align: middle; overflow: hidden; }
+.bar span { display: block; height: 100%; background: #2da44e; }
+details.learner { border: 1px solid #d0d7de; border-radius: 6px; margin: .4em 0; padding: .3em .8em; }
+details.learner > summary { cursor: pointer; font-size: 16px; }
+.kata { margin: .35em 0 .35em 1em; padding: .25em .6em; border-radius: 4px; }
+details.kata > summary { cursor: pointer; }
+details.kata[open] { background: #fff; border: 1px solid #d0d7de; color: #1f2328; }
+dl { display: grid; grid-template-columns: max-content 1fr; gap: .3em 1em; margin: .6em 0; }
+dt { font-weight: 600; color: #59636e; } dd { margin: 0; min-width: 0; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: 0; font-size: 13px; }
+pre.reason { background: #fff5f5; padding: .4em .6em; border-left: 3px solid #cf222e; }
+pre.log { background: #f6f8fa; padding: .4em .6em; max-height: 28em; overflow: auto; }
+:target { outline: 2px solid #0969da; }
+@media print { button { display: none; } }
+"""
+
+# A cell's link opens the learner's detail and the kata's in it (a closed <details> hides its
+# target); the buttons open or close every detail at once.
+_SCRIPT = """
+function reveal() {
+  const target = document.getElementById(decodeURIComponent(location.hash.slice(1)));
+  for (let node = target; node; node = node.parentElement)
+    if (node.tagName === 'DETAILS') node.open = true;
+  if (target) target.scrollIntoView({block: 'start'});
+}
+function openAll(open) { document.querySelectorAll('details').forEach(d => { d.open = open; }); }
+addEventListener('hashchange', reveal);
+addEventListener('DOMContentLoaded', reveal);
 """
 
 
@@ -440,4 +700,9 @@ def grade(
     folder = Path(out) if out else Path(f"grades-{time.strftime('%Y%m%d-%H%M%S')}")
     written = write_reports(grades, katas, folder)
     print(f"\nwritten in {time.monotonic() - started:.0f} s: " + ", ".join(str(p) for p in written))
+    if any(k.status == "failed" for g in grades for k in g.katas):
+        print(
+            f"each reason whole, the failing tests and the end of their logs: open {written[3]} "
+            "(click a cell), or read the CSV, JSON or XML"
+        )
     return 0

@@ -126,7 +126,14 @@ def test_a_class_is_graded_against_our_own_specs_and_nothing_is_left_behind(tmp_
     suites = ElementTree.parse(out / "grades.xml").getroot()
     assert [s.get("name") for s in suites] == ["ada", "bo", "cy", "di", "fi", "ed", "gus"]
     assert suites[0].get("failures") == "0" and suites[2].find("testcase/failure") is not None
-    assert "<table>" in (out / "grades.html").read_text()
+    page = (out / "grades.html").read_text()
+    assert '<table class="grid">' in page and "<details class='kata part' id='g2-k04'>" in page
+    assert (
+        by[("cy", "k04")]["failing_test"].startswith("test_")
+        and "Every rank must call dist.all_reduce for every parameter"
+        in by[("cy", "k04")]["reason"]
+    ), by[("cy", "k04")]
+    assert "deadlock" in by[("cy", "k04")]["log"], "the end of the failure's log"
 
     assert {p.name: _digest(p) for p in submissions} == before, "grading changed a submission"
     left = []
@@ -167,3 +174,96 @@ def test_the_classroom_workflow_grades_every_kata_and_is_current():
     for kata in curriculum.katas():
         assert f"command: python -m dojo check {kata.id}\n" in text, kata.id
     assert classroom.problems() == [], "run `python -m dojo dev classroom`"
+
+
+# ------------------------------------------------------------------ the reports, without a kata run
+
+LONG = (
+    "AssertionError: average_gradients deadlocked: ranks 1, 2 and 3 were still waiting in a "
+    "collective after rank 0 had returned, so rank 0 skipped the all-reduces that ranks 1, 2 and 3 "
+    "made. Every rank must call dist.all_reduce for every parameter with a gradient (a collective "
+    "completes only when all ranks call it): no `if rank == ...` around the loop."
+)
+
+
+def _graded_class():
+    from dojo.runner.grade import KataGrade, LearnerGrade
+
+    stuck = KataGrade(
+        "k04", "failed", 5, 8, "step 3 · average every gradient over the ranks", 12.5,
+        LONG + "\n\nrank 1 waits in all_reduce", "test_average_gradients[4]",
+        ["test_average_gradients[4]", "test_average_skips_none"],
+        "tests/test_k04_allreduce.py:250: in _run_average\nE   " + LONG + "\nTHE LOG'S LAST LINE",
+    )  # fmt: skip
+    return [
+        LearnerGrade("ada", "/class/ada", [KataGrade("k04", "passed", 8, 8, seconds=9.0),
+                                           KataGrade("k10", "passed", 27, 27, seconds=20.0)]),
+        LearnerGrade("cy <b>", "/class/cy.tar.gz", [stuck, KataGrade("k10", "not submitted", reason="no katas/k10_sharding.py")]),
+        LearnerGrade("ed", "/class/ed", [KataGrade("k04", "failed", reason="katas/k04_allreduce.py does not parse: line 91: invalid syntax"),
+                                         KataGrade("k10", "passed", 27, 27)]),
+        LearnerGrade("gus", "/class/gus.zip", problem="gus.zip is neither a folder nor a readable zip"),
+    ]  # fmt: skip
+
+
+def test_every_report_holds_each_reason_whole_with_the_failing_test_and_its_log(tmp_path):
+    from dojo import curriculum
+    from dojo.runner import grade
+
+    grades, katas = _graded_class(), [curriculum.find("k04"), curriculum.find("k10")]
+    printed = grade.table(grades, katas)
+    assert "Every rank must call dist.all_reduce for every ..." in printed, (
+        "the terminal keeps a line per stuck learner"
+    )
+    assert printed.splitlines()[3].split() == ["ed", "broken", "27/27", "ok", "1", "of", "2"], (
+        "a kata that does not parse ran no test: it is broken, not 0/0"
+    )
+    assert printed.splitlines()[5].split() == ["passed", "by", "1/3", "2/3"], printed
+    grade.write_reports(grades, katas, tmp_path)
+
+    rows = list(csv.DictReader(open(tmp_path / "grades.csv", newline="", encoding="utf-8")))
+    cy = next(r for r in rows if r["learner"] == "cy <b>" and r["kata"] == "k04")
+    assert cy["reason"].startswith(LONG) and cy["reason"].endswith("rank 1 waits in all_reduce")
+    assert cy["failing_test"] == "test_average_gradients[4]" and cy["log"].endswith("LAST LINE")
+    assert cy["failed_tests"] == "test_average_gradients[4] test_average_skips_none"
+    learners = json.loads((tmp_path / "grades.json").read_text())
+    assert learners[1]["katas"][0]["reason"].endswith("waits in all_reduce"), learners[1]
+    assert learners[1]["katas"][0]["log"].endswith("LAST LINE")
+    suites = ElementTree.parse(tmp_path / "grades.xml").getroot()
+    failure = suites[1].find("testcase/failure")
+    assert LONG in failure.get("message") and failure.text.endswith("LAST LINE")
+    assert suites[1].get("skipped") == "1" and suites[3].find("testcase/error") is not None
+
+    page = (tmp_path / "grades.html").read_text()
+    assert LONG in page.replace("&#x27;", "'").replace("&quot;", '"'), "the HTML holds it whole"
+    assert "<details class='kata part' id='g1-k04'>" in page, "behind a click: <details>"
+    assert "THE LOG&#x27;S LAST LINE" in page and "test_average_skips_none" in page
+    assert "cy &lt;b&gt;" in page and "cy <b>" not in page, "a learner's text is escaped"
+    assert "<div class='big'>3 of 6</div>" in page, "class totals: katas passed of learner x kata"
+    assert "<td class='num'>1 of 3</td><td class='num'>33%</td>" in page, "k04's pass rate"
+    assert "step 3 · average every gradient over the ranks <b>×1</b>" in page
+    assert "href='#g1-k04'" in page and "not graded: gus.zip" in page
+    for external in ("http://", "https://", "<link", " src=", "@import", "url("):
+        assert external not in page, f"the page must be self-contained: it holds {external!r}"
+
+
+def test_a_failures_whole_message_comes_from_its_log_every_line_of_it():
+    from dojo import curriculum
+    from dojo.runner import grade, runs
+
+    text = (
+        "tests/test_k04_allreduce.py:250: in _run_average\n    raise AssertionError(\nE   "
+        "AssertionError: first line\nE   \nE   second paragraph\nE     indented"
+    )
+    record = {"test": "tests/test_k04_allreduce.py::test_a", "when": "call", "outcome": "failed",
+              "text": text, "message": "AssertionError: first line", "steps": [3]}  # fmt: skip
+    k04 = curriculum.find("k04")
+    assert grade._first_reason(runs.RunResult(k04, 1, [record])) == (
+        "AssertionError: first line\n\nsecond paragraph\n  indented"
+    )
+    cut = {**record, "text": "E   second paragraph", "message": "AssertionError: first line"}
+    assert grade._whole_message(cut) == "AssertionError: first line\n...\nsecond paragraph"
+    other = {**record, "text": "not implemented yet: k01 step 4 (spawn, collect, join)"}
+    reason = grade._first_reason(runs.RunResult(curriculum.find("k02"), 1, [other]))
+    assert (
+        reason.startswith("not implemented yet: k01 step 4") and "k02's tests use k01's" in reason
+    )
