@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import math
 import os
 import warnings
@@ -26,6 +28,47 @@ DEADLINE = 15
 # may split a product's sums differently for another height: the last bits may differ, so the
 # layer is compared with a close tolerance. The all-to-all only moves numbers: exact.
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class _OffTheGroup(Exception):
+    """A collective called with another group than the one the code under test was given."""
+
+
+_WATCHED = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
+            "all_reduce", "broadcast", "barrier")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _only_on(group):
+    """Inside a rank: a collective called with another group than ``group`` raises
+    ``_OffTheGroup`` at once, naming it, instead of waiting for ranks outside the group."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    originals = {name: getattr(c10d, name) for name in _WATCHED if hasattr(c10d, name)}
+
+    def watched(name, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            given = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            if given is not group:
+                where = "the whole world (no group=)" if given is None else "another group"
+                raise _OffTheGroup(f"{name} on {where}")
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        for module in (c10d, dist):
+            setattr(module, name, watched(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            for module in (c10d, dist):
+                setattr(module, name, original)
 
 
 def _error(error: BaseException) -> str:
@@ -150,6 +193,63 @@ def test_exchange_counts_tells_each_rank_what_it_will_receive(kata, world_size):
         assert names == ["all_to_all_single"], (
             f"rank {rank}'s exchange_counts made {names}: one all_to_all_single of the counts "
             "(one number to each rank, one from each) is all it takes"
+        )
+
+
+GROUP, GROUP_WORLD = [1, 2], 3  # a subgroup: rank 0 is outside it and calls nothing of it
+
+
+def _exchange_in_a_group(rank, world_size):
+    import torch.distributed as dist
+
+    kata = load_kata(KATA)
+    group = dist.new_group(GROUP)
+    if rank not in GROUP:
+        return None
+    me = GROUP.index(rank)
+    try:
+        with _only_on(group):
+            got = kata.exchange_counts([10 * me + e for e in range(len(GROUP))], group)
+    except KataTodo:
+        raise
+    except _OffTheGroup as error:
+        return "off", str(error)
+    except Exception as error:
+        return "raised", _error(error)
+    return "returned", [int(c) for c in got]
+
+
+@pytest.mark.step(2)
+def test_exchange_counts_runs_on_the_layers_group(kata):
+    where = f"exchange_counts(counts, process_group=the group {GROUP} of a world of {GROUP_WORLD})"
+    try:
+        results = run_world(_exchange_in_a_group, GROUP_WORLD, deadline=DEADLINE)
+    except WorldDeadlock as deadlock:
+        raise AssertionError(
+            f"{where}: ranks {GROUP[0]} and {GROUP[1]} waited for ever, in a collective that rank "
+            "0, outside their group, never calls: exchange the counts on process_group "
+            "(all_to_all_single(..., group=process_group))\n" + str(deadlock)
+        ) from None
+    for rank in GROUP:
+        me = GROUP.index(rank)
+        outcome, got = results[rank]
+        if outcome == "off":
+            raise AssertionError(
+                f"{where}: rank {rank} called {got}, not on the group it was given: rank 0, "
+                "outside the group, never joins it, so ranks 1 and 2 would wait for ever (the "
+                "test stopped the call). Exchange the counts on the layer's group: "
+                "all_to_all_single(..., group=process_group)"
+            )
+        assert outcome == "returned", (
+            f"{where}: rank {rank} (rank {me} of the group) raised {got}. The group has "
+            f"{len(GROUP)} ranks and the counts are one per rank of the group: size and rank come "
+            "from dist.get_world_size(process_group), and the all_to_all_single runs with "
+            "group=process_group"
+        )
+        expected = [10 * j + me for j in range(len(GROUP))]
+        assert got == expected, (
+            f"{where}: rank {rank} (rank {me} of the group) returned {got}, expected {expected}: "
+            "element j is how many tokens rank j of the group sends this one"
         )
 
 
@@ -285,10 +385,18 @@ def _layer_rank(rank, world_size, empty, group_ranks=None):
     moe = kata.ExpertParallelMoE(router, kata.make_expert(0, me), process_group=group)
     x, weights = _inputs(size)
     x = x[me].clone().requires_grad_()
-    with recording() as calls:
-        y = moe(x)
-        forward = len(calls)
-        (y * weights[me]).sum().backward()
+    phase = "forward"
+    with contextlib.ExitStack() as stack:
+        if group is not None:  # a collective off the group raises at once instead of hanging
+            stack.enter_context(_only_on(group))
+        calls = stack.enter_context(recording())
+        try:
+            y = moe(x)
+            forward = len(calls)
+            phase = "backward"
+            (y * weights[me]).sum().backward()
+        except _OffTheGroup as error:
+            return {"off": f"{error} (in {phase})"}
     return {
         "y": y.detach(),
         "x": x.grad,
@@ -346,6 +454,14 @@ def _run_layer(world_size, empty=None, group_ranks=None, world=None):
         ) from None
     except (RankFailed, RankCrashed) as failure:
         text = str(failure)
+        if group_ranks and _works_on_a_world(len(group_ranks)):
+            raise AssertionError(
+                f"{where}: a rank failed ({text.splitlines()[0][:300]}), yet the same layer on a "
+                f"world of {len(group_ranks)} ranks works: inside a group, the group's size and "
+                "ranks belong where the world's are (dist.get_world_size(process_group), "
+                "dist.get_rank(process_group)), and every collective gets group=process_group\n"
+                + text
+            ) from None
         if "split" in text.lower() or "size" in text.lower():
             raise AssertionError(
                 f"{where}: a rank's all_to_all_single failed ({text.splitlines()[0][:300]}): its "
@@ -356,7 +472,24 @@ def _run_layer(world_size, empty=None, group_ranks=None, world=None):
             ) from None
         raise
     members = group_ranks or list(range(world_size))
+    for rank in members:
+        if "off" in results[rank]:
+            raise AssertionError(
+                f"{where}: rank {rank} called {results[rank]['off']}, not on the layer's "
+                "process_group: the ranks outside the group never join it, so the others would "
+                "wait for ever (the test stopped the call). Every all_to_all_single of the layer "
+                "(the counts, the tokens out, the results back, and both again in backward: keep "
+                "the group in ctx) runs with group=process_group"
+            )
     return where, [results[r] for r in members]
+
+
+def _works_on_a_world(world_size) -> bool:
+    try:
+        _layer(world_size)
+    except (AssertionError, RankFailed, RankCrashed):
+        return False
+    return True
 
 
 @functools.cache

@@ -49,6 +49,23 @@ def counts_without_minlength(logits):
     return Routing(expert, gate, order, torch.bincount(expert).tolist())  # stops at the last used
 
 
+def exchanges_on_the_world(counts, process_group=None, device=None):
+    sending = torch.tensor(counts, dtype=torch.int64, device=device)
+    receiving = torch.empty_like(sending)
+    dist.all_to_all_single(receiving, sending)  # the layer's group forgotten: the world
+    return receiving.tolist()
+
+
+def counts_the_world(counts, process_group=None, device=None):
+    size = dist.get_world_size()  # the world's size, where the group's belongs
+    if len(counts) != size:
+        raise ValueError(f"{len(counts)} counts for a group of {size} ranks")
+    sending = torch.tensor(counts, dtype=torch.int64, device=device)
+    receiving = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_to_all_single(receiving, sending, group=process_group)
+    return receiving.tolist()
+
+
 # Right answer written another way.
 
 
@@ -125,6 +142,18 @@ class EvenSplits(reference.AllToAll):
         output = torch.empty_like(x)  # "an all-to-all keeps the shape"
         dist.all_to_all_single(output, x.contiguous(), group=process_group)
         return output
+
+
+class BackwardOnTheWorld(reference.AllToAll):
+    @staticmethod
+    def backward(ctx, grad_output):
+        output_splits, input_splits = ctx.splits
+        grad = grad_output.contiguous()
+        grad_input = grad.new_empty(sum(input_splits), *grad.shape[1:])
+        dist.all_to_all_single(  # the way back, but the group forgotten: the world
+            grad_input, grad, output_split_sizes=input_splits, input_split_sizes=output_splits
+        )
+        return grad_input, None, None, None
 
 
 # Right answer written another way.
@@ -235,6 +264,11 @@ class SkipsAnIdleExpert(_Layer):
         return super().send_back(processed, routing, received)
 
 
+class ResultsBackOnTheWorld(_Layer):
+    def send_back(self, processed, routing, received):
+        return reference.AllToAll.apply(processed, routing.counts, received)  # group forgotten
+
+
 class TokensSentUnsorted(_Layer):
     def outgoing(self, tokens, routing):
         return tokens  # the counts are per expert, but the rows are in token order
@@ -291,6 +325,18 @@ MISTAKES = [
         says=["element j is how many tokens rank j sends"],
     ),
     Mistake(
+        "exchanges_on_the_world",
+        replaces="exchange_counts",
+        fails=["test_exchange_counts_runs_on_the_layers_group"],
+        says=["all_to_all_single on the whole world", "group=process_group"],
+    ),
+    Mistake(
+        "counts_the_world",
+        replaces="exchange_counts",
+        fails=["test_exchange_counts_runs_on_the_layers_group"],
+        says=["counts for a group of 3 ranks", "dist.get_world_size(process_group)"],
+    ),
+    Mistake(
         "BackwardSplitsNotSwapped",
         replaces="AllToAll",
         fails=["test_all_to_all_moves_rows_and_their_gradients_back"],
@@ -307,6 +353,15 @@ MISTAKES = [
         replaces="AllToAll",
         fails=["test_all_to_all_moves_rows_and_their_gradients_back"],
         says=["pass both split lists"],
+    ),
+    Mistake(
+        "BackwardOnTheWorld",
+        replaces="AllToAll",
+        fails=["test_a_subgroup_holds_its_own_experts"],
+        says=[
+            "all_to_all_single on the whole world (no group=) (in backward)",
+            "keep the group in ctx",
+        ],
     ),
     Mistake(
         "NotRestoredToTokenOrder",
@@ -349,6 +404,15 @@ MISTAKES = [
         replaces="ExpertParallelMoE",
         fails=["test_an_expert_with_no_tokens"],
         says=["waited for each other for ever", "even when it has nothing to send or receive"],
+    ),
+    Mistake(
+        "ResultsBackOnTheWorld",
+        replaces="ExpertParallelMoE",
+        fails=["test_a_subgroup_holds_its_own_experts"],
+        says=[
+            "all_to_all_single on the whole world (no group=) (in forward)",
+            "group=process_group",
+        ],
     ),
     Mistake(
         "TokensSentUnsorted",
