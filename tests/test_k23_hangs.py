@@ -487,16 +487,35 @@ def test_checked_runs_the_collective_once_when_all_agree(kata):
         )
 
 
+class _NotOnTheGroup(Exception):
+    """The collective checked() called was given another group than checked() was."""
+
+
+def _on_the_group(group):
+    """dist.all_reduce, refusing (at once, instead of hanging) to run on another group."""
+
+    def all_reduce(tensor, *args, **kwargs):
+        given = kwargs.get("group", args[1] if len(args) > 1 else None)
+        if given is not group:
+            raise _NotOnTheGroup("the world" if given is None else repr(given))
+        return dist.all_reduce(tensor, *args, **kwargs)
+
+    return all_reduce
+
+
 def _in_a_subgroup(rank, world_size):
     kata = load_kata(KATA)
     group = dist.new_group([1, 2])
     if rank == 0:  # outside the group: it calls nothing of the group's
         return None
+    all_reduce = _on_the_group(group)
     agreed = torch.full((3,), float(rank))
-    kata.checked(dist.all_reduce, agreed, group=group)
     try:
-        kata.checked(dist.all_reduce, torch.ones(2 if rank == 2 else 3), group=group)
+        kata.checked(all_reduce, agreed, group=group)
+        kata.checked(all_reduce, torch.ones(2 if rank == 2 else 3), group=group)
         said = "returned"
+    except _NotOnTheGroup as error:
+        return "elsewhere", str(error)
     except RuntimeError as error:
         said = str(error)
     return agreed, said
@@ -515,6 +534,14 @@ def test_checked_in_a_subgroup_names_the_groups_ranks(kata):
     )
     for rank in (1, 2):
         agreed, said = results[rank]
+        if isinstance(agreed, str):  # "elsewhere": the collective was about to run off the group
+            raise AssertionError(
+                f"{where}: rank {rank}'s checked() exchanged the fingerprints, then ran the "
+                f"collective itself on {said}, not on the group it was given: ranks 1 and 2 "
+                "would wait there for rank 0, which is outside their group (the test stopped "
+                "the call before it could hang). Pass group=group to the collective too: "
+                "collective(tensor, *args, group=group, **kwargs)"
+            )
         assert torch.equal(agreed, torch.full((3,), 3.0)), (
             f"{where}: rank {rank}'s all_reduce gave {agreed.tolist()}, expected 3.0 (ranks 1 "
             "and 2 summed): run the collective on the group"

@@ -235,6 +235,17 @@ def exchanges_on_the_world(collective, tensor, /, *args, group=None, **kwargs):
     return collective(tensor, *args, group=group, **kwargs)
 
 
+def collective_on_the_world(collective, tensor, /, *args, group=None, **kwargs):
+    """The fingerprints exchanged on the group, but the collective itself run on the world."""
+    mine = fingerprint_(collective.__name__, tensor)
+    prints = [None] * dist.get_world_size(group)
+    dist.all_gather_object(prints, mine, group=group)
+    problem = describe_mismatch_(prints)
+    if problem is not None:
+        raise CollectiveMismatch(f"rank {dist.get_rank(group)}: collective mismatch: {problem}")
+    return collective(tensor, *args, **kwargs)  # "group is checked()'s own business"
+
+
 # Right answer: every rank broadcasts its fingerprint in turn.
 
 
@@ -399,6 +410,12 @@ MISTAKES = [
         replaces="checked",
         fails=["test_checked_in_a_subgroup_names_the_groups_ranks"],
         says=["rank 0, outside their group, never calls", "pass group=group to the exchange"],
+    ),
+    Mistake(
+        "collective_on_the_world",
+        replaces="checked",
+        fails=["test_checked_in_a_subgroup_names_the_groups_ranks"],
+        says=["ran the collective itself on the world", "Pass group=group to the collective too"],
     ),
     Mistake(
         "sets_the_environment_variable",
