@@ -273,8 +273,10 @@ def _collect(
         if window.straggler is None and straggler is not None and len(waiting) < len(ranks):
             window.stragglers(straggler)
         now = time.monotonic()
+        if now >= window.end - busy.every:  # from a second before the end: busy since then?
+            working = busy.busy([r.process.pid for r in waiting])
         if now >= window.end:
-            if now < window.hard_end and busy.busy([r.process.pid for r in waiting]):
+            if now < window.hard_end and working:
                 window.end = min(window.hard_end, now + _POLL_S)  # still at work: not stuck
             else:
                 raise _deadlock(
@@ -343,7 +345,7 @@ class _Window:
     def stretched(self, now: float) -> float | None:
         """How long the window lasted, where that is longer than it says."""
         lasted = now - self.began
-        return lasted if self.seconds is not None and lasted > self.seconds + 1.0 else None
+        return lasted if self.seconds is not None and lasted > self.seconds + 1.5 else None
 
 
 # Where worlds of this process deadlocked: (implementation, catalogue swap, file, line).

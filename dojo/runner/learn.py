@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from dojo import curriculum
+from dojo import curriculum, lang
 from dojo.commands import dojo
 from dojo.lang import t
 from dojo.runner import progress, runs
@@ -65,8 +65,26 @@ def show_list(as_json: bool = False) -> int:
     return 0
 
 
+# The runner's sentences not (yet) in dojo.lang's table, in both languages.
+_SAID = {
+    "interrupted": {
+        "en": "Interrupted after {seconds:.0f} s: {count} test(s) had finished; what they found is above.",
+        "zh": "已中断（{seconds:.0f} 秒）：{count} 个测试已完成，结果见上。",
+    },
+    "unchanged since": {
+        "en": "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",
+        "zh": "（上次运行的结果，{at}：此后没有改动；`{check}` 重新运行测试）",
+    },
+}
+
+
+def _said(key: str, **values: object) -> str:
+    return _SAID[key][lang.current()].format(**values)
+
+
 def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> runs.RunResult:
-    """Run one kata's tests; record the outcome (not for ``--solutions``, which tests the reference)."""
+    """Run one kata's tests; record the outcome (not for ``--solutions``, which tests the reference).
+    Ctrl-C shows what the tests that had finished found, then ends as an interrupt."""
     where = "solutions/" if solutions else "katas/"
     tests = runs.spec_file(kata)
     print(
@@ -74,15 +92,39 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
         + t("testing", file=f"{where}{kata.module}.py", tests=tests),
         flush=True,
     )
-    result = runs.run_kata(kata, solutions=solutions, capture=capture)
+    try:
+        result = runs.run_kata(kata, solutions=solutions, capture=capture)
+    except runs.Interrupted as interrupted:
+        partial = interrupted.result
+        digest = partial.digest()
+        print(("\n" + digest) if digest else "", flush=True)
+        finished = len({r["test"] for r in partial.records if r["when"] == "call"})
+        print(paint(_said("interrupted", seconds=partial.seconds, count=finished), "yellow"))
+        raise KeyboardInterrupt from None
     if not solutions:
-        progress.record_run(kata, result.passed, result.summary(), progress.fingerprint(kata))
+        progress.record_run(
+            kata, result.passed, result.summary(), progress.fingerprint(kata), result.records
+        )
     if capture and result.broken:  # pytest itself may have said why (a conftest, an option)
         print(result.output, end="")
+    _show(result)
+    return result
+
+
+def _show(result: runs.RunResult) -> None:
     digest = result.digest()
     print(("\n" + digest) if digest else "", flush=True)
     print(paint(result.describe(), "green" if result.passed else "red"), flush=True)
-    return result
+
+
+def _last_run(state: progress.State, kata: curriculum.Kata) -> runs.RunResult | None:
+    """The kata's last run as the learner saw it, if nothing it depends on changed since."""
+    run = progress.fresh_run(state, kata)
+    if not run or "records" not in run or run.get("exit") in (None, 0):
+        return None
+    print(paint(f"\n{kata.id} · {kata.title}", "bold"))
+    print(_said("unchanged since", at=run.get("at", "?"), check=f"{dojo()} check {kata.id}"))
+    return runs.RunResult(kata, run["exit"], run["records"])
 
 
 def start() -> int:
@@ -95,7 +137,11 @@ def start() -> int:
     if state.is_done(kata) and progress.passed_unchanged(state, kata):
         print("\n" + t("passes unchanged", kata=f"{kata.id} · {kata.title}"))
         return _after_pass(kata)
-    result = check(kata)
+    result = _last_run(state, kata)  # nothing changed: minutes of tests would say the same
+    if result is not None:
+        _show(result)
+    else:
+        result = check(kata)
     if result.passed:
         return _after_pass(kata)
     step = result.first_failing_step()

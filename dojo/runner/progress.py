@@ -5,8 +5,9 @@
   kata passes, so the runner never skips ahead by itself. Without it, the current kata is the
   first one in curriculum order that is not done;
 * ``hints``: the highest hint tier shown per kata and step (``dojo hint`` shows the next one);
-* ``runs``: the outcome of each kata's last test run (which step fails first), so ``hint``
-  need not run the tests again while the files are unchanged.
+* ``runs``: the outcome of each kata's last test run (which step fails first, and each test's
+  outcome), so ``hint`` and plain ``dojo`` need not run the tests again while the files are
+  unchanged.
 
 Every change reloads the file and writes it back atomically, so ``dojo watch`` in one terminal
 and ``dojo hint`` in another do not undo each other.
@@ -142,12 +143,21 @@ def fingerprint(kata: curriculum.Kata) -> str:
     return digest.hexdigest()
 
 
-def record_run(kata: curriculum.Kata, passed: bool, summary: dict, fingerprint_: str) -> bool:
-    """Remember a test run of ``kata``; mark it done or pending. True if it was current and passed
-    (it then stays current, pinned, until the learner moves on)."""
+def record_run(
+    kata: curriculum.Kata,
+    passed: bool,
+    summary: dict,
+    fingerprint_: str,
+    records: list[dict] | None = None,
+) -> bool:
+    """Remember a test run of ``kata`` (with ``records``, each test's outcome: what the learner
+    was shown); mark it done or pending. True if it was current and passed (it then stays
+    current, pinned, until the learner moves on)."""
     with editing() as state:
         was_current = (now := current(state)) is not None and now.id == kata.id
         state.runs[kata.id] = {**summary, "fingerprint": fingerprint_, "at": _now()}
+        if records is not None:
+            state.runs[kata.id]["records"] = [_kept(r) for r in records]
         if passed:
             state.done[kata.id] = {"at": _now(), "fingerprint": fingerprint_}
             if was_current:
@@ -155,6 +165,13 @@ def record_run(kata: curriculum.Kata, passed: bool, summary: dict, fingerprint_:
         else:
             state.done.pop(kata.id, None)
     return passed and was_current
+
+
+def _kept(record: dict) -> dict:
+    """A test's outcome as the progress file keeps it: a failure's text, not a pass's."""
+    if record.get("outcome") == "failed":
+        return record
+    return {k: v for k, v in record.items() if k in ("test", "when", "outcome", "steps", "left")}
 
 
 def fresh_run(state: State, kata: curriculum.Kata) -> dict | None:

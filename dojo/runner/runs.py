@@ -19,7 +19,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 
-from dojo import curriculum, impl
+from dojo import curriculum, impl, lang
 from dojo.commands import python
 from dojo.lang import t
 from dojo.runner import testlog
@@ -42,6 +42,11 @@ class RunResult:
 
     def count(self, outcome: str) -> int:
         return sum(1 for r in self.records if r["when"] == "call" and r["outcome"] == outcome)
+
+    @property
+    def not_run(self) -> int:
+        """Tests the session did not run after it stopped at the first deadlock."""
+        return sum(r.get("left", 0) for r in self.records if r["when"] == "session")
 
     @property
     def broken(self) -> list[dict]:
@@ -106,6 +111,8 @@ class RunResult:
                     "tests counted plural" if len(found) > 1 else "tests counted", count=len(found)
                 )
                 lines.append(f"  {describe_step(self.kata, step)}: {counted}")
+        if self.not_run:
+            lines.append(_said("stopped", count=self.not_run))
         if real or todos:
             lines.append(
                 t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
@@ -124,7 +131,8 @@ class RunResult:
         if self.returncode == PYTEST_EXIT_NO_TESTS:
             return f"{k.id}: pytest found no tests in {spec_file(k)}."
         skipped = {r["test"] for r in self.records if r["outcome"] == "skipped"}
-        total = len({r["test"] for r in self.records if r["when"] != "collect"} - skipped)
+        ran = {r["test"] for r in self.records if r["when"] not in ("collect", "session")}
+        total = len(ran - skipped) + self.not_run
         line = t(
             "n of m pass", kata=k.id, passed=self.count("passed"), total=total,
             skipped=t("skipped", count=len(skipped)) if skipped else "",
@@ -135,6 +143,20 @@ class RunResult:
         if step is not None and not self.broken:
             line += t("first failing step", step=describe_step(k, step))
         return line + "."
+
+
+# The runner's sentences not (yet) in dojo.lang's table, in both languages.
+_SAID = {
+    "stopped": {
+        "en": "Stopped at that deadlock: the {count} test(s) after it did not run (most would wait "
+        "for the same one). Fix it, then run the tests again.",
+        "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
+    },
+}
+
+
+def _said(key: str, **values: object) -> str:
+    return _SAID[key][lang.current()].format(**values)
 
 
 def _name(record: dict) -> str:
@@ -187,6 +209,7 @@ class Running:
         os.close(handle)
         env = {k: v for k, v in os.environ.items() if k != impl.ENV_VAR}  # the learner's katas/
         env[testlog.ENV_VAR] = self.log
+        env[testlog.STOP_VAR] = "1"  # a deadlock is reported in seconds, not after minutes
         self.process = subprocess.Popen(
             pytest_command(kata, solutions),
             cwd=curriculum.ROOT,
@@ -209,27 +232,35 @@ class Running:
         _signal_group(
             self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM)
         )  # anything it left
-        try:
-            with open(self.log, encoding="utf-8") as log:
-                records = [json.loads(line) for line in log if line.strip()]
-        finally:
-            os.unlink(self.log)
+        records = self._read_log()
         return RunResult(
             self.kata, self.process.returncode, records, time.monotonic() - self.started, output
         )
 
-    def stop(self) -> None:
-        """Interrupt pytest (it tears its worlds down), then kill whatever is left of its group."""
-        if self.process.poll() is None:
-            _signal_group(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM))
-        self.process.wait()
-        if os.path.exists(self.log):
-            os.unlink(self.log)
+    def stop(self) -> list[dict]:
+        """Interrupt pytest (it tears its worlds down), then kill whatever is left of its group;
+        the outcomes of the tests that had finished (a second Ctrl-C meanwhile kills at once)."""
+        try:
+            if self.process.poll() is None:
+                _signal_group(self.process.pid, signal.SIGINT)
+                try:
+                    self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            _signal_group(self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM))
+            self.process.wait()
+        return self._read_log()
+
+    def _read_log(self) -> list[dict]:
+        try:
+            with open(self.log, encoding="utf-8") as log:
+                return [json.loads(line) for line in log if line.strip()]
+        except (OSError, ValueError):
+            return []
+        finally:
+            if os.path.exists(self.log):
+                os.unlink(self.log)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -246,11 +277,21 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a kata's tests; ``result`` holds the outcomes of those that had finished."""
+
+    def __init__(self, result: RunResult):
+        super().__init__()
+        self.result = result
+
+
 def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> RunResult:
-    """Run a kata's tests to the end (Ctrl-C stops them, and everything they started)."""
+    """Run a kata's tests to the end (Ctrl-C stops them, and everything they started, and
+    raises ``Interrupted`` with what they had found)."""
     running = Running(kata, solutions, capture)
     try:
         return running.result()
     except KeyboardInterrupt:
-        running.stop()
-        raise
+        records = running.stop()
+        seconds = time.monotonic() - running.started
+        raise Interrupted(RunResult(kata, 130, records, seconds)) from None

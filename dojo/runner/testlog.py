@@ -17,7 +17,20 @@ import os
 import pytest
 
 ENV_VAR = "DOJO_TEST_LOG"
+# Set by the runner: the session stops after the first deadlock (the tests after it would most
+# likely wait for the same one); the log then ends with a "session" record saying how many did
+# not run.
+STOP_VAR = "DOJO_STOP_AT_DEADLOCK"
 _TEXT_LIMIT = 6000  # a failure's tail: the message, and enough to find the step it is about
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # Ctrl-C: the runner says it was interrupted and shows the failures found so far; pytest's
+    # banner and the traceback of where the interrupt landed would only bury them.
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and hasattr(reporter, "_report_keyboardinterrupt"):
+        reporter._report_keyboardinterrupt = lambda: None
 
 
 def _write(record: dict) -> None:
@@ -50,12 +63,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     report.dojo_steps = steps_of(item)
+    if call.excinfo is not None and report.failed and call.when == "call":
+        if os.environ.get(STOP_VAR) == "1" and _is_deadlock(call.excinfo.value):
+            items = item.session.items
+            left = len(items) - items.index(item) - 1 if item in items else 0
+            if left:
+                item.session.shouldstop = "dojo: stopped after the first deadlock"
+                _write({"test": "", "when": "session", "outcome": "stopped", "left": left})
     if call.excinfo is not None and report.failed:
         report.dojo_message = (call.excinfo.exconly().strip().splitlines() or [""])[0]
         try:  # as --tb=short shows it, pytest's own frames cut away (a private but old API)
             report.dojo_text = str(item._repr_failure_py(call.excinfo, style="short"))
         except Exception:
             report.dojo_text = call.excinfo.exconly()
+
+
+def _is_deadlock(error: BaseException) -> bool:
+    """The harness's deadlock report, or a program under test that hung (dojo.testing's)."""
+    return type(error).__name__ == "WorldDeadlock" or "hung: its ranks stopped making" in str(error)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -136,7 +136,11 @@ class Watcher:
     def finish(self) -> None:
         result, self.running = self.running.result(), None
         progress.record_run(
-            self.kata, result.passed, result.summary(), progress.fingerprint(self.kata)
+            self.kata,
+            result.passed,
+            result.summary(),
+            progress.fingerprint(self.kata),
+            result.records,
         )
         self.last = result
         digest = result.digest()

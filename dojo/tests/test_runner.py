@@ -295,6 +295,50 @@ def test_dojo_shows_the_current_kata_and_next_moves_on_only_once_it_passes(tmp_p
     assert missing.returncode == 2 and "not written yet" in missing.stderr, missing.stderr
 
 
+DEADLOCKING_TEST = """
+from dojo.world import WorldDeadlock
+
+
+def test_first():
+    from katas.{module} import VALUE
+
+    if VALUE == 0:  # as the harness reports a learner's deadlock
+        raise WorldDeadlock("deadlock: rank(s) 0, 1 made no progress for 3 s", [0, 1])
+
+
+def test_second():
+    open("second-ran", "w").close()
+"""
+
+
+def test_check_stops_at_a_deadlock_and_dojo_shows_an_unchanged_kata_without_running_it(tmp_path):
+    root = learner_copy(tmp_path)
+    second, module = add_stand_in_kata(root)
+    (root / "tests" / f"test_{module}.py").write_text(DEADLOCKING_TEST.format(module=module))
+    assert dojo(root, "goto", second).returncode == 0
+
+    first = dojo(root)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "deadlock: rank(s) 0, 1 made no progress" in first.stdout, first.stdout
+    assert "Stopped at that deadlock: the 1 test(s) after it did not run" in first.stdout, (
+        first.stdout
+    )
+    assert not (root / "second-ran").exists(), "a test after the deadlock ran"
+    assert f"{second}: 0 of 2 tests pass" in first.stdout, first.stdout
+
+    # Nothing changed: plain `dojo`, in either language, shows that run again without running.
+    for args, unchanged in (((), "nothing has changed since"), (("--lang", "zh"), "此后没有改动")):
+        again = dojo(root, *args)
+        assert again.returncode == 0 and unchanged in again.stdout, again.stdout
+        assert "deadlock: rank(s) 0, 1 made no progress" in again.stdout, again.stdout
+        assert "testing katas/" not in again.stdout, "the tests ran again though nothing changed"
+
+    set_value(root, module, 1)  # a change: the tests run again
+    solved = dojo(root)
+    assert "nothing has changed since" not in solved.stdout, solved.stdout
+    assert f"{second} passes" in solved.stdout and (root / "second-ran").exists(), solved.stdout
+
+
 def test_progress_file_that_is_damaged_is_kept_and_replaced(tmp_path):
     root = learner_copy(tmp_path)
     (root / ".dojo").mkdir()

@@ -199,7 +199,12 @@ def test_watch_stops_a_hung_run_when_a_save_restarts_it_and_when_q_quits(tmp_pat
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_check_stops_the_tests_and_everything_they_started(tmp_path):
     root = learner_copy(tmp_path)
-    second, _ = add_stand_in_kata(root, value=2)  # its test hangs for 300 s
+    second, module = add_stand_in_kata(root, value=2)  # its test hangs for 300 s
+    spec = root / "tests" / f"test_{module}.py"
+    spec.write_text(  # a failure found before the hang: Ctrl-C must not hide it
+        "def test_a_first_one():\n    assert False, 'the first test fails on purpose'\n\n\n"
+        + spec.read_text()
+    )
     check = subprocess.Popen(
         [sys.executable, "-m", "dojo", "check", second],
         cwd=root,
@@ -217,6 +222,10 @@ def test_ctrl_c_during_check_stops_the_tests_and_everything_they_started(tmp_pat
         assert check.returncode == 130, (
             f"dojo check ended with {check.returncode} after Ctrl-C:\n{output}"
         )
+        assert "the first test fails on purpose" in output, (
+            f"Ctrl-C hid the failure already found:\n{output}"
+        )
+        assert "Interrupted after" in output and "KeyboardInterrupt" not in output, output
         left = wait_until_gone(root, seconds=10)
         assert not left, "Ctrl-C left processes running:\n" + "\n".join(left)
     finally:
