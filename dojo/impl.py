@@ -1,7 +1,8 @@
 """Which implementation is under test: the learner's ``katas`` or the reference ``solutions``.
 
 ``pytest --solutions`` sets ``DOJO_IMPL=solutions``; rank processes and other tools read the same
-variable, so one switch reaches everything.
+variable, so one switch reaches everything. The maintainers' gate tests the shipped stubs with
+``DOJO_IMPL=dojo.pristine`` (their copies, whatever a learner has written in ``katas/``).
 
 Maintainers' mistakes catalogues (``dojo/mistakes/``) go one step further: ``DOJO_SUBSTITUTE``
 swaps single functions of a kata module for a mistaken (or differently written) version, in the
@@ -22,14 +23,16 @@ SUBSTITUTE_VAR = (
     "DOJO_SUBSTITUTE"  # JSON: {"k04_allreduce": {"average_gradients": "module:function"}}
 )
 PACKAGES = ("katas", "solutions")
+SHIPPED = "dojo.pristine"  # the shipped stubs' copies: what ``katas/`` holds before a learner
+IMPLEMENTATIONS = (*PACKAGES, SHIPPED)
 
 
 def current() -> str:
-    """``katas`` (the default) or ``solutions``."""
+    """``katas`` (the default), ``solutions`` or ``dojo.pristine``: the package to import."""
     name = os.environ.get(ENV_VAR, "katas") or "katas"
-    if name not in PACKAGES:
+    if name not in IMPLEMENTATIONS:
         raise ValueError(
-            f"{ENV_VAR}={name!r} is not one of {', '.join(PACKAGES)}; unset it or fix it"
+            f"{ENV_VAR}={name!r} is not one of {', '.join(IMPLEMENTATIONS)}; unset it or fix it"
         )
     return name
 
@@ -42,11 +45,11 @@ def load_kata(name: str) -> ModuleType:
 
 
 def kata_name_of(module: ModuleType | None) -> str | None:
-    """``"k04_allreduce"`` for ``katas.k04_allreduce`` or ``solutions.k04_allreduce`` (also when it
-    runs as ``__main__``, a program), else None."""
+    """``"k04_allreduce"`` for ``katas.k04_allreduce``, ``solutions.k04_allreduce`` or
+    ``dojo.pristine.k04_allreduce`` (also when it runs as ``__main__``, a program), else None."""
     spec = getattr(module, "__spec__", None)
     package, _, name = (spec.name if spec else getattr(module, "__name__", "")).rpartition(".")
-    return name if package in PACKAGES else None
+    return name if package in IMPLEMENTATIONS else None
 
 
 def substitutions() -> dict[str, dict[str, str]]:
@@ -76,6 +79,6 @@ def apply_substitutions_for(fn) -> None:
         return
     spec = namespace.get("__spec__")
     package, _, name = (spec.name if spec else "").rpartition(".")
-    if package in PACKAGES:
+    if package in IMPLEMENTATIONS:
         for attribute, target in substitutions().get(name, {}).items():
             namespace[attribute] = resolve(target)

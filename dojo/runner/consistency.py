@@ -2,15 +2,21 @@
 
 Every kata has a lesson (THE IDEA, STEPS, WHAT THE TESTS CHECK, RUN IT), steps with 2-3 hint
 tiers, a spec, a stub that raises a ``KataTodo`` for exactly its steps and otherwise equals its
-solution, a solution without todos, and a pristine copy of its stub identical to ``katas/``.
+solution, a solution without todos, and a pristine copy of its stub.
+
+The stub checked is the SHIPPED one, ``dojo/pristine/kNN_topic.py``, whatever a learner has
+written in ``katas/`` (their work is not the maintainers' to check). Where ``katas/`` differs
+from it, ``unshipped`` says so: a learner's work, or a maintainer's stub not copied yet.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import filecmp
 import re
 import sys
+from pathlib import Path
 
 from dojo import curriculum
 
@@ -18,7 +24,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-from dojo.runner import reset
 
 LESSON_SECTIONS = ("THE IDEA", "STEPS", "WHAT THE TESTS CHECK", "RUN IT")
 
@@ -32,7 +37,8 @@ def problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
     found = []
     if full:
         listed = {k.module for k in curriculum.katas()}
-        for folder in ("katas", "solutions", "dojo/mistakes"):
+        # katas/ is the learner's: a file of theirs there is theirs (``unshipped`` names it).
+        for folder in ("solutions", "dojo/mistakes"):
             for path in sorted((curriculum.ROOT / folder).glob("k[0-9][0-9]_*.py")):
                 if path.stem not in listed:
                     found.append(f"{folder}/{path.name} is not in dojo/curriculum/")
@@ -44,7 +50,7 @@ def problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
                 )
     for kata in katas:
         found += _kata_problems(kata)
-    found += reset.pristine_problems(katas)
+    found += pristine_problems(katas)
     if full:
         found += readme_problems()
         zh_parts = set(curriculum.parts("zh").values()) - set(curriculum.parts("en").values())
@@ -65,6 +71,7 @@ def _kata_problems(kata: curriculum.Kata) -> list[str]:
         )
     missing = [p for p in (kata.kata_file, kata.solution_file, kata.test_file) if not p.exists()]
     found += [f"{kata.id}: {kata.relative(p)} is missing" for p in missing]
+    stub = shipped_stub(kata)
     if not kata.steps:
         found.append(f"{kata.id}: the curriculum lists no steps")
     for step in kata.steps:
@@ -75,14 +82,79 @@ def _kata_problems(kata: curriculum.Kata) -> list[str]:
             )
     if kata.world_size < 1:
         found.append(f"{kata.id}: world_size must be at least 1")
-    if kata.kata_file.exists():
-        found += _stub_problems(kata)
+    if stub.exists():
+        found += stub_problems(kata, stub)
     if kata.solution_file.exists() and _raises_todo(kata.solution_file):
         found.append(f"solutions/{kata.module}.py raises a KataTodo: a solution must be complete")
-    if kata.kata_file.exists() and kata.solution_file.exists():
-        found += stub_differences(kata)
+    if stub.exists() and kata.solution_file.exists():
+        found += stub_differences(kata, stub)
         found += chinese_problems(kata)
     return found
+
+
+def shipped_stub(kata: curriculum.Kata) -> Path:
+    """The stub the maintainers ship: its copy in dojo/pristine/ (``katas/`` may hold a learner's
+    work); ``katas/``'s own file only while that copy does not exist (reported as missing)."""
+    return kata.pristine_file if kata.pristine_file.exists() else kata.kata_file
+
+
+def _shown(path: Path) -> str:
+    return path.relative_to(curriculum.ROOT).as_posix()
+
+
+# ------------------------------------------------------------------- the shipped stubs' copies
+
+
+def pristine_problems(katas: list[curriculum.Kata]) -> list[str]:
+    """Every kata has its shipped stub in dojo/pristine/, and that folder holds nothing else."""
+    problems = []
+    for kata in katas:
+        if kata.kata_file.exists() and not kata.pristine_file.exists():
+            problems.append(
+                f"{kata.id}: the shipped stub dojo/pristine/{kata.module}.py is missing (`dojo reset` "
+                f"and this check need it): a maintainer copies the stub there, `cp katas/{kata.module}.py "
+                "dojo/pristine/`, and commits both"
+            )
+    listed = {k.module for k in curriculum.katas()}
+    for stray in sorted((curriculum.DOJO / "pristine").glob("*.py")):
+        if stray.stem not in listed:
+            problems.append(f"dojo/pristine/{stray.name} belongs to no kata in dojo/curriculum/")
+    return problems
+
+
+def unshipped(katas: list[curriculum.Kata] | None = None) -> list[str]:
+    """The files in ``katas/`` that are not the shipped stubs: a learner's work (or a stub a
+    maintainer changed and has not copied to dojo/pristine/ yet); with every kata, also files
+    in katas/ that belong to none."""
+    full = katas is None
+    katas = list(curriculum.katas()) if full else katas
+    found = [
+        f"katas/{k.module}.py"
+        for k in katas
+        if k.kata_file.exists()
+        and k.pristine_file.exists()
+        and not filecmp.cmp(k.kata_file, k.pristine_file, shallow=False)
+    ]
+    if full:
+        listed = {k.module for k in katas}
+        found += [
+            f"katas/{path.name}"
+            for path in sorted((curriculum.ROOT / "katas").glob("k[0-9][0-9]_*.py"))
+            if path.stem not in listed
+        ]
+    return found
+
+
+def unshipped_text(files: list[str]) -> str:
+    """What the gate says of them: it checked the shipped stubs, and what a maintainer does."""
+    which = files[0] if len(files) == 1 else f"{len(files)} files in katas/ ({', '.join(files)})"
+    return (
+        f"{which} {'is not the shipped stub' if len(files) == 1 else 'are not the shipped stubs'}: "
+        "the checks use "
+        "the shipped copies in dojo/pristine/, whatever katas/ holds (a learner's work stays "
+        "where it is). A maintainer who changed a stub copies it there (`cp katas/kNN_topic.py "
+        "dojo/pristine/`) and commits both: CI, on a clean checkout, fails while they differ."
+    )
 
 
 # ------------------------------------------------------------------------ the Chinese lessons
@@ -131,7 +203,8 @@ def chinese_problems(kata: curriculum.Kata) -> list[str]:
         english_lesson, "STEPS", "WHAT THE TESTS CHECK"
     ):
         found.append(f"{where}: the lesson's 步骤 lists other step numbers than the English STEPS")
-    known = "\n".join(p.read_text(encoding="utf-8") for p in (kata.kata_file, kata.solution_file))
+    stub = shipped_stub(kata)
+    known = "\n".join(p.read_text(encoding="utf-8") for p in (stub, kata.solution_file))
     texts = [lesson] + [h for s in steps.values() for h in s.get("hints", ())]
     known += "\n".join(h for s in english.values() for h in s.hints)
     for text in texts:
@@ -139,7 +212,7 @@ def chinese_problems(kata: curriculum.Kata) -> list[str]:
             code = (match.group(1) or match.group(2)).strip()
             name = code.removesuffix("()").split(".")[-1]
             if _IDENTIFIER.match(code) and not re.search(rf"\b{re.escape(name)}\b", known):
-                found.append(f"{where} names `{code}`, which katas/{kata.module}.py does not have")
+                found.append(f"{where} names `{code}`, which {_shown(stub)} does not have")
     return found
 
 
@@ -148,39 +221,34 @@ def _listed_steps(lesson: str, heading: str, next_heading: str) -> list[int]:
     return [int(n) for n in re.findall(r"^\s*(\d+)\.\s", section, flags=re.M)]
 
 
-def _stub_problems(kata: curriculum.Kata) -> list[str]:
+def stub_problems(kata: curriculum.Kata, stub: Path) -> list[str]:
     """The stub teaches (a lesson with every section) and raises a todo for exactly its steps."""
+    name = _shown(stub)
     try:
-        tree = ast.parse(kata.kata_file.read_text(encoding="utf-8"))
+        tree = ast.parse(stub.read_text(encoding="utf-8"))
     except SyntaxError as error:
-        return [f"katas/{kata.module}.py does not parse: {error}"]
+        return [f"{name} does not parse: {error}"]
     found = []
     doc = ast.get_docstring(tree) or ""
     if not doc:
-        found.append(f"katas/{kata.module}.py has no lesson (module docstring)")
+        found.append(f"{name} has no lesson (module docstring)")
     else:
         lacking = [s for s in LESSON_SECTIONS if s not in doc]
         if lacking:
-            found.append(
-                f"katas/{kata.module}.py: the lesson (module docstring) lacks {', '.join(lacking)}"
-            )
+            found.append(f"{name}: the lesson (module docstring) lacks {', '.join(lacking)}")
     raised = set()
     for node in ast.walk(tree):
         if _is_todo(node):
             args = [a.value for a in node.args[:2] if isinstance(a, ast.Constant)]
             if len(args) == 2:
                 if args[0] != kata.id:
-                    found.append(
-                        f"katas/{kata.module}.py raises a todo for {args[0]}, not {kata.id}"
-                    )
+                    found.append(f"{name} raises a todo for {args[0]}, not {kata.id}")
                 raised.add(args[1])
     steps = {s.number for s in kata.steps}
     for number in sorted(steps - raised):
-        found.append(f"katas/{kata.module}.py has no KataTodo for step {number}")
+        found.append(f"{name} has no KataTodo for step {number}")
     for number in sorted(raised - steps):
-        found.append(
-            f"katas/{kata.module}.py raises a todo for step {number}, which the curriculum lacks"
-        )
+        found.append(f"{name} raises a todo for step {number}, which the curriculum lacks")
     return found
 
 
@@ -199,17 +267,19 @@ def _raises_todo(path) -> bool:
 # ------------------------------------------------------------------------ stub = solution, but the todos
 
 
-def stub_differences(kata: curriculum.Kata) -> list[str]:
-    """A stub equals its solution everywhere except inside the functions whose stub raises the
-    todo (their names, signatures and docstrings included): the learner writes exactly those."""
+def stub_differences(kata: curriculum.Kata, stub: Path | None = None) -> list[str]:
+    """A stub (default: the shipped one) equals its solution everywhere except inside the
+    functions whose stub raises the todo (their names, signatures and docstrings included): the
+    learner writes exactly those."""
+    stub = stub or shipped_stub(kata)
     where = first_difference(
-        kata.kata_file.read_text(encoding="utf-8"), kata.solution_file.read_text(encoding="utf-8")
+        stub.read_text(encoding="utf-8"), kata.solution_file.read_text(encoding="utf-8")
     )
     if where is None:
         return []
     return [
         f"{kata.id}: the stub and its solution differ outside the functions the learner writes, first at "
-        f"line {where[0]} of katas/{kata.module}.py / line {where[1]} of solutions/{kata.module}.py "
+        f"line {where[0]} of {_shown(stub)} / line {where[1]} of solutions/{kata.module}.py "
         "(only the bodies of functions whose stub raises a KataTodo may differ)"
     ]
 

@@ -11,6 +11,11 @@
 4. stubs: every kata test fails against the shipped stubs with "not implemented yet"
    (``--expect-todo``), each within a time limit: a stub that passes, crashes or hangs is caught.
 
+The stubs checked (rules, lint, ``--expect-todo``) are the shipped ones, ``dojo/pristine/``, not
+``katas/``: in a learner's checkout that holds their work, which is theirs. Where it differs,
+the gate says so; under CI (``CI=true``, a clean checkout) that fails, since a maintainer's
+changed stub must be copied to ``dojo/pristine/`` before it ships.
+
 ``--repeat N`` runs 2-4 N times (the flake hunt). ``--kata kNN`` (repeatable) restricts every
 part to those katas (the README table and unlisted files are checked only in a full run);
 ``--only PART`` runs some parts only; ``-k EXPR`` passes pytest's test selection on.
@@ -35,12 +40,25 @@ STUB_TEST_TIMEOUT_S = 60  # a shipped stub fails at once; one that takes this lo
 
 
 def consistency_problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
-    """Every consistency problem: files and curriculum, steps, imports, lint."""
+    """Every consistency problem: files and curriculum, steps, imports, lint; under CI, files in
+    katas/ that are not the shipped stubs too (elsewhere ``unshipped_note`` tells of them)."""
     chosen = list(curriculum.katas()) if katas is None else katas
     found = consistency.problems(katas) + step_problems(chosen)
     if katas is None:
         found += imports.problems() + classroom.problems() + lint_problems()
+    if in_ci() and (files := consistency.unshipped(katas)):
+        found.append(consistency.unshipped_text(files))
     return found
+
+
+def unshipped_note(katas: list[curriculum.Kata] | None = None) -> str | None:
+    """Outside CI: what the gate says of files in katas/ that are not the shipped stubs."""
+    files = [] if in_ci() else consistency.unshipped(katas)
+    return consistency.unshipped_text(files) if files else None
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def step_problems(katas: list[curriculum.Kata]) -> list[str]:
@@ -88,20 +106,22 @@ def step_problems(katas: list[curriculum.Kata]) -> list[str]:
 
 
 def lint_problems() -> list[str]:
-    """ruff's lint and format checks (configured in pyproject.toml)."""
+    """ruff's lint and format checks (configured in pyproject.toml), of the shipped stubs in
+    dojo/pristine/ rather than katas/ (maybe a learner's code, not the gate's business)."""
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     if ruff is None:
         return [
             "ruff is not installed in this environment: `pip install -e '.[dev]'` (make test does)"
         ]
     found = []
+    where = [".", "dojo/pristine", "--extend-exclude", "katas"]
     for args, what in (
-        (["check", "--quiet", "."], "lint"),
-        (["format", "--check", "--quiet", "."], "format"),
+        (["check", "--quiet", *where], "lint"),
+        (["format", "--check", "--quiet", *where], "format"),
     ):
         done = subprocess.run([ruff, *args], cwd=curriculum.ROOT, capture_output=True, text=True)
         if done.returncode != 0:
-            hint = "`ruff check --fix .`" if what == "lint" else "`ruff format .`"
+            hint = "`ruff check --fix FILE`" if what == "lint" else "`ruff format FILE`"
             found.append(
                 f"ruff {what} found problems ({hint} fixes most):\n{(done.stdout + done.stderr).rstrip()}"
             )
@@ -112,14 +132,18 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.SUBSTITUTE_VAR)}
 
 
-def _pytest(title: str, *args: str) -> bool:
-    print(f"\n=== {title}\n$ pytest {' '.join(args)}", flush=True)
+def _pytest(title: str, *args: str, implementation: str | None = None) -> bool:
+    shown = f"{impl.ENV_VAR}={implementation} " if implementation else ""
+    print(f"\n=== {title}\n$ {shown}pytest {' '.join(args)}", flush=True)
+    env = _clean_env()
+    if implementation:
+        env[impl.ENV_VAR] = implementation
     start = time.monotonic()
     try:
         code = subprocess.call(
             [sys.executable, "-m", "pytest", *args],
             cwd=curriculum.ROOT,
-            env=_clean_env(),
+            env=env,
             timeout=PYTEST_BACKSTOP_S,
         )
     except subprocess.TimeoutExpired:
@@ -158,6 +182,9 @@ def check(
         for problem in problems:
             print(f"  - {problem}")
         ok = not problems
+        note = unshipped_note(katas)
+        if note:
+            print(f"  note: {note}")
     specs = [runs.spec_file(k) for k in chosen if k.test_file.exists()]
     catalogued = [
         runs.spec_file(k) for k in chosen if k.test_file.exists() and k.catalogue_file.exists()
@@ -191,7 +218,7 @@ def check(
             )
         if "stubs" in parts and specs:
             ok &= _pytest(
-                f"every stub fails with 'not implemented yet'{scope}{suffix}",
+                f"every shipped stub fails with 'not implemented yet'{scope}{suffix}",
                 "--expect-todo",
                 "-n",
                 workers,
@@ -199,6 +226,7 @@ def check(
                 f"--timeout={STUB_TEST_TIMEOUT_S}",
                 *pytest_select,
                 *specs,
+                implementation=impl.SHIPPED,  # dojo/pristine/, whatever katas/ holds
             )
     print(f"\n{'PASSED' if ok else 'FAILED'}: dev check{scope} in {time.monotonic() - start:.0f} s")
     return 0 if ok else 1

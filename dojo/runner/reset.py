@@ -1,9 +1,10 @@
 """``dojo reset``: give the learner the shipped stub back, keeping their own version.
 
 The shipped stubs are kept as byte-for-byte copies in ``dojo/pristine/`` (not taken from git: a
-learner may have downloaded a zip, or committed their work). ``dojo dev check`` fails when a copy
-differs from ``katas/``, and ``python -m dojo dev pristine`` refreshes the copies, so a maintainer
-who changes a stub cannot ship a stale one.
+learner may have downloaded a zip, or committed their work). ``dojo dev check`` checks those
+copies, whatever ``katas/`` holds, and says when ``katas/`` differs (CI fails then);
+``python -m dojo dev pristine`` refreshes the copies from ``katas/``, stubs only, so a maintainer
+who changes a stub cannot ship a stale one and a learner's work never becomes the shipped stub.
 """
 
 from __future__ import annotations
@@ -120,33 +121,27 @@ def undo(kata: curriculum.Kata) -> int:
 # ---------------------------------------------------------------------------- for maintainers
 
 
-def pristine_problems(katas: list[curriculum.Kata]) -> list[str]:
-    problems = []
-    for kata in katas:
-        if not kata.kata_file.exists():
-            continue
-        if not kata.pristine_file.exists():
-            problems.append(
-                f"{kata.id}: dojo/pristine/{kata.module}.py is missing (`dojo reset` needs it): run `python -m dojo dev pristine`"
-            )
-        elif not is_pristine(kata):
-            problems.append(
-                f"{kata.id}: dojo/pristine/{kata.module}.py differs from katas/{kata.module}.py: after changing "
-                "a stub run `python -m dojo dev pristine` (and commit both)"
-            )
-    listed = {k.module for k in curriculum.katas()}
-    for stray in sorted(PRISTINE_DIR.glob("*.py")):
-        if stray.stem not in listed:
-            problems.append(f"dojo/pristine/{stray.name} belongs to no kata in dojo/curriculum/")
-    return problems
-
-
 def refresh_pristine(katas: list[curriculum.Kata]) -> list[str]:
-    """Copy the shipped stubs in ``katas/`` to ``dojo/pristine/``; the names of those that changed."""
+    """Copy the stubs in ``katas/`` to ``dojo/pristine/``; the names of those that changed.
+
+    Only a file that is a stub (a ``KataTodo`` for every step, the solution elsewhere) is copied:
+    a learner's solved kata is theirs, never the shipped stub (each refusal is printed)."""
+    from dojo.runner import consistency
+
     PRISTINE_DIR.mkdir(exist_ok=True)
     written = []
     for kata in katas:
-        if kata.kata_file.exists() and not is_pristine(kata):
-            shutil.copyfile(kata.kata_file, kata.pristine_file)
-            written.append(f"dojo/pristine/{kata.module}.py")
+        if not kata.kata_file.exists() or is_pristine(kata):
+            continue
+        why = consistency.stub_problems(kata, kata.kata_file)
+        if not why and kata.solution_file.exists():
+            why = consistency.stub_differences(kata, kata.kata_file)
+        if why:
+            print(
+                f"{kata.id}: katas/{kata.module}.py is not a stub ({why[0]}): not copied, "
+                f"dojo/pristine/{kata.module}.py is still the shipped one"
+            )
+            continue
+        shutil.copyfile(kata.kata_file, kata.pristine_file)
+        written.append(f"dojo/pristine/{kata.module}.py")
     return written

@@ -14,7 +14,8 @@ import pytest
 
 from dojo import commands
 from dojo.curriculum import ROOT
-from dojo.tests.test_runner import dojo, learner_copy, learner_env
+from dojo.tests.test_runner import dojo, learner_env
+from dojo.tests.test_runner_devcheck import shipped_copy
 
 
 def _shell_without_the_environment() -> dict[str, str]:
@@ -27,7 +28,7 @@ def _shell_without_the_environment() -> dict[str, str]:
 
 
 def test_the_commands_after_the_first_run_work_as_printed_in_that_shell(tmp_path):
-    root = learner_copy(tmp_path)
+    root = shipped_copy(tmp_path)
     env = _shell_without_the_environment()
     first = dojo(root, env=env, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
