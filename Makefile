@@ -1,10 +1,21 @@
-# Two commands for everyone:
+# Two commands:
 #   make learn   set up (first time only) and start learning at the first unfinished kata
-#   make test    set up (first time only) and run the full maintainer check (what CI runs)
+#   make test    maintainers and CI: set up (first time only) and run the full check (~20 min)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+PIP    ?= $(BIN)/python -m pip
+# Which PyTorch build the set-up installs (`make learn TORCH=cpu`, or TORCH=cpu in the
+# environment): auto, PyTorch's CPU-only build (its own wheel index) on Linux without an NVIDIA
+# GPU, else the default index's (CUDA on Linux); cpu; or default. The CPU build saves ~4.5 GB.
+TORCH           ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# Seconds to wait for that index before falling back to the default one (pip would wait 180).
+TORCH_PROBE_S   ?= 5
+ifeq ($(filter $(TORCH),auto cpu default),)
+$(error TORCH=$(TORCH): say TORCH=cpu (the CPU-only build), TORCH=default (the default index's, CUDA on Linux) or TORCH=auto)
+endif
 
 .PHONY: learn test watch flake-hunt clean-venv
 
@@ -14,12 +25,30 @@ learn: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m dojo dev check
 
-# The environment is rebuilt only when pyproject.toml changes.
+# The environment is rebuilt only when pyproject.toml changes. torch comes first, from the
+# index TORCH picks; the project's own install then finds it there and keeps it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(PIP) install --quiet --upgrade pip
+	@case "$(TORCH)" in \
+	  auto) if [ "$$(uname -s)" = Linux ] && ! [ -e /proc/driver/nvidia/version ] && \
+	           ! ls /dev/nvidia[0-9]* >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null 2>&1 && \
+	           ! [ -e /usr/lib/wsl/lib/nvidia-smi ]; then build=cpu; else build=default; fi;; \
+	  *) build="$(TORCH)";; \
+	esac; \
+	if [ "$$build" = cpu ]; then \
+	  limit=$$(command -v timeout >/dev/null 2>&1 && echo "timeout $$(( $(TORCH_PROBE_S) + 3 ))"); \
+	  if $$limit $(BIN)/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))' \
+	       '$(TORCH_CPU_INDEX)/torch/' '$(TORCH_PROBE_S)' >/dev/null 2>&1; then \
+	    echo "Installing PyTorch's CPU-only build from $(TORCH_CPU_INDEX) (about 1.3 GB in all; TORCH=default for the CUDA one)"; \
+	    $(PIP) install --quiet --index-url '$(TORCH_CPU_INDEX)' torch torchvision || \
+	      echo "note: installing PyTorch's CPU-only build failed; installing the default build instead"; \
+	  else \
+	    echo "note: PyTorch's CPU-only index ($(TORCH_CPU_INDEX)) cannot be reached within $(TORCH_PROBE_S) s; installing the default build (on Linux with CUDA libraries: about 5.8 GB in all)"; \
+	  fi; \
+	fi
+	$(PIP) install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
 clean-venv:

@@ -109,6 +109,16 @@ def _torch() -> list[Finding]:
                 "none visible: every kata runs on the CPU (that is the default); tests marked cuda are skipped",
             )
         )
+        if torch.version.cuda and platform.system() == "Linux":
+            found.append(
+                Finding(
+                    "note",
+                    "torch build",
+                    "the CUDA build, with some GB of CUDA libraries no GPU here uses: "
+                    "`make clean-venv && make learn TORCH=cpu` installs the CPU-only build "
+                    "(about 1.3 GB in all)",
+                )
+            )
     else:
         names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(gpus)}))
         if gpus >= WORLD:
