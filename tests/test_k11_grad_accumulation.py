@@ -328,48 +328,8 @@ def _gradients_named(got: dict, model_name: str, k: int) -> str | None:
     )
 
 
-@pytest.mark.step(2)
-@pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_accumulation_step_equals_one_step_on_the_whole_batch(kata, model_name, k):
-    results = _accumulated(model_name, k)
-    _check_loss(results, k)
-    for rank, result in enumerate(results):
-        if not result["first_grads"]:
-            raise AssertionError(
-                f"rank {rank}'s accumulation_step never called optimizer.step(): the weights never "
-                "change. Step once, after the last micro-batch's backward and the averaging."
-            )
-    named = _gradients_named(results[0]["first_grads"], model_name, k)
-    if named:
-        raise AssertionError(f"rank 0, k={k}: {named}")
-    mine = results[0]["state"]
-    for rank, result in enumerate(results[1:], start=1):
-        for name, tensor in result["state"].items():
-            assert torch.equal(tensor, mine[name]), (
-                f"after {STEPS} steps rank {rank}'s {name!r} differs from rank 0's: every rank must "
-                "step with the same averaged gradient"
-            )
-    truth = _one_process(model_name, k)
-    if not _close(mine, truth):
-        gap, name = _gap(mine, truth)
-        if _close(mine, _one_process(model_name, k, zero_grad=False)):
-            raise AssertionError(
-                f"after {STEPS} steps with k={k} the weights match a process that never zeroes its "
-                "gradients: each step's sum piled onto the last step's. Zero them once per "
-                "optimizer step, before the first micro-batch"
-            )
-        raise AssertionError(
-            f"after {STEPS} steps with k={k} rank 0's weights are {gap:.3g} apart (in {name!r}) "
-            f"from one process stepping on the whole batches of {MICRO * k * WORLD} samples"
-        )
-    theirs = results[0]["ddp"]
-    assert _close(mine, theirs), (
-        f"after {STEPS} steps with k={k} the weights are {_gap(mine, theirs)[0]:.3g} apart from "
-        "torch's DDP with no_sync() on the same ranks and data"
-    )
-
-
+# How often it steps and averages comes first: a step per micro-batch, or an average after
+# the step, also changes the losses and weights, but only these counts name the mistake.
 @pytest.mark.step(2)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
@@ -421,6 +381,48 @@ def test_accumulation_step_averages_once_per_optimizer_step(kata, model_name, k)
                 f"{this} made {len(reduces)} all-reduces sending {sent} numbers, expected "
                 f"{tensors} (one per gradient tensor) sending {elements}"
             )
+
+
+@pytest.mark.step(2)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+def test_accumulation_step_equals_one_step_on_the_whole_batch(kata, model_name, k):
+    results = _accumulated(model_name, k)
+    _check_loss(results, k)
+    for rank, result in enumerate(results):
+        if not result["first_grads"]:
+            raise AssertionError(
+                f"rank {rank}'s accumulation_step never called optimizer.step(): the weights never "
+                "change. Step once, after the last micro-batch's backward and the averaging."
+            )
+    named = _gradients_named(results[0]["first_grads"], model_name, k)
+    if named:
+        raise AssertionError(f"rank 0, k={k}: {named}")
+    mine = results[0]["state"]
+    for rank, result in enumerate(results[1:], start=1):
+        for name, tensor in result["state"].items():
+            assert torch.equal(tensor, mine[name]), (
+                f"after {STEPS} steps rank {rank}'s {name!r} differs from rank 0's: every rank must "
+                "step with the same averaged gradient"
+            )
+    truth = _one_process(model_name, k)
+    if not _close(mine, truth):
+        gap, name = _gap(mine, truth)
+        if _close(mine, _one_process(model_name, k, zero_grad=False)):
+            raise AssertionError(
+                f"after {STEPS} steps with k={k} the weights match a process that never zeroes its "
+                "gradients: each step's sum piled onto the last step's. Zero them once per "
+                "optimizer step, before the first micro-batch"
+            )
+        raise AssertionError(
+            f"after {STEPS} steps with k={k} rank 0's weights are {gap:.3g} apart (in {name!r}) "
+            f"from one process stepping on the whole batches of {MICRO * k * WORLD} samples"
+        )
+    theirs = results[0]["ddp"]
+    assert _close(mine, theirs), (
+        f"after {STEPS} steps with k={k} the weights are {_gap(mine, theirs)[0]:.3g} apart from "
+        "torch's DDP with no_sync() on the same ranks and data"
+    )
 
 
 # --------------------------------------------------------------------------- step 3: with DDP
