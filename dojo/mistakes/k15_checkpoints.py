@@ -74,6 +74,13 @@ def wrapper_state_dict(path, model, optimizer, step):
     dist.barrier()
 
 
+def named_parameters_saved(path, model, optimizer, step):
+    if dist.get_rank() == 0:  # "the weights are the parameters": a tied one once, no buffer
+        weights = {name: p.detach() for name, p in _inner(model).named_parameters()}
+        torch.save({"model": weights, "optimizer": optimizer.state_dict(), "step": step}, path)
+    dist.barrier()
+
+
 def model_only(path, model, optimizer, step):
     if dist.get_rank() == 0:  # "the weights are what matters"
         torch.save({"model": _inner(model).state_dict(), "step": step}, path)
@@ -293,6 +300,12 @@ MISTAKES = [
         replaces="save_checkpoint",
         fails=[_HOLDS],
         says=["start with 'module.'", "model.module.state_dict()"],
+    ),
+    Mistake(
+        "named_parameters_saved",
+        replaces="save_checkpoint",
+        fails=[f"{_RESUMED}[tied]"],
+        says=["the checkpoint lacks ['output.weight']", "named_parameters() lists a shared"],
     ),
     Mistake(
         "model_only",
