@@ -90,6 +90,45 @@ def _watching_files():
         serialization.save, serialization.load, torch.save, torch.load = originals
 
 
+_FILE_CALLS = ("remove", "unlink", "rename", "replace")  # pathlib and shutil.move use these
+
+
+def _basename(argument) -> str:
+    if isinstance(argument, (str, bytes, os.PathLike)):
+        return repr(os.path.basename(os.fspath(argument)))
+    return repr(argument)
+
+
+@contextlib.contextmanager
+def _watching_the_snapshot(path: str):
+    """After every os.remove, os.unlink, os.rename and os.replace of this rank, look whether a
+    snapshot is at ``path``: a worker killed at any such moment must leave one. Yields the
+    moments it was gone: ``(the call that took it away, the call that brought it back or None)``."""
+    gaps: list[list] = []
+    originals = {name: getattr(os, name) for name in _FILE_CALLS}
+
+    def watched(name):
+        def call(*args, **kwargs):
+            result = originals[name](*args, **kwargs)
+            shown = f"os.{name}({', '.join(_basename(a) for a in args)})"
+            there = os.path.exists(path)
+            if not there and (not gaps or gaps[-1][1] is not None):
+                gaps.append([shown, None])
+            elif there and gaps and gaps[-1][1] is None:
+                gaps[-1][1] = shown
+            return result
+
+        return call
+
+    for name in _FILE_CALLS:
+        setattr(os, name, watched(name))
+    try:
+        yield gaps
+    finally:
+        for name, original in originals.items():
+            setattr(os, name, original)
+
+
 def _hang(what: str, failure: WorldDeadlock) -> AssertionError:
     return AssertionError(
         f"{what} hung: a collective that only some ranks call (inside `if rank == 0:`?). Writing "
@@ -98,15 +137,50 @@ def _hang(what: str, failure: WorldDeadlock) -> AssertionError:
     )
 
 
-def _loaded_into_the_wrapper(failure: RankFailed) -> AssertionError | None:
+_LOADING = re.compile(r"Error\(s\) in loading state_dict for (\w+)")
+_KEYS = re.compile(r'(Missing|Unexpected) key\(s\) in state_dict: ((?:"[^"]*"(?:, )?)+)')
+
+
+def _load_failure(failure: RankFailed, written_by_the_test: bool) -> AssertionError | None:
+    """What a failed load_state_dict in a rank means, read from torch's own words: the model's
+    keys loaded into the DDP wrapper (whose keys all start with 'module.'), or a snapshot that
+    lacks some of the model's state. (Never from a 'module.' anywhere in the text: every
+    traceback through torch/nn/modules/module.py has one.)"""
     text = str(failure)
-    if "Missing key(s)" in text and "module." in text:
+    loading = _LOADING.search(text)
+    if loading is None:
+        return None
+    into = loading.group(1)
+    keys = {kind: re.findall(r'"([^"]*)"', listed) for kind, listed in _KEYS.findall(text)}
+    missing, unexpected = keys.get("Missing", []), keys.get("Unexpected", [])
+    if into == "DistributedDataParallel" or (
+        missing and all(key.startswith("module.") for key in missing)
+    ):
         return AssertionError(
             "load_snapshot loaded the model's state_dict into the DDP wrapper, whose keys all "
             "start with 'module.', so none matched. Load it into the model inside the wrapper "
             f"(model.module), which is what the snapshot holds.\n\n{text}"
         )
-    return None
+    if not missing and not unexpected:
+        return None
+    found = (
+        f"the snapshot lacks {missing}, which {into} has"
+        if missing
+        else f"the snapshot holds {unexpected}, which {into} does not have"
+    )
+    if written_by_the_test:  # the test's snapshot is whole: the load changed it
+        cure = (
+            "the test wrote this snapshot from the whole state_dict: hand load_state_dict "
+            "the snapshot's 'model' as it is, into the model inside the wrapper (model.module)"
+        )
+    else:
+        cure = (
+            "the snapshot was written by write_snapshot: save the model's whole state_dict, "
+            "model.module.state_dict(). A tied weight is in it under each of its names and a "
+            "buffer is in it too, while named_parameters() lists a shared parameter once and "
+            "no buffer at all"
+        )
+    return AssertionError(f"load_snapshot's load_state_dict found that {found}: {cure}.\n\n{text}")
 
 
 def _train_one_step(kata, model, optimizer, rank, world_size) -> None:
@@ -131,10 +205,11 @@ def _write_on_two_nodes(rank, world_size, folder):
     optimizer = torch.optim.Adam(model.parameters(), lr=kata.LR)
     _train_one_step(kata, ddp, optimizer, rank, world_size)
     path = os.path.join(folder, SNAPSHOT)
-    with _watching_files() as (saves, _):
+    with _watching_files() as (saves, _), _watching_the_snapshot(path) as gaps:
         kata.write_snapshot(path, ddp, optimizer, EPOCHS_DONE)
     return {
         "saves": saves,
+        "gaps": gaps,
         "path": os.path.realpath(path),
         "inode": _inode(path) if os.path.exists(path) else None,
         "listing": sorted(os.listdir(folder)),
@@ -219,6 +294,23 @@ def test_the_snapshot_is_written_beside_it_then_renamed_into_place(kata):
         f"write_snapshot left {leftovers} beside the snapshot: one temporary file, renamed over "
         "the snapshot, is all it takes. os.replace replaces the old snapshot in the same step: no "
         "backup to keep, and no moment without a snapshot."
+    )
+
+
+@pytest.mark.step(1)
+def test_there_is_a_snapshot_at_every_moment_of_a_write(kata):
+    results, _ = _written()
+    gaps = results[0]["gaps"]
+    if not gaps:
+        return
+    gone, back = gaps[0]
+    raise AssertionError(
+        f"while write_snapshot replaced the snapshot of epoch {EPOCHS_DONE - 1}, its "
+        f"{gone} left no snapshot at all"
+        + (f" until {back}" if back else ", and none was there when it returned")
+        + ": a worker killed between the two (and a kill can land anywhere) leaves nothing to "
+        "restart from. os.replace(temporary, path) replaces the old snapshot in one step, even "
+        "when it exists: do not remove it (or move it aside) first."
     )
 
 
@@ -369,7 +461,7 @@ def _run_loads(path, world_size=2, **options):
     except WorldDeadlock as failure:
         raise _hang("load_snapshot", failure) from None
     except RankFailed as failure:
-        raise _loaded_into_the_wrapper(failure) or failure from None
+        raise _load_failure(failure, written_by_the_test=True) or failure from None
 
 
 @shared_run
@@ -560,7 +652,7 @@ def _train_world(world_size, folder, snapshot, model_name, fault, **options):
     except WorldDeadlock as failure:
         raise _hang("training", failure) from None
     except RankFailed as failure:
-        raise _loaded_into_the_wrapper(failure) or failure from None
+        raise _load_failure(failure, written_by_the_test=False) or failure from None
 
 
 def _story(model_name: str, world_size: int = 2, fault: str = FAULT, **options) -> dict:

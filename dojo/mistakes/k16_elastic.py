@@ -72,6 +72,23 @@ def old_one_moved_aside(path, model, optimizer, epoch):
         os.replace(temporary, path)
 
 
+def removed_then_renamed(path, model, optimizer, epoch):
+    if dist.get_rank() == 0:
+        temporary = f"{path}.tmp"
+        torch.save(_snapshot(model, optimizer, epoch), temporary)
+        if os.path.exists(path):  # "a rename onto an existing file fails" (on Windows it does)
+            os.remove(path)  # a kill here leaves no snapshot at all
+        os.rename(temporary, path)
+
+
+def named_parameters_saved(path, model, optimizer, epoch):
+    if dist.get_rank() == 0:  # "the weights are the parameters": a tied one once, no buffer
+        weights = {name: p.detach() for name, p in _inner(model).named_parameters()}
+        snapshot = {"model": weights, "optimizer": optimizer.state_dict(), "epoch": epoch}
+        torch.save(snapshot, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+
+
 def every_rank_writes(path, model, optimizer, epoch):
     temporary = f"{path}.{dist.get_rank()}.tmp"  # atomic, and N writers of one file
     torch.save(_snapshot(model, optimizer, epoch), temporary)
@@ -278,6 +295,7 @@ def counting_epochs_done(
 
 _ONLY_RANK_0 = "test_only_global_rank_0_writes_the_snapshot"
 _RENAMED = "test_the_snapshot_is_written_beside_it_then_renamed_into_place"
+_EVERY_MOMENT = "test_there_is_a_snapshot_at_every_moment_of_a_write"
 _HOLDS = "test_the_snapshot_holds_the_unwrapped_model_the_optimizer_and_the_epoch"
 _TORN = "test_a_write_killed_halfway_leaves_the_last_snapshot_whole"
 _LOADS = "test_every_rank_loads_the_snapshot_into_its_model_and_optimizer"
@@ -312,6 +330,22 @@ MISTAKES = [
         replaces="write_snapshot",
         fails=[_RENAMED],
         says=["left ['snapshot.pt.old']", "no moment without a snapshot"],
+    ),
+    Mistake(
+        "removed_then_renamed",
+        replaces="write_snapshot",
+        fails=[_EVERY_MOMENT],
+        says=[
+            "its os.remove('snapshot.pt') left no snapshot at all",
+            "until os.rename('snapshot.pt.tmp', 'snapshot.pt')",
+            "do not remove it",
+        ],
+    ),
+    Mistake(
+        "named_parameters_saved",
+        replaces="write_snapshot",
+        fails=[f"{_RESTART}[tied]"],
+        says=["the snapshot lacks ['output.weight']", "named_parameters() lists a shared"],
     ),
     Mistake(
         "every_rank_writes",
