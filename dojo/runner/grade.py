@@ -62,8 +62,9 @@ class KataGrade:
 
     @property
     def short_reason(self) -> str:
-        """The reason on one line, cut at a word (the terminal's; the reports keep it whole)."""
-        line = " ".join(self.reason.split())
+        """The reason's first paragraph on one line, cut at a word (the terminal's; the reports
+        keep it whole)."""
+        line = " ".join(self.reason.split("\n\n", 1)[0].split())
         if len(line) <= SHORT_REASON:
             return line
         return line[:SHORT_REASON].rsplit(" ", 1)[0] + " ..."
@@ -212,7 +213,8 @@ def grade_kata(root: Path, kata: curriculum.Kata, submitted: bool, timeout: floa
     log, output = root / f".grade-{kata.id}.jsonl", root / f".grade-{kata.id}.out"
     env = {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.SUBSTITUTE_VAR)}
     env.update({testlog.ENV_VAR: str(log), "PYTHONDONTWRITEBYTECODE": "1"})
-    command = [sys.executable, "-m", "pytest", "-q", "--tb=no", "-rN", "-p", "dojo.runner.testlog",
+    # --tb=short: pytest's own report, every line of the message (a learner's run cuts it)
+    command = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-rN", "-p", "dojo.runner.testlog",
                "-p", "no:cacheprovider", runs.spec_file(kata)]  # fmt: skip
     start = time.monotonic()
     with open(output, "wb") as printed:  # kept for a run that ends without a failure to show
@@ -291,9 +293,16 @@ def _first_reason(result: runs.RunResult) -> str:
     return ""
 
 
+_LEARNER_FRAMES = "in your code (most recent call last):"
+
+
 def _whole_message(record: dict) -> str:
-    first = record.get("message", "")
-    shown = [line for line in record["text"].splitlines() if line == "E" or line.startswith("E ")]
+    first, lines = record.get("message", ""), record["text"].splitlines()
+    shown = [line for line in lines if line == "E" or line.startswith("E ")]
+    if not shown and first and len(lines) > 1 and lines[1].startswith(first):
+        # the learner's short form (dojo.report): a heading, the message, then their frames
+        end = lines.index(_LEARNER_FRAMES) if _LEARNER_FRAMES in lines else len(lines)
+        return "\n".join(lines[1:end]).strip()
     if not shown:
         return (first or record["text"]).strip()
     whole = "\n".join(line[4:] if line.startswith("E   ") else line[1:].strip() for line in shown)
@@ -510,7 +519,8 @@ def report_html(grades: list[LearnerGrade], katas: list[curriculum.Kata]) -> str
                 stuck[where] = stuck.get(where, 0) + 1
         missing = sum(1 for k in mine if k.status == "not submitted")
         notes = [
-            f"{_e(where)} <b>×{n}</b>" for where, n in sorted(stuck.items(), key=lambda i: -i[1])
+            f"{_e(where)} <b>×{n}</b>"
+            for where, n in sorted(stuck.items(), key=lambda i: (-i[1], i[0]))
         ]
         notes += [f"not submitted <b>×{missing}</b>"] if missing else []
         kata_tests = (sum(k.passed for k in mine), sum(k.total for k in mine))
@@ -604,7 +614,9 @@ def _learner_html(index: int, grade: LearnerGrade, titles: dict[str, str], count
         facts.append(("why", f"<pre class='reason'>{_e(k.reason)}</pre>"))
         others = k.failed_tests[1:]
         if others:
-            listed = "<br>".join(f"<code>{_e(t)}</code>" for t in others)
+            listed = (
+                "<div class='tests'>" + " ".join(f"<code>{_e(t)}</code>" for t in others) + "</div>"
+            )
             facts.append((f"also failing ({len(others)})", listed))
         if k.log:
             facts.append(("the log's end", f"<pre class='log'>{_e(k.log)}</pre>"))
@@ -663,6 +675,7 @@ details.kata > summary { cursor: pointer; }
 details.kata[open] { background: #fff; border: 1px solid #d0d7de; color: #1f2328; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .3em 1em; margin: .6em 0; }
 dt { font-weight: 600; color: #59636e; } dd { margin: 0; min-width: 0; }
+.tests code { display: inline-block; margin-right: 1.2em; }
 pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: 0; font-size: 13px; }
 pre.reason { background: #fff5f5; padding: .4em .6em; border-left: 3px solid #cf222e; }
 pre.log { background: #f6f8fa; padding: .4em .6em; max-height: 28em; overflow: auto; }

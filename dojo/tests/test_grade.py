@@ -262,6 +262,14 @@ def test_a_failures_whole_message_comes_from_its_log_every_line_of_it():
     )
     cut = {**record, "text": "E   second paragraph", "message": "AssertionError: first line"}
     assert grade._whole_message(cut) == "AssertionError: first line\n...\nsecond paragraph"
+    learners = (
+        "step 3 · average every gradient over the ranks (tests/test_k04_allreduce.py:342)\n"
+        "AssertionError: first line\n\nsecond paragraph\nin your code (most recent call last):\n"
+        "  katas/k04_allreduce.py:99, in average_gradients"
+    )
+    assert grade._whole_message({**record, "text": learners}) == (
+        "AssertionError: first line\n\nsecond paragraph"
+    ), "the learner's short form (dojo.report) holds the message between its heading and frames"
     other = {**record, "text": "not implemented yet: k01 step 4 (spawn, collect, join)"}
     reason = grade._first_reason(runs.RunResult(curriculum.find("k02"), 1, [other]))
     assert (
