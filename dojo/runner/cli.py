@@ -194,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     devcheck_.add_argument("-n", "--workers", default="2", help="pytest-xdist workers (default 2)")
     devcheck_.add_argument("--kata", action="append", help="check only this kata (repeatable)")
+    devcheck_.add_argument("named", nargs="*", metavar="KATA", help="the same as --kata KATA")
     devcheck_.add_argument(
         "--only",
         action="append",
@@ -401,7 +402,7 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
         )
     if args.dev_command == "check":
         try:
-            katas = devcheck.resolve(args.kata)
+            katas = devcheck.resolve([*(args.kata or []), *args.named] or None)
         except KeyError as error:
             raise _Usage(error.args[0]) from None
         return devcheck.check(args.repeat, args.workers, katas, args.only, args.select)

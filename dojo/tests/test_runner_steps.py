@@ -209,6 +209,8 @@ def test_a_programs_arguments_are_its_own_but_for_dojos_options():
     bench = cli.parse(["bench", "ddp", "--steps", "3", "--solutions"])
     assert (bench.name, bench.solutions, bench.args) == ("ddp", True, ["--steps", "3"])
     assert cli.parse(["check", "k01", "--trace", "t"]).trace == "t"
+    dev = cli.parse(["dev", "check", "k04", "--only", "consistency", "--kata", "k05"])
+    assert (dev.named, dev.kata) == (["k04"], ["k05"]), "dev check takes a kata either way"
 
 
 def test_run_and_trace_without_a_kata_take_the_current_one(monkeypatch):
