@@ -192,6 +192,21 @@ def why_partitions_differ(got, expected, length, sizes):
 
 
 @pytest.mark.step(1)
+def test_every_rank_gets_the_same_cut(kata):
+    """Each rank builds its own DataPartitioner: only a shared seed makes the parts disjoint."""
+    data = list(range(50))
+    random.seed(99)  # a partitioner that uses the global random module would depend on this
+    first = kata.DataPartitioner(data, [0.25] * 4).partitions
+    random.seed(11)
+    second = kata.DataPartitioner(data, [0.25] * 4).partitions
+    assert [list(p) for p in first] == [list(p) for p in second], (
+        "two DataPartitioners with the same seed cut the data differently, so ranks would train on "
+        "overlapping parts: shuffle with random.Random(seed), a generator of its own seeded with "
+        "the seed given, not the global random module nor an unseeded random.Random()"
+    )
+
+
+@pytest.mark.step(1)
 @pytest.mark.parametrize(
     "length, sizes, seed",
     [
@@ -228,20 +243,6 @@ def test_default_partitioner_is_the_tutorials(kata):
 
 
 @pytest.mark.step(1)
-def test_every_rank_gets_the_same_cut(kata):
-    """Each rank builds its own DataPartitioner: only a shared seed makes the parts disjoint."""
-    data = list(range(50))
-    random.seed(99)  # a partitioner that uses the global random module would depend on this
-    first = kata.DataPartitioner(data, [0.25] * 4).partitions
-    random.seed(11)
-    second = kata.DataPartitioner(data, [0.25] * 4).partitions
-    assert [list(p) for p in first] == [list(p) for p in second], (
-        "two DataPartitioners with the same seed cut the data differently, so ranks would train on "
-        "overlapping parts: shuffle with random.Random(seed), not the global random module"
-    )
-
-
-@pytest.mark.step(1)
 def test_partition_is_a_view_of_its_indices(kata):
     data = [f"sample {i}" for i in range(10)]
     partitioner = kata.DataPartitioner(data, [0.5, 0.5], 3)
@@ -274,7 +275,9 @@ def test_partitioner_rejects_impossible_sizes(kata, sizes):
 
 @pytest.mark.step(2)
 @pytest.mark.parametrize(
-    "global_batch, world_size, expected", [(128, 1, 128), (128, 4, 32), (128, 3, 42), (10, 10, 1)]
+    # 128 on 3 ranks first: the tutorial's 128 / float(3) shows at once what goes wrong
+    "global_batch, world_size, expected",
+    [(128, 3, 42), (128, 1, 128), (128, 4, 32), (10, 10, 1)],
 )
 def test_per_rank_batch_size_is_a_whole_number(kata, global_batch, world_size, expected):
     got = kata.per_rank_batch_size(global_batch, world_size)
