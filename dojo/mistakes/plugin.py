@@ -12,8 +12,9 @@ tests in ``fails`` then run too, and must fail saying the same. A right answer's
 the test passes. Every other test is deselected, GPU tests included. A catalogue that names a
 test the spec does not have stops the run.
 
-Under xdist a mistake's tests stay together on one worker, in order: ``-n N --dist loadgroup``
-(another ``--dist`` stops the run).
+Under xdist a mistake's tests stay together on one worker, in order: ``-n N --dist loadfile``
+keeps each spec file on one worker (another ``--dist`` stops the run; ``loadgroup`` cannot
+group tests that a plugin parametrizes, and pytest 9.2 ignores its renaming of test ids).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[impl.ENV_VAR] = "solutions"  # entries are swapped into the reference
     # A mistake's tests must run in order on one worker (the first failure is what counts).
     dist = getattr(config.option, "dist", "no")
-    if dist not in ("no", "loadgroup"):
+    if dist not in ("no", "loadfile"):
         raise pytest.UsageError(
             f"the mistakes catalogues run each mistake's tests in order on one worker: use "
-            f"`-n N --dist loadgroup` (or no -n), not --dist {dist}"
+            f"`-n N --dist loadfile` (or no -n), not --dist {dist}"
         )
 
 
@@ -150,7 +151,6 @@ def _wanted(item: pytest.Item, variant: Variant) -> bool:
     return bool(_steps_of(item) & set(mistakes.right_answer_steps(variant.kata, variant.entry)))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names the groups
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
@@ -158,17 +158,13 @@ def pytest_collection_modifyitems(
     for item in items:
         variant = _variant(item)
         (kept if variant is not None and _wanted(item, variant) else dropped).append(item)
-    # A mistake's tests in file order, together: the learner's -x order (xdist keeps the group).
+    # A mistake's tests in file order, together: the learner's order (xdist keeps a file on one
+    # worker with --dist loadfile).
     position = {id(item): index for index, item in enumerate(kept)}
     first_of = {}
     for item in kept:
         first_of.setdefault(_variant(item).id + str(item.path), position[id(item)])
     kept.sort(key=lambda item: (first_of[_variant(item).id + str(item.path)], position[id(item)]))
-    for item in kept:
-        if _variant(item).is_mistake:
-            item.add_marker(
-                pytest.mark.xdist_group(f"{_kata_of(item.path).id}-{_variant(item).id}")
-            )
     items[:] = kept
     if dropped:
         config.hook.pytest_deselected(items=dropped)
