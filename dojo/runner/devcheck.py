@@ -211,7 +211,7 @@ def check(
                 "-n",
                 workers,
                 "--dist",
-                "loadgroup",
+                "loadfile",
                 "-q",
                 *pytest_select,
                 *catalogued,
