@@ -9,6 +9,7 @@ import sys
 import time
 
 from dojo import impl
+from dojo.commands import python
 from dojo.console import EXIT_TODO
 from dojo.curriculum import ROOT
 from dojo.todo import find_todo
@@ -33,7 +34,7 @@ def run_program(
     """
     target = module if "." in module else f"{impl.current()}.{module}"
     command = [sys.executable, "-m", target, *args]
-    shown = f"python -m {' '.join([target, *args])}"
+    shown = f"{python()} -m {' '.join([target, *args])}"  # as the learner can type it
     process = subprocess.Popen(
         command,
         cwd=ROOT,
