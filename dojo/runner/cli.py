@@ -218,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     dev_command("readme", "rewrite README.md's kata table from dojo/curriculum/")
     dev_command(
         "pristine",
-        "copy the shipped stubs in katas/ to dojo/pristine/ (what `dojo reset` restores)",
+        "copy the stubs in katas/ to dojo/pristine/ (stubs only; what `dojo reset` restores)",
     )
     return parser
 
@@ -424,6 +424,12 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
             "README.md's kata and catalogue tables rewritten from dojo/curriculum/ and dojo/mistakes/"
         )
         return 0
-    written = reset.refresh_pristine(list(curriculum.katas()))
-    print("\n".join(f"wrote {path}" for path in written) or "dojo/pristine/ already matches katas/")
+    katas = list(curriculum.katas())
+    written = reset.refresh_pristine(katas)
+    if written:
+        print("\n".join(f"wrote {path}" for path in written))
+    elif all(reset.is_pristine(k) for k in katas if k.kata_file.exists()):
+        print("dojo/pristine/ already matches katas/")
+    else:
+        print("nothing copied")
     return 0
