@@ -11,6 +11,16 @@ into ``DIR/NAME.json`` (Chrome's Trace Event Format: one track per rank, flow ar
 to its recv; open it in https://ui.perfetto.dev or chrome://tracing) and ``DIR/NAME.png`` (one lane
 per rank, one bar per call coloured by operation, arrows from sends to their recvs, gaps = idle).
 
+A kata names a part of its program (a phase, a pipeline's F, B and W) with torch's own span,
+which needs no import from ``dojo`` and shows in ``torch.profiler``'s traces too::
+
+    with torch.profiler.record_function("reduce-scatter"):
+        owned = ring_reduce_scatter(tensor)
+
+While tracing, every such span opened outside torch (torch's own, ``Optimizer.step#SGD.step``,
+are left out) is written to ``rankN.spans.jsonl`` (``read_spans``) and drawn as a labelled strip
+above the rank's calls, and as a "parts" track in the JSON; untraced it is torch's alone.
+
 The recorder also catches mismatched collectives early: each rank's k-th collective on a group
 is published in the world's store as its operation, shapes, dtypes and source; a rank that finds
 a peer's k-th differs raises ``CollectiveMismatch`` at once, naming both calls, instead of waiting
@@ -20,6 +30,7 @@ call's arguments or results are touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,7 +91,7 @@ class TracedRank:
 
     def __call__(self, rank: int, world_size: int, *args: Any, **kwargs: Any) -> Any:
         with Recorder(os.path.join(self.folder, f"rank{rank}.jsonl"), rank) as recorder:
-            with recording(observer=recorder):
+            with recording(observer=recorder), _named_spans(recorder):
                 return self.fn(rank, world_size, *args, **kwargs)
 
 
@@ -140,10 +151,34 @@ class Recorder(Observer):
 
     def __enter__(self) -> Recorder:
         self.file = open(self.path, "a", buffering=1)
+        self.spans = open(_spans_path(self.path), "a", buffering=1)
+        self.opened: dict[int, list[int]] = defaultdict(list)  # thread -> its open spans
         return self
 
     def __exit__(self, *exc) -> None:
         self.file.close()
+        self.spans.close()
+
+    # named spans (torch.profiler.record_function)
+
+    def span_started(self, name: str) -> int:
+        import threading
+
+        number = getattr(self, "_spans_so_far", 0)
+        self._spans_so_far = number + 1
+        stack = self.opened[threading.get_ident()]
+        line = {"s": number, "name": str(name), "start": clock(), "depth": len(stack)}
+        stack.append(number)
+        self.spans.write(json.dumps(line) + "\n")
+        return number
+
+    def span_ended(self, number: int) -> None:
+        import threading
+
+        stack = self.opened[threading.get_ident()]
+        if number in stack:
+            stack.remove(number)
+        self.spans.write(json.dumps({"s": number, "end": clock()}) + "\n")
 
     # the observer
 
@@ -310,6 +345,51 @@ def _caller() -> str:
 _RECORDERS = (os.path.join("dojo", "calls.py"), os.path.join("dojo", "trace.py"))
 
 
+def _spans_path(calls_path: str) -> str:
+    return calls_path.removesuffix(".jsonl") + ".spans.jsonl"
+
+
+@contextlib.contextmanager
+def _named_spans(recorder: Recorder):
+    """While inside: every ``torch.profiler.record_function`` opened outside torch is also
+    recorded as a named span (torch's own spans run as they would, and are not recorded)."""
+    import torch
+
+    cls = torch.autograd.profiler.record_function
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def traced_enter(self):
+        entered = enter(self)
+        if not _opened_in_torch():
+            self._dojo_span = recorder.span_started(self.name)
+        return entered
+
+    def traced_exit(self, *exc):
+        try:
+            return leave(self, *exc)
+        finally:
+            number = self.__dict__.pop("_dojo_span", None)
+            if number is not None and not recorder.spans.closed:
+                recorder.span_ended(number)
+
+    cls.__enter__, cls.__exit__ = traced_enter, traced_exit
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave
+
+
+def _opened_in_torch() -> bool:
+    """Whether the ``with`` (or decorated function) that opens a span is torch's own code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        here = Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        if not here.file.endswith(("contextlib.py", _RECORDERS[1])):
+            return here.in_torch
+        frame = frame.f_back
+    return False
+
+
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
@@ -337,6 +417,32 @@ def read_world(folder: str) -> tuple[dict, dict[int, list[dict]]]:
             pass
         ranks[rank] = [calls[i] for i in sorted(calls) if "name" in calls[i]]
     return meta, ranks
+
+
+def read_spans(folder: str) -> dict[int, list[dict]]:
+    """Each rank's named spans (``torch.profiler.record_function`` in a kata) in the order they
+    opened: ``name``, ``start``, ``end`` (None: still open when the trace ended), ``depth``."""
+    with open(os.path.join(folder, "world.json")) as f:
+        world_size = json.load(f)["world_size"]
+    spans: dict[int, list[dict]] = {}
+    for rank in range(world_size):
+        found: dict[int, dict] = {}
+        try:
+            with open(_spans_path(os.path.join(folder, f"rank{rank}.jsonl"))) as f:
+                for text in f:
+                    try:
+                        line = json.loads(text)
+                    except ValueError:  # the last line of a rank killed mid-write
+                        continue
+                    found.setdefault(line["s"], {"end": None}).update(line)
+        except OSError:
+            pass
+        spans[rank] = [
+            {k: v for k, v in found[i].items() if k != "s"}
+            for i in sorted(found)
+            if "name" in found[i]
+        ]
+    return spans
 
 
 def _endpoints(rank: int, call: dict):
@@ -373,9 +479,13 @@ def messages(ranks: dict[int, list[dict]]) -> list[tuple[int, dict, int, dict]]:
 # --------------------------------------------------------------------------- Chrome trace
 
 
-def chrome_trace(meta: dict, ranks: dict[int, list[dict]]) -> dict:
-    """Trace Event Format: one process (track) per rank, "X" slices, "s"/"f" flows per message."""
-    origin, finish = _span(ranks)
+def chrome_trace(
+    meta: dict, ranks: dict[int, list[dict]], spans: dict[int, list[dict]] | None = None
+) -> dict:
+    """Trace Event Format: one process (track) per rank, "X" slices, "s"/"f" flows per message,
+    and the program's named parts (``spans``) on a track of their own ("parts", thread 2)."""
+    spans = spans or {}
+    origin, finish = _span(ranks, spans)
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
@@ -426,6 +536,24 @@ def chrome_trace(meta: dict, ranks: dict[int, list[dict]]) -> dict:
                         "args": {"what": call.get("what"), "until": "its work's wait() returned"},
                     }
                 )
+    for rank, found in spans.items():
+        if found:
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 2, "args": {"name": "parts"}})  # fmt: skip
+        for part in found:
+            end = part["end"] if part.get("end") is not None else finish
+            events.append(
+                {
+                    "ph": "X",
+                    "name": part["name"],
+                    "cat": "part",
+                    "pid": rank,
+                    "tid": 2,
+                    "ts": us(part["start"]),
+                    "dur": max(round(us(end) - us(part["start"]), 3), 0.001),
+                    "args": {"depth": part.get("depth", 0)}
+                    | ({} if part.get("end") is not None else {"ended": "never"}),
+                }
+            )
     for number, (src, send, dst, recv) in enumerate(messages(ranks)):
         common = {"name": "message", "cat": "p2p", "id": number}
         events.append({**common, "ph": "s", "pid": src, "tid": 0, "ts": us(send["start"])})
@@ -448,11 +576,11 @@ def _arrived(recv: dict, finish: float) -> float:
     return recv["end"] if recv.get("end") is not None else finish
 
 
-def _span(ranks: dict[int, list[dict]]) -> tuple[float, float]:
+def _span(ranks: dict[int, list[dict]], spans: dict | None = None) -> tuple[float, float]:
     times = [
         t
-        for calls in ranks.values()
-        for c in calls
+        for records in (*ranks.values(), *(spans or {}).values())
+        for c in records
         for t in (c.get("start"), c.get("end"), c.get("done"))
         if t is not None
     ]
@@ -474,21 +602,73 @@ _COLOURS = {
 }  # fmt: skip
 
 
-def draw(meta: dict, ranks: dict[int, list[dict]], path: str, title: str | None = None) -> None:
-    """The PNG timeline: a lane per rank, a bar per call, arrows from sends to their recvs."""
+# Light colours for the named parts of a program, a colour per name (its trailing number aside:
+# "F 0" and "F 1" share one), behind the calls' strong ones.
+_PART_COLOURS = (
+    "#efe3c2", "#ddd3f0", "#cde8e2", "#f3d3de", "#e2e2e2", "#e6efc4", "#d6e0f0", "#f0dcc8",
+)  # fmt: skip
+
+
+def _part_key(name: str) -> str:
+    return re.sub(r"[\s#_-]*\d+$", "", name) or name
+
+
+def draw(
+    meta: dict,
+    ranks: dict[int, list[dict]],
+    path: str,
+    title: str | None = None,
+    spans: dict[int, list[dict]] | None = None,
+) -> None:
+    """The PNG timeline: a lane per rank, a bar per call, arrows from sends to their recvs, and
+    the program's named parts (``spans``, from ``read_spans``) as labelled strips above."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    origin, finish = _span(ranks)
+    spans = {rank: found for rank, found in (spans or {}).items() if found}
+    origin, finish = _span(ranks, spans)
     span_ms = max((finish - origin) * 1e3, 1e-3)
     least = span_ms * 0.002  # a call of a microsecond still shows as a sliver
     count = len(ranks)
-    figure, axes = plt.subplots(figsize=(13, 1.6 + 0.75 * count), dpi=110)
+    # With named parts the calls move down a little, the parts' strip above them.
+    low, high = (-0.14, 0.3) if spans else (-0.3, 0.3)
     used: dict[str, str] = {}
+    in_flight: dict[str, str] = {}
+    parts: dict[str, str] = {}
     hung = False
+    figure, axes = plt.subplots(figsize=(13, 1.6 + 0.75 * count), dpi=110)
+    ms_per_point = span_ms * 1.13 / (13 * 0.85 * 72)  # for "does a label fit in its strip"
+    for rank, found in spans.items():
+        deepest = max(s.get("depth", 0) for s in found) + 1
+        row = (0.3 - 0.04) / deepest
+        for part in found:
+            start = (part["start"] - origin) * 1e3
+            end = part.get("end")
+            stop = ((end if end is not None else finish) - origin) * 1e3
+            key = _part_key(part["name"])
+            colour = parts.setdefault(key, _PART_COLOURS[len(parts) % len(_PART_COLOURS)])
+            top = rank - 0.46 + row * part.get("depth", 0)
+            axes.broken_barh(
+                [(start, max(stop - start, least))],
+                (top, row - 0.02),
+                facecolors=colour,
+                edgecolor="#777777",
+                linewidth=0.5,
+            )
+            fontsize = 7
+            if (stop - start) / ms_per_point > len(part["name"]) * fontsize * 0.55 + 4:
+                axes.text(
+                    (start + stop) / 2,
+                    top + (row - 0.02) / 2,
+                    part["name"],
+                    ha="center",
+                    va="center",
+                    fontsize=fontsize,
+                    color="#333333",
+                )
     for rank, calls in ranks.items():
         busy = 0.0
         for call in calls:
@@ -500,7 +680,7 @@ def draw(meta: dict, ranks: dict[int, list[dict]], path: str, title: str | None 
             used.setdefault(call["name"], colour)
             axes.broken_barh(
                 [(start, max(stop - start, least))],
-                (rank - 0.3, 0.6),
+                (rank + low, high - low),
                 facecolors=colour,
                 edgecolor="red" if end is None else "white",  # white: calls side by side apart
                 hatch="//" if end is None else None,
@@ -509,6 +689,7 @@ def draw(meta: dict, ranks: dict[int, list[dict]], path: str, title: str | None 
             hung = hung or end is None
             done = call.get("done")
             if call.get("async") and done is not None and end is not None and done > end:
+                in_flight.setdefault(call["name"], colour)
                 axes.broken_barh(
                     [(stop, (done - end) * 1e3)],
                     (rank + 0.22, 0.08),
@@ -529,8 +710,8 @@ def draw(meta: dict, ranks: dict[int, list[dict]], path: str, title: str | None 
         land = (_arrived(recv, finish) - origin) * 1e3
         axes.annotate(
             "",
-            xy=(land, dst + (-0.3 if dst > src else 0.3)),
-            xytext=(begin, src + (0.3 if dst > src else -0.3)),
+            xy=(land, dst + (low if dst > src else high)),
+            xytext=(begin, src + (high if dst > src else low)),
             arrowprops={"arrowstyle": "->", "color": "#333333", "alpha": 0.45, "lw": 0.7},
         )
     axes.set_yticks(list(ranks))
@@ -544,17 +725,25 @@ def draw(meta: dict, ranks: dict[int, list[dict]], path: str, title: str | None 
     detail = f"{count} ranks, {calls_total} calls, {span_ms:.1f} ms"
     if hung:
         detail += "; hatched red: a call that never returned"
+    if spans:
+        detail += "; the strips above the calls: the program's named parts"
     axes.set_title(f"{heading}\n{detail}", fontsize=10)
-    handles = [Patch(facecolor=c, label=n) for n, c in used.items()]
-    if handles:
-        figure.legend(
-            handles=handles,
-            loc="lower center",
-            ncol=min(len(handles), 8),
-            fontsize=8,
-            frameon=False,
-        )
-    figure.tight_layout(rect=(0, 0.05 + 0.1 / (count + 2), 1, 1))
+    entries = [Patch(facecolor=c, label=n) for n, c in used.items()]
+    entries += [
+        Patch(facecolor=c, alpha=0.5, label=f"{n} in flight (thin: until its wait())")
+        for n, c in in_flight.items()
+    ]
+    entries += [
+        Patch(facecolor=c, edgecolor="#777777", linewidth=0.5, label=f"part: {n}")
+        for n, c in parts.items()
+    ]
+    columns = min(len(entries), 6) or 1
+    rows = -(-len(entries) // columns)
+    if entries:
+        figure.legend(handles=entries, loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    height = figure.get_size_inches()[1]
+    figure.set_size_inches(13, height + 0.22 * max(rows - 1, 0))
+    figure.tight_layout(rect=(0, (0.12 + 0.22 * rows) / (height + 0.22 * max(rows - 1, 0)), 1, 1))
     figure.savefig(path)
     plt.close(figure)
 
@@ -582,6 +771,7 @@ def pending(folder: str, mine: bool = False) -> list[str]:
 def write_world(world: str, folder: str, name: str | None = None) -> tuple[str, str]:
     """One recorded world as ``folder/NAME.json`` and ``folder/NAME.png``; its records go."""
     meta, ranks = read_world(world)
+    spans = read_spans(world)
     stem = name or meta.get("name") or "world"
     _names_used[stem] = _names_used.get(stem, 0) + 1
     if _names_used[stem] > 1:
@@ -589,8 +779,8 @@ def write_world(world: str, folder: str, name: str | None = None) -> tuple[str, 
     json_path = os.path.join(folder, f"{stem}.json")
     png_path = os.path.join(folder, f"{stem}.png")
     with open(json_path, "w") as f:
-        json.dump(chrome_trace(meta, ranks), f)
-    draw(meta, ranks, png_path)
+        json.dump(chrome_trace(meta, ranks, spans), f)
+    draw(meta, ranks, png_path, spans=spans)
     shutil.rmtree(world, ignore_errors=True)
     return json_path, png_path
 

@@ -80,7 +80,8 @@ def test_ring_allreduce_of_4_ranks_sends_2_n_minus_1_chunks_per_rank_in_order(tr
     assert len(pairs) == 2 * (n - 1) * n, "every send is paired with its recv"
     for src, send, dst, recv in pairs:
         assert dst == (src + 1) % n
-        assert recv["end"] >= send["start"], "a recv ends after its message was sent"
+        arrived = recv["done"] if recv["async"] else recv["end"]  # an irecv's data: at its wait()
+        assert arrived >= send["start"], "a message arrives after it was sent"
     total = torch.arange(length, dtype=torch.float32) * sum(range(1, n + 1))
     assert all(torch.equal(r, total) for r in results), "tracing changed the ring's result"
 
@@ -334,3 +335,62 @@ def test_a_program_traced_with_dash_dash_trace_writes_both_files(tmp_path):
         data = json.load(f)
     assert "--trace" not in data["otherData"]["title"]
     assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == {0, 1}
+
+
+# --------------------------------------------------------------------------- named parts
+
+
+def _named_parts(rank, world_size):
+    """A program naming its parts with torch's record_function, one nested, one a decorator."""
+    tensor = torch.ones(4)
+    with torch.profiler.record_function("exchange"):
+        dist.all_reduce(tensor)
+        with torch.profiler.record_function("compute 0"):
+            tensor = torch.tanh(tensor)
+    _decorated(tensor)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    optimizer.step()  # torch names its own step (Optimizer.step#SGD.step): not a kata's part
+    return tensor
+
+
+@torch.profiler.record_function("compute 1")
+def _decorated(tensor):
+    dist.barrier()
+
+
+def test_a_katas_named_parts_become_spans_strips_and_a_track(traced, tmp_path):
+    run_world(_named_parts, 2)
+    world = traced()
+    spans = trace.read_spans(world)
+    for rank in (0, 1):
+        got = [(s["name"], s["depth"]) for s in spans[rank]]
+        assert got == [("exchange", 0), ("compute 0", 1), ("compute 1", 0)], (
+            f"rank {rank}'s named parts, in the order opened, with their nesting: {got}"
+        )
+        exchange, inner, decorated = spans[rank]
+        assert exchange["start"] <= inner["start"] <= inner["end"] <= exchange["end"]
+        assert decorated["start"] >= exchange["end"]
+        _, ranks = trace.read_world(world)
+        all_reduce, barrier = ranks[rank]
+        assert exchange["start"] <= all_reduce["start"] <= all_reduce["end"] <= exchange["end"], (
+            "the all_reduce happened inside the part 'exchange'"
+        )
+        assert decorated["start"] <= barrier["start"] <= barrier["end"] <= decorated["end"]
+    json_path, png_path = trace.write_world(world, str(tmp_path), name="parts")
+    with open(json_path) as f:
+        events = json.load(f)["traceEvents"]
+    parts = [e for e in events if e.get("cat") == "part"]
+    assert sorted((e["pid"], e["name"]) for e in parts) == sorted(
+        (rank, name) for rank in (0, 1) for name in ("exchange", "compute 0", "compute 1")
+    )
+    assert {e["tid"] for e in parts} == {2}, "the parts have a track of their own"
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[(0, 2)] == "parts"
+    assert os.path.getsize(png_path) > 1000
+
+
+def test_record_function_untraced_is_torchs_alone():
+    cls = torch.autograd.profiler.record_function
+    before = (cls.__enter__, cls.__exit__)
+    run_world(_named_parts, 2)
+    assert (cls.__enter__, cls.__exit__) == before
