@@ -83,20 +83,48 @@ def _layout_mistake(got: list, rows: list, columns: list, what: str) -> str:
     )
 
 
-def _position_mistake(got: tuple, rank: int, data_parallel: int, tensor_parallel: int) -> str:
-    row, column = rank // tensor_parallel, rank % tensor_parallel
-    if data_parallel != tensor_parallel and got == (
-        rank // data_parallel,
-        rank % data_parallel,
-    ):
-        return (
-            "it divides by data_parallel: a row holds tensor_parallel ranks, so the row is "
-            "rank // tensor_parallel and the column rank % tensor_parallel"
-        )
-    if got == (column, row):
-        return "it is (column, row): return (row, column)"
-    if got in ((row + 1, column + 1), (row + 1, column), (row, column + 1)):
-        return "it counts from 1: rows and columns are numbered from 0, like ranks"
+# What the usual mistakes return for (rank, data_parallel, tensor_parallel), in the order they
+# are told apart. On some shapes two of them agree (on a 1 x 4 grid (column, row) is
+# (rank // 1, rank % 1)): a second shape, where they differ, decides.
+_FROM_ONE = "it counts from 1: rows and columns are numbered from 0, like ranks"
+_POSITION_MISTAKES = [
+    ("it is (column, row): return (row, column)", lambda r, d, t: (r % t, r // t)),
+    (
+        "it divides by data_parallel: a row holds tensor_parallel ranks, so the row is "
+        "rank // tensor_parallel and the column rank % tensor_parallel",
+        lambda r, d, t: (r // d, r % d),
+    ),
+    (_FROM_ONE, lambda r, d, t: (r // t + 1, r % t + 1)),
+    (_FROM_ONE, lambda r, d, t: (r // t + 1, r % t)),
+    (_FROM_ONE, lambda r, d, t: (r // t, r % t + 1)),
+]
+_DECIDING_SHAPES = [(6, 2, 3), (6, 3, 2)]  # no two of the mistakes agree on these
+
+
+def _positions(kata, world_size, data_parallel, tensor_parallel):
+    """Every rank's grid_position on a shape, or None where it raised."""
+    try:
+        return [
+            tuple(int(x) for x in kata.grid_position(r, world_size, data_parallel, tensor_parallel))
+            for r in range(world_size)
+        ]
+    except KataTodo:
+        raise
+    except Exception:
+        return None
+
+
+def _position_mistake(kata, got: list, shape) -> str:
+    """Why grid_position's answers ``got`` (every rank's, on ``shape``) are wrong."""
+    world_size, data_parallel, tensor_parallel = shape
+    for why, mistake in _POSITION_MISTAKES:
+        if got != [mistake(r, data_parallel, tensor_parallel) for r in range(world_size)]:
+            continue
+        if all(
+            _positions(kata, *other) == [mistake(r, *other[1:]) for r in range(other[0])]
+            for other in _DECIDING_SHAPES
+        ):
+            return why
     return "the row is rank // tensor_parallel and the column rank % tensor_parallel"
 
 
@@ -120,13 +148,15 @@ def test_the_grid_is_laid_out_as_init_device_mesh_does(kata, shape):
         f"torch.arange({world_size}).view({data_parallel}, {tensor_parallel})): "
         + _layout_mistake(got_columns, rows, columns, "columns")
     )
+    got = [
+        tuple(int(x) for x in _call(f"grid_position({r}, {where})", kata.grid_position, r, *shape))
+        for r in range(world_size)
+    ]
     for rank in range(world_size):
-        got = _call(f"grid_position({rank}, {where})", kata.grid_position, rank, *shape)
-        got = tuple(int(x) for x in got)
         expected = (rank // tensor_parallel, rank % tensor_parallel)
-        assert got == expected, (
-            f"grid_position({rank}, {where}) returned {got}, expected (row, column) = "
-            f"{expected}: " + _position_mistake(got, rank, data_parallel, tensor_parallel)
+        assert got[rank] == expected, (
+            f"grid_position({rank}, {where}) returned {got[rank]}, expected (row, column) = "
+            f"{expected}: " + _position_mistake(kata, got, shape)
         )
 
 
@@ -388,23 +418,59 @@ def _row_only(rank, world_size, data_parallel, tensor_parallel, active_row):
     tensor = torch.tensor([float(rank), 10.0 * rank + 1])
     if grid.row != active_row:
         return tensor, []
+    rehearsed = _rehearse(kata, grid, lambda: grid.sum_over_row(tensor.clone()))
+    if rehearsed and rehearsed != [("all_reduce", "row")]:
+        return tensor, rehearsed  # the real call would wait for ranks outside the row
     with recording() as calls:
         grid.sum_over_row(tensor)
     return tensor, _groups_used(calls, grid)
 
 
-def _groups_used(calls, grid) -> list[tuple[str, str]]:
-    """Each call's name and which of the grid's groups it named: row, column, world or other."""
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _rehearse(kata, grid, call) -> list[tuple[str, str]]:
+    """``call`` with dist.all_reduce replaced by a stand-in that only notes the group it was
+    given (it communicates nothing, so a wrong group cannot hang): [(name, which group)]."""
     import torch.distributed as dist
 
-    def which(group):
-        if group is grid.tensor_group:
-            return "row"
-        if group is grid.data_group:
-            return "column"
-        return "world" if group is None or group is dist.group.WORLD else "other"
+    noted = []
 
-    return [(c.name, which(c.group)) for c in calls]
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        noted.append(("all_reduce", group))
+        return _Done() if async_op else None
+
+    originals = (dist.all_reduce, getattr(kata, "all_reduce", None))
+    dist.all_reduce = all_reduce
+    if originals[1] is not None:  # `from torch.distributed import all_reduce` in the kata
+        kata.all_reduce = all_reduce
+    try:
+        call()
+    finally:
+        dist.all_reduce = originals[0]
+        if originals[1] is not None:
+            kata.all_reduce = originals[1]
+    return [(name, _which(group, grid)) for name, group in noted]
+
+
+def _which(group, grid) -> str:
+    import torch.distributed as dist
+
+    if group is grid.tensor_group:
+        return "row"
+    if group is grid.data_group:
+        return "column"
+    return "world" if group is None or group is dist.group.WORLD else "other"
+
+
+def _groups_used(calls, grid) -> list[tuple[str, str]]:
+    """Each call's name and which of the grid's groups it named: row, column, world or other."""
+    return [(c.name, _which(c.group, grid)) for c in calls]
 
 
 @pytest.mark.step(3)
