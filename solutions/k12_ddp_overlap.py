@@ -61,14 +61,17 @@ STEPS
 
 WHAT THE TESTS CHECK
     On 3 ranks that build the frozen, tied and buffer toy models with different seeds, every
-    rank holds the first rank's state after construction (recorded broadcasts, their sources);
-    inside subgroups of a 4-rank world, the group's first rank is the source and the mean is
-    over the group. One backward launches one async SUM all-reduce per unique trainable
-    parameter, the first before backward has finished (the order of recorded events). Several
+    rank holds the first rank's state after construction (recorded broadcasts, their sources),
+    and forward passes keyword arguments on; inside subgroups of a 4-rank world, the group's
+    first rank is the source and the mean is over the group. One backward launches one async
+    all-reduce per unique trainable parameter (a SUM divided afterwards; dividing before it,
+    as torch's DDP does, or ReduceOp.AVG pass too), the first before backward has finished
+    (the order of recorded events). After the finish every gradient is the mean; several
     steps equal one process on the whole batch on every rank (bitwise equal to averaging after
-    backward, close to torch's DDP); ``finish_gradient_synchronization`` is harmless twice or
-    with nothing launched; inside ``no_sync`` nothing is launched, and accumulation equals
-    torch's DDP with its own ``no_sync``. Bad arguments raise ValueError.
+    backward: on 2 ranks every correct order gives exactly (a + b) / 2; close to torch's DDP);
+    ``finish_gradient_synchronization`` is harmless twice or with nothing launched; inside
+    ``no_sync`` (nested in another too) nothing is launched, and accumulation equals torch's
+    DDP with its own ``no_sync``. Bad arguments raise ValueError.
 
 RUN IT
     python -m katas.k12_ddp_overlap --world-size 2 --model tied

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 import sys
@@ -26,6 +27,11 @@ MODEL_NAMES = ("frozen", "tied", "buffer")
 HEAVY = ("torchvision", "sklearn")  # rank processes import the kata: it must stay cheap
 PER_RANK, STEPS, LR = 4, 3, 0.1
 UNIQUE_TRAINABLE = {"frozen": 4, "tied": 3, "buffer": 4}
+UNIQUE_NAMES = {
+    "frozen": ["first.weight", "first.bias", "last.weight", "last.bias"],
+    "tied": ["embedding.weight", "hidden.weight", "hidden.bias"],
+    "buffer": ["first.weight", "first.bias", "last.weight", "last.bias"],
+}
 
 
 def _device() -> torch.device:
@@ -109,7 +115,7 @@ def _without_hooks(kata):
     it leaves, and the hooks are step 2's business."""
 
     class ConstructionOnly(kata.OverlappingDDP):
-        def _register_hooks(self):
+        def _register_hooks(self, *args, **kwargs):  # whatever its signature: no hooks yet
             pass
 
     return ConstructionOnly
@@ -148,6 +154,19 @@ def _construct(rank, world_size, model_name):
         inputs = inputs.to(_device())
         with torch.no_grad():
             result["forward_equal"] = torch.equal(ddp(inputs), model(inputs))
+        keyword = next(iter(inspect.signature(model.forward).parameters))
+        result["keyword"] = keyword
+        try:  # a model's forward may take keyword arguments: the wrapper passes them on
+            with torch.no_grad():
+                result["forward_keywords"] = (
+                    None
+                    if torch.equal(ddp(**{keyword: inputs}), model(inputs))
+                    else "returned another output"
+                )
+        except KataTodo:
+            raise
+        except Exception as error:
+            result["forward_keywords"] = f"raised {_error(error)}"
         result["module_is_model"] = ddp.module is model
         result["parameters"] = [n for n, _ in ddp.named_parameters()]
         result["buffers_seen"] = [n for n, _ in ddp.named_buffers()]
@@ -248,6 +267,12 @@ def _check_construction(results, model_name: str) -> None:
     )
     assert first["forward_equal"], (
         "ddp(inputs) differs from model(inputs): forward delegates to the wrapped model"
+    )
+    keyword = first["keyword"]
+    assert first["forward_keywords"] is None, (
+        f"ddp({keyword}=inputs) {first['forward_keywords']}, where model({keyword}=inputs) works: "
+        "forward passes every argument on to the module, keyword arguments too: "
+        "def forward(self, *args, **kwargs): return self.module(*args, **kwargs)"
     )
 
 
@@ -453,9 +478,10 @@ def test_backward_launches_one_async_sum_all_reduce_per_unique_trainable_paramet
                 "wait for it in finish_gradient_synchronization."
             )
         ops = sorted({c["op"] or "SUM" for c in reduces})
-        assert ops == ["SUM"], (
-            f"rank {rank} launched all-reduces with op {ops}: launch a SUM all-reduce "
-            "(dist.ReduceOp.SUM); finish_gradient_synchronization divides by the group's size"
+        assert set(ops) <= {"SUM", "AVG"}, (
+            f"rank {rank} launched all-reduces with op {ops}: the mean over the ranks is a SUM "
+            "all-reduce divided by the group's size (before the launch, as torch's DDP does, or in "
+            "finish_gradient_synchronization after the wait), or dist.ReduceOp.AVG"
         )
         shapes = sorted(tuple(c["shapes"][0]) for c in reduces if c["shapes"])
         assert shapes == sorted(trainable.values()), (
@@ -470,23 +496,15 @@ def test_backward_launches_one_async_sum_all_reduce_per_unique_trainable_paramet
         for name in result["trainable"]:
             got = result["grads"][name]
             summed = results[0]["local"][name] + results[1]["local"][name]  # a + b: the same bits
-            if torch.equal(got, summed):
-                continue
+            if torch.equal(got, summed) or torch.allclose(got, summed / 2, **TOLERANCE):
+                continue  # the sum (divided in finish), or the mean already (divided first, AVG)
             if torch.equal(got, result["local"][name]):
-                raise AssertionError(
-                    f"once its all-reduces had finished, rank {rank}'s gradient of {name!r} was still "
-                    "its own: all-reduce param.grad itself (the sum lands in place), not a copy"
-                )
-            if torch.allclose(got, summed / 2, **TOLERANCE):
-                raise AssertionError(
-                    f"once its all-reduces had finished, rank {rank}'s gradient of {name!r} held the "
-                    "mean already: the hook launches a SUM all-reduce, and the division belongs in "
-                    "finish_gradient_synchronization, after the wait (dividing a tensor while an "
-                    "all-reduce still works on it is a race)"
-                )
+                continue  # an all-reduce of a copy, copied back in finish: step 3 checks that
             raise AssertionError(
-                f"once its all-reduces had finished, rank {rank}'s gradient of {name!r} was not the "
-                "sum of the 2 ranks' gradients: launch one SUM all-reduce of each param.grad"
+                f"once its all-reduces had finished, rank {rank}'s gradient of {name!r} was neither "
+                "the sum of the 2 ranks' gradients nor their mean: launch one all-reduce of each "
+                "param.grad (a SUM, divided by the group's size before the launch or after the "
+                "wait in finish_gradient_synchronization)"
             )
 
 
@@ -520,6 +538,82 @@ def test_the_first_all_reduce_starts_before_backward_has_finished(kata, model_na
 # --------------------------------------------------------------------------- step 3: the finish
 
 
+def _finish(ddp) -> None:
+    """``ddp.finish_gradient_synchronization()``, with torch's usual crash there in kata words."""
+    try:
+        ddp.finish_gradient_synchronization()
+    except AttributeError as error:
+        if "wait" not in str(error):
+            raise
+        raise AssertionError(
+            f"finish_gradient_synchronization() raised AttributeError: {error}: it waited on a "
+            "handle that is None. dist.all_reduce returns a handle only with async_op=True (a "
+            "blocking call returns None): launch with async_op=True in the hook and keep what it "
+            "returns"
+        ) from None
+
+
+def _one_step(rank, world_size, model_name):
+    """One backward and finish on 2 ranks, every rank its own data: the gradients it leaves."""
+    kata = load_kata(KATA)
+    model = make_model(model_name, seed=100).to(_device())
+    ddp = kata.OverlappingDDP(model)
+    batch = _shard(model_name, rank, world_size, step=0)
+    toy_loss(ddp, batch).backward()
+    _finish(ddp)
+    return {"grads": _grads(model), "local": _local_gradients(model_name, 100, batch)}
+
+
+def _diagnose_mean(rank: int, name: str, got, local: list, size: int) -> str | None:
+    """None when ``got`` is the mean of ``local`` (the ranks' own gradients); else what it is."""
+    mean = sum(local[1:], local[0]) / size
+    if got is None:
+        return (
+            f"rank {rank}'s gradient of {name!r} is None after finish_gradient_synchronization(): "
+            "leave the mean in each parameter's .grad"
+        )
+    if torch.allclose(got, mean, **TOLERANCE):
+        return None
+    own = local[rank]
+    if torch.equal(got, own) or torch.allclose(got, own / size, **TOLERANCE):
+        divided = "" if torch.equal(got, own) else f" (divided by {size})"
+        return (
+            f"rank {rank}'s gradient of {name!r} still holds this rank's own gradient{divided} "
+            "after finish_gradient_synchronization(): the all-reduce's result never reached .grad "
+            "(did it sum a copy, param.grad.clone()?). All-reduce param.grad itself, or copy the "
+            "reduced tensor back into .grad before the step"
+        )
+    if torch.allclose(got, mean * size, **TOLERANCE):
+        return (
+            f"rank {rank}'s gradient of {name!r} holds the sum of the {size} ranks' gradients, "
+            f"not their mean: divide by the group's size (dist.get_world_size(self.process_group)), "
+            "once, before the launch or after the wait"
+        )
+    if torch.allclose(got, mean / size, **TOLERANCE):
+        return (
+            f"rank {rank}'s gradient of {name!r} holds the mean divided by {size} once more: it "
+            "was divided twice (before the launch and again after the wait, or an AVG all-reduce "
+            "divided again). Divide once"
+        )
+    return (
+        f"rank {rank}'s gradient of {name!r} is {_gap({'g': got}, {'g': mean})[0]:.3g} away from "
+        f"the mean over the {size} ranks (neither its own gradient, the sum nor a mean divided "
+        "twice)"
+    )
+
+
+@pytest.mark.step(3)
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+def test_finish_leaves_the_mean_gradient_on_every_rank(kata, model_name):
+    results = run_world(_one_step, 2, model_name)
+    for rank, result in enumerate(results):
+        for name in UNIQUE_NAMES[model_name]:
+            local = [r["local"][name] for r in results]
+            wrong = _diagnose_mean(rank, name, result["grads"][name], local, len(results))
+            if wrong:
+                raise AssertionError(wrong)
+
+
 def _train(rank, world_size, model_name):
     """STEPS steps with the learner's wrapper, with k04's average after backward (the same sums
     in the same order) and with torch's DDP, every model built apart on every rank."""
@@ -535,7 +629,7 @@ def _train(rank, world_size, model_name):
         batch = _shard(model_name, rank, world_size, step)
         with recording(("all_reduce",)) as calls:
             toy_loss(ddp, batch).backward()
-            ddp.finish_gradient_synchronization()
+            _finish(ddp)
         launched.append(len(calls))
         optimizer.step()
         optimizer.zero_grad()
@@ -561,6 +655,7 @@ def _train(rank, world_size, model_name):
         "ddp": _state(theirs.module),
         "launched": launched,
         "device": str(next(model.parameters()).device.type),
+        "buffers": [name for name, _ in model.named_buffers()],
     }
 
 
@@ -576,10 +671,19 @@ def _check_training(results, model_name: str) -> None:
     mine = results[0]["mine"]
     for rank, result in enumerate(results[1:], start=1):
         if not _equal(result["mine"], mine):
+            buffers = [n for n in result["buffers"] if not torch.equal(result["mine"][n], mine[n])]
+            if buffers:
+                raise AssertionError(
+                    f"after {STEPS} steps rank {rank}'s buffer {buffers[0]!r} differs from rank "
+                    "0's: no gradient ever touches a buffer, so it differs since construction. "
+                    "Broadcast every buffer too (module.buffers()) from the group's first rank, "
+                    "in place"
+                )
             gap, name = _gap(result["mine"], mine)
             raise AssertionError(
                 f"after {STEPS} steps rank {rank}'s weights differ from rank 0's (by {gap:.3g} in "
-                f"{name!r}): every rank must step with the same averaged gradient"
+                f"{name!r}), though its buffers are rank 0's: every rank must step with the same "
+                "averaged gradient"
             )
     truth = _one_process(model_name, world_size)
     if not _equal(mine, results[0]["by_hand"]):
@@ -594,9 +698,11 @@ def _check_training(results, model_name: str) -> None:
         if _close(mine, truth):
             raise AssertionError(
                 f"after {STEPS} steps the weights equal one process on the whole batch up to rounding "
-                f"({gap:.3g} in {name!r}), but not bitwise those of averaging after backward (k04): "
-                "the same operations in the same order give the same bits. Sum with the all-reduce, "
-                "then divide the result once by the group's size."
+                f"({gap:.3g} in {name!r}), but not bitwise those of averaging after backward (k04). "
+                "This kata holds a 2-rank mean to the bits: a SUM all-reduce divided by 2 after the "
+                "wait, halves summed (divided before the launch) and AVG all give exactly "
+                "(a + b) / 2, since halving is exact in floating point; other operations (partial "
+                "sums added later, a scale that is not exactly 1 / 2) round differently."
             )
         raise AssertionError(
             f"after {STEPS} steps rank 0's weights are {gap:.3g} apart (in {name!r}) from those of "
@@ -848,6 +954,37 @@ def test_no_sync_switches_the_hooks_back_on_even_after_an_error(kata):
             f"{launched} all-reduces, expected {UNIQUE_TRAINABLE['frozen']}: the hooks launch "
             "again once the block ends, however it ends: restore them in a finally (try: yield / "
             "finally: ...)"
+        )
+
+
+def _nested_no_sync(rank, world_size):
+    kata = load_kata(KATA)
+    ddp = kata.OverlappingDDP(make_model("frozen", seed=100))
+    batch = _shard("frozen", rank, world_size, step=0)
+    with recording(("all_reduce",)) as calls:
+        with ddp.no_sync():
+            with ddp.no_sync():  # a helper that accumulates, called inside an accumulation loop
+                pass
+            toy_loss(ddp, batch).backward()  # still inside the outer no_sync
+        inside = len(calls)
+        ddp.finish_gradient_synchronization()
+        toy_loss(ddp, batch).backward()  # outside both: syncs
+        ddp.finish_gradient_synchronization()
+    return inside, len(calls) - inside
+
+
+@pytest.mark.step(4)
+def test_nested_no_sync_restores_what_it_found(kata):
+    for rank, (inside, after) in enumerate(run_world(_nested_no_sync, 2)):
+        assert not inside, (
+            f"rank {rank}: after a nested `with ddp.no_sync():` ended inside another one, backward "
+            f"launched {inside} all-reduces though the outer no_sync() was still open: when the "
+            "block ends, no_sync restores the value it found (still off inside the outer block), "
+            "not True"
+        )
+        assert after == UNIQUE_TRAINABLE["frozen"], (
+            f"rank {rank}: once both no_sync() blocks had ended, a backward launched {after} "
+            f"all-reduces, expected {UNIQUE_TRAINABLE['frozen']}: the hooks launch again"
         )
 
 

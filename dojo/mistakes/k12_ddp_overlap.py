@@ -126,6 +126,11 @@ class NoArgumentChecks(_Wrapper):
         pass
 
 
+class ForwardDropsKeywords(_Wrapper):
+    def forward(self, *args, **kwargs):  # "the models here take one tensor"
+        return self.module(*args)
+
+
 # --------------------------------------------------------------------------- hooks
 
 
@@ -220,6 +225,12 @@ class DividesEveryGradient(_Wrapper):
                 param.grad.div_(self.size())
 
 
+class DividedTwice(_Wrapper):
+    def launch(self, grad):  # divides first, as torch's DDP does...
+        grad.div_(self.size())
+        return super().launch(grad)  # ...and the finish still divides the sum
+
+
 # --------------------------------------------------------------------------- no_sync
 
 
@@ -244,7 +255,60 @@ class NoSyncWithoutFinally(_Wrapper):
         self._syncing = True  # never reached when the block raises
 
 
+class NoSyncSwitchesBackOn(_Wrapper):
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True  # also when an outer no_sync is still open
+
+
 # --------------------------------------------------------------------------- right answers
+
+
+class DividedBeforeTheSum(_Wrapper):
+    """As torch's DDP: each gradient is divided by the group's size before its SUM all-reduce
+    (a sum of gradients / N is their mean); the finish only waits."""
+
+    def launch(self, grad):
+        grad.div_(self.size())
+        return dist.all_reduce(grad, op=SUM, group=self.process_group, async_op=True)
+
+    def finish_gradient_synchronization(self):
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class AveragedByTheBackend(_Wrapper):
+    """ReduceOp.AVG: the backend divides; nothing is left to divide after the wait."""
+
+    def launch(self, grad):
+        return dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+
+    def finish_gradient_synchronization(self):
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class ReducedACopyAndCopiedBack(_Wrapper):
+    """All-reduces a copy of each gradient and copies the mean back into .grad in the finish."""
+
+    def _on_gradient_ready(self, param):
+        if self._syncing:
+            copy = param.grad.detach().clone()
+            work = dist.all_reduce(copy, op=SUM, group=self.process_group, async_op=True)
+            self._pending.append((work, (param, copy)))
+
+    def finish_gradient_synchronization(self):
+        size = self.size()
+        for work, (param, copy) in self._pending:
+            work.wait()
+            param.grad.copy_(copy.div_(size))
+        self._pending.clear()
 
 
 class CoalescedDDP(nn.Module):
@@ -356,6 +420,7 @@ _LAUNCH = "test_backward_launches_one_async_sum_all_reduce_per_unique_trainable_
 _OVERLAP = "test_the_first_all_reduce_starts_before_backward_has_finished"
 _TRAIN = "test_training_equals_one_process_on_the_whole_batch"
 _NO_SYNC = "test_no_sync_accumulates_locally_and_matches_torchs_ddp"
+_MEAN = "test_finish_leaves_the_mean_gradient_on_every_rank"
 
 MISTAKES = [
     Mistake(
@@ -369,6 +434,12 @@ MISTAKES = [
         replaces="OverlappingDDP",
         fails=[f"{_BUILD}[buffer]"],
         says=["buffer 'scale' still holds its own values", "module.buffers()"],
+    ),
+    Mistake(
+        "ForwardDropsKeywords",
+        replaces="OverlappingDDP",
+        fails=[_BUILD],
+        says=["keyword arguments too", "self.module(*args, **kwargs)"],
     ),
     Mistake(
         "AveragedTheStates",
@@ -424,8 +495,8 @@ MISTAKES = [
     Mistake(
         "ReducedACopy",
         replaces="OverlappingDDP",
-        fails=[_LAUNCH],
-        says=["was still its own", "not a copy"],
+        fails=[_MEAN],
+        says=["still holds this rank's own gradient", "never reached .grad"],
     ),
     Mistake(
         "ReducedTheWeights",
@@ -436,8 +507,14 @@ MISTAKES = [
     Mistake(
         "NotDivided",
         replaces="OverlappingDDP",
-        fails=[_TRAIN],
-        says=["2 times too large", "divides each gradient by the group's size"],
+        fails=[_MEAN],
+        says=["holds the sum of the 2 ranks' gradients", "divide by the group's size"],
+    ),
+    Mistake(
+        "DividedTwice",
+        replaces="OverlappingDDP",
+        fails=[_MEAN],
+        says=["the mean divided by 2 once more", "Divide once"],
     ),
     Mistake(
         "WorldSizeFromTheEnvironment",
@@ -490,10 +567,19 @@ MISTAKES = [
         fails=["test_no_sync_switches_the_hooks_back_on_even_after_an_error"],
         says=["after an exception inside no_sync()", "finally"],
     ),
+    Mistake(
+        "NoSyncSwitchesBackOn",
+        replaces="OverlappingDDP",
+        fails=["test_nested_no_sync_restores_what_it_found"],
+        says=["nested", "restores the value it found"],
+    ),
 ]
 
 # Each right answer must pass every test of the steps it names.
 RIGHT_ANSWERS = [
     RightAnswer("CoalescedDDP", replaces="OverlappingDDP", steps=(1, 2, 3, 4)),
     RightAnswer("ClosureDDP", replaces="OverlappingDDP", steps=(1, 2, 3, 4)),
+    RightAnswer("DividedBeforeTheSum", replaces="OverlappingDDP", steps=(2, 3, 4)),
+    RightAnswer("AveragedByTheBackend", replaces="OverlappingDDP", steps=(2, 3, 4)),
+    RightAnswer("ReducedACopyAndCopiedBack", replaces="OverlappingDDP", steps=(2, 3, 4)),
 ]

@@ -61,14 +61,17 @@ STEPS
 
 WHAT THE TESTS CHECK
     On 3 ranks that build the frozen, tied and buffer toy models with different seeds, every
-    rank holds the first rank's state after construction (recorded broadcasts, their sources);
-    inside subgroups of a 4-rank world, the group's first rank is the source and the mean is
-    over the group. One backward launches one async SUM all-reduce per unique trainable
-    parameter, the first before backward has finished (the order of recorded events). Several
+    rank holds the first rank's state after construction (recorded broadcasts, their sources),
+    and forward passes keyword arguments on; inside subgroups of a 4-rank world, the group's
+    first rank is the source and the mean is over the group. One backward launches one async
+    all-reduce per unique trainable parameter (a SUM divided afterwards; dividing before it,
+    as torch's DDP does, or ReduceOp.AVG pass too), the first before backward has finished
+    (the order of recorded events). After the finish every gradient is the mean; several
     steps equal one process on the whole batch on every rank (bitwise equal to averaging after
-    backward, close to torch's DDP); ``finish_gradient_synchronization`` is harmless twice or
-    with nothing launched; inside ``no_sync`` nothing is launched, and accumulation equals
-    torch's DDP with its own ``no_sync``. Bad arguments raise ValueError.
+    backward: on 2 ranks every correct order gives exactly (a + b) / 2; close to torch's DDP);
+    ``finish_gradient_synchronization`` is harmless twice or with nothing launched; inside
+    ``no_sync`` (nested in another too) nothing is launched, and accumulation equals torch's
+    DDP with its own ``no_sync``. Bad arguments raise ValueError.
 
 RUN IT
     python -m katas.k12_ddp_overlap --world-size 2 --model tied
@@ -130,9 +133,10 @@ class OverlappingDDP(nn.Module):
         """Called by autograd once ``param.grad`` holds this backward's whole gradient."""
         # TODO: outside no_sync(), start summing param.grad itself over the process group without
         # waiting for it (backward goes on meanwhile), and remember what
-        # finish_gradient_synchronization will need. The tests record every launch: a SUM
-        # all-reduce, asynchronous, the first one before backward has finished; once they finish,
-        # each .grad holds the sum over the ranks (the division is step 3's).
+        # finish_gradient_synchronization will need. The tests record every launch: an
+        # all-reduce (SUM, or AVG), asynchronous, the first one before backward has finished; once
+        # they finish, each .grad holds the sum over the ranks (the division is step 3's), or their
+        # mean if you divide before the launch as torch's DDP does.
         raise KataTodo("k12", 2, "launch the all-reduce of a ready gradient")
 
     def finish_gradient_synchronization(self) -> None:
@@ -149,8 +153,9 @@ class OverlappingDDP(nn.Module):
         """Inside it backward only accumulates: the hooks launch nothing."""
         # TODO: a context manager (the decorator is there): inside the block the hooks launch
         # nothing, so backward only accumulates into .grad; when the block ends, however it ends
-        # (an exception too), the hooks launch as they did before it. The tests accumulate 3
-        # micro-batches and compare with torch's DDP and its own no_sync().
+        # (an exception too), the hooks launch as they did before it (still nothing, when this
+        # no_sync was nested in another). The tests accumulate 3 micro-batches and compare with
+        # torch's DDP and its own no_sync().
         raise KataTodo("k12", 4, "no_sync: accumulate without launching")
 
 
