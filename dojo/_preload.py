@@ -4,6 +4,14 @@ Importing torch costs ~1.5 s per process, and the first ``torch.testing.assert_c
 sympy (~1 s more); paying both here makes a new 4-rank world cost a fraction of a second.
 """
 
+import signal
+
+# The harness asks a rank for its stacks with SIGUSR1 (dojo.rank registers faulthandler for it
+# as the rank starts). One that arrives before that must not kill the rank: ranks fork from this
+# process and inherit this.
+if hasattr(signal, "SIGUSR1"):
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
 import pytest  # noqa: F401  (test modules, which ranks import, all need it)
 import torch
 import torch.distributed

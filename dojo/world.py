@@ -7,9 +7,9 @@ What it guarantees, whatever the function does:
 * rendezvous that cannot collide: the parent owns a TCPStore bound to port 0 for its whole life,
   and each world uses a fresh key prefix of it (safe under ``pytest -n auto``);
 * a rank's exception comes back with its rank and traceback, and its peers are stopped at once;
-* a deadlock ends as a report of the stuck ranks and where each one waits, seconds after they
-  stopped (ranks idle inside torch.distributed calls), not at the deadline; a place this process
-  has already seen deadlock ends a later world sooner still (a spec's tests often share one);
+* a deadlock ends at the deadline as a report of the stuck ranks and where each one waits; a
+  world whose ranks wait idle inside torch.distributed calls at a line where an earlier world of
+  this process deadlocked ends after a second (a spec's tests often share one deadlock);
 * deadlines allow for a loaded machine: while a world's processes still use the CPU (a busy
   machine, a rank importing torch in a process it started) its deadline stretches, up to
   ``MAX_STRETCH`` times; idle ranks get what it says;
@@ -49,7 +49,7 @@ DEFAULT_STRAGGLER_S = 5.0
 # Waiting ranks that sit idle inside torch.distributed calls this long, at a line where an earlier
 # world of this process deadlocked, are taken to deadlock again (run_world's ``stall`` does the
 # same for any line, for callers that know no call of theirs times out by itself).
-KNOWN_STALL_S = 1.0
+KNOWN_STALL_S = 2.0
 _LOOK_AGAIN_S = 3.0  # idle ranks outside torch.distributed: how often their stacks are read
 # A deadline (or straggler window) stretches while the world's processes use the CPU, up to
 # this many times itself: a loaded machine is slow, not stuck; a busy loop still ends.
@@ -559,6 +559,12 @@ def _deadlock(
             f"deadlock: rank(s) {_join(numbers)} did not return within the "
             f"{_lasted(seconds, stretched, 'deadline')}. {advice}"
         )
+    if stacks.only_in_checking_code(dumps):
+        head += (
+            " No rank is inside your code: they wait in the test's own call, after your code "
+            "returned, for something it left unmatched (a collective or a send that only some "
+            "ranks started, an asynchronous one included)."
+        )
     text = f"{head}\n{stacks.summary(dumps, finished)}\n\n{stacks.grouped_stacks(dumps)}"
     _kill(ranks)
     return WorldDeadlock(text, numbers)
@@ -603,6 +609,8 @@ def _dump_stacks(stuck: list[_Rank]) -> dict[int, str]:
     offsets = {}
     for rank in stuck:
         offsets[rank.number] = _size(rank.stack_path)
+        if not os.path.exists(rank.stack_path):
+            continue  # still starting: it cannot answer yet (dojo.rank makes the file first)
         try:
             os.kill(rank.process.pid, signal.SIGUSR1)
         except (OSError, AttributeError):
@@ -611,7 +619,7 @@ def _dump_stacks(stuck: list[_Rank]) -> dict[int, str]:
     dumps = {}
     for rank in stuck:
         text = ""
-        while time.monotonic() < end:
+        while time.monotonic() < end and os.path.exists(rank.stack_path):
             text = _read_from(rank.stack_path, offsets[rank.number])
             if "most recent call first" in text and text.endswith("\n"):
                 time.sleep(0.05)  # let the dump finish
