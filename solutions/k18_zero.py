@@ -59,7 +59,9 @@ WHAT THE TESTS CHECK
     steps on TinyTransformer bitwise equal to unsharded AdamW and to torch's
     ``ZeroRedundancyOptimizer`` on every rank; recorded broadcasts: one per parameter per step,
     from its owner, in the same order on every rank; a generator of parameters; groups with
-    their own lr; ``add_param_group`` after construction; ``zero_grad``; and the program.
+    options of their own; options changed after construction (``param_groups[0]["lr"] = ...``,
+    an LR scheduler) reaching the inner optimizer's step; ``step(closure)`` returning the
+    closure's loss; ``add_param_group`` after construction; ``zero_grad``; and the program.
 
 RUN IT
     python -m katas.k18_zero --world-size 2 --steps 3

@@ -17,6 +17,7 @@ from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k18_zero"
 LR, WEIGHT_DECAY, BETAS = 0.01, 0.01, (0.9, 0.95)
+FIRST_LR, FIRST_WEIGHT_DECAY = 2 * LR, 0.1  # the first of two groups: options of its own
 STEPS = 3
 
 # Exactness: AdamW updates each tensor from its own gradient and state alone, and on the CPU
@@ -123,13 +124,27 @@ def test_assign_owners_refuses_bad_input(kata, args):
 # --------------------------------------------------------------------------- the rank side
 
 
+# The options of a group that change what AdamW computes (the rest are kernel choices).
+OPTIONS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def _options(group: dict) -> dict:
+    return {key: group[key] for key in OPTIONS if key in group}
+
+
 class RecordingAdamW(torch.optim.AdamW):
-    """AdamW that keeps what it was built with (the test reads it back)."""
+    """AdamW that keeps what it was built with, and the options of every group each time it
+    steps (the test reads them back)."""
 
     def __init__(self, params, **kwargs):
         params = list(params)
         self.given = {"params": params, "kwargs": dict(kwargs)}
+        self.stepped_with: list[list[dict]] = []
         super().__init__(params, **kwargs)
+
+    def step(self, closure=None):
+        self.stepped_with.append([_options(g) for g in self.param_groups])
+        return super().step(closure)
 
 
 def _names(model):
@@ -146,7 +161,11 @@ def _groups(model, how: str, names=None):
     rest = [
         p for n, p in model.named_parameters() if p.dim() <= 1 and (names is None or n in names)
     ]
-    return [{"params": decay}, {"params": rest, "lr": LR / 3, "weight_decay": 0.0}]
+    # each group with options of its own, none of them the defaults
+    return [
+        {"params": decay, "lr": FIRST_LR, "weight_decay": FIRST_WEIGHT_DECAY},
+        {"params": rest, "lr": LR / 3, "weight_decay": 0.0},
+    ]
 
 
 def _state_bytes(optimizer) -> int:
@@ -167,7 +186,24 @@ def _subgroup(rank, rows):
     return mine
 
 
-def _train(rank, world_size, how="generator", against="adamw", rows=None, add=False, steps=STEPS):
+def _change_options(optimizers, change, step):
+    """What a training loop does to an optimizer's options after construction."""
+    if change == "assignment" and step == 1:
+        for optimizer in optimizers:
+            optimizer.param_groups[0]["lr"] = LR / 4
+            optimizer.param_groups[1]["weight_decay"] = 0.05
+
+
+def _train(
+    rank,
+    world_size,
+    how="generator",
+    against="adamw",
+    rows=None,
+    add=False,
+    steps=STEPS,
+    change=None,
+):
     """Train TinyTransformer with ShardedOptimizer and with ``against`` on this rank's data."""
     kata = load_kata(KATA)
     group = _subgroup(rank, rows) if rows else None
@@ -224,18 +260,35 @@ def _train(rank, world_size, how="generator", against="adamw", rows=None, add=Fa
             other = torch.optim.AdamW(
                 _groups(plain, how, first), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS
             )
-    inner = sharded.inner
+    inner = getattr(sharded, "inner", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise AssertionError(
+            f"rank {rank}: ShardedOptimizer's inner is {inner!r}: the tests read self.inner, this "
+            "rank's optimizer_cls(...) over the parameters it owns, made in __init__"
+        )
+    # Only the spec's own knowledge: a learner may build the outer groups with defaults={} (no
+    # options of their own but what a group brings), so their options are read with .get.
     construction = {
         "is_optimizer": isinstance(sharded, torch.optim.Optimizer),
         "outer": [sorted(names[p] for p in g["params"]) for g in sharded.param_groups],
-        "outer_lr": [g["lr"] for g in sharded.param_groups],
+        "outer_lr": [g.get("lr") for g in sharded.param_groups],
         "kwargs": inner.given["kwargs"] if isinstance(inner, RecordingAdamW) else None,
         "inner_type": type(inner).__name__,
         "owned": sorted(names[p] for g in inner.param_groups for p in g["params"]),
-        "inner_lr": [g["lr"] for g in inner.param_groups],
+        "inner_lr": [g.get("lr") for g in inner.param_groups],
+        "inner_options": [_options(g) for g in inner.param_groups],
+        "expected_options": [_options(g) for g in other.param_groups]
+        if against == "adamw"
+        else None,
         "rng_kept": rng_kept,
     }
-    steps_record = []
+    schedulers = []
+    if change == "scheduler":  # the learner's optimizer and the reference, scheduled alike
+        schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 0.5**done)
+            for optimizer in (sharded, other)
+        ]
+    steps_record, expected_options, given = [], [], []
     size = dist.get_world_size(group)
     for step in range(steps):
         if add and step == 1:
@@ -243,12 +296,16 @@ def _train(rank, world_size, how="generator", against="adamw", rows=None, add=Fa
             sharded.add_param_group({"params": rest, "lr": 2 * LR})
             plain_by_name = {n: p for p, n in _names(plain).items()}
             other.add_param_group({"params": [plain_by_name[names[p]] for p in rest], "lr": 2 * LR})
+        _change_options((sharded, other), change, step)
+        given.append(len(names) if first is None or step >= 1 else len(first))
         tokens, targets = make_tokens(4, 100 * step + dist.get_rank(group))
         for net in (model, plain):
             transformer_loss(net(tokens), targets).backward()
             for param in net.parameters():  # data parallel: the group's mean gradient
                 dist.all_reduce(param.grad, group=group)
                 param.grad /= size
+        if against == "adamw":
+            expected_options.append([_options(g) for g in other.param_groups])
         other.step()
         with recording() as calls:
             sharded.step()
@@ -262,6 +319,8 @@ def _train(rank, world_size, how="generator", against="adamw", rows=None, add=Fa
                 for c in calls
             ]
         )
+        for scheduler in schedulers:
+            scheduler.step()
         sharded.zero_grad()
         other.zero_grad()
         cleared = {names[p]: p.grad is None or not p.grad.any() for p in model.parameters()}
@@ -274,6 +333,9 @@ def _train(rank, world_size, how="generator", against="adamw", rows=None, add=Fa
         "params": {names[p]: p.detach().clone() for p in model.parameters()},
         "expected": {plain_names[p]: p.detach().clone() for p in plain.parameters()},
         "broadcasts": steps_record,
+        "given": given,  # parameters handed to the optimizer by each step: one broadcast each
+        "stepped_with": getattr(sharded.inner, "stepped_with", None),
+        "expected_stepped_with": expected_options,
         "cleared": cleared,
         "order": [names[p] for g in sharded.param_groups for p in g["params"]],
         "global_members": rows and next(r for r in rows if rank in r),
@@ -281,8 +343,10 @@ def _train(rank, world_size, how="generator", against="adamw", rows=None, add=Fa
 
 
 def _run(world_size, *args, **kwargs):
+    # The groups of a grid train apart: one may finish well before the other on a busy machine.
+    straggler = 15 if kwargs.get("rows") else 5
     try:
-        return run_world(_train, world_size, *args, deadline=15, **kwargs)
+        return run_world(_train, world_size, *args, deadline=15, straggler=straggler, **kwargs)
     except RankFailed as failure:
         if "is not part of group" not in str(failure):
             raise
@@ -363,17 +427,35 @@ def test_every_parameter_has_one_owner_and_the_inner_optimizer_only_its_own(kata
 @pytest.mark.step(2)
 def test_groups_keep_their_own_options(kata):
     results = _run(2, "groups", steps=1)
-    where = "ShardedOptimizer([{'params': weights}, {'params': the rest, 'lr': lr / 3}], AdamW)"
+    where = (
+        f"ShardedOptimizer([{{'params': weights, 'lr': {FIRST_LR}, 'weight_decay': "
+        f"{FIRST_WEIGHT_DECAY}}}, {{'params': the rest, 'lr': lr / 3, 'weight_decay': 0.0}}], "
+        "AdamW, lr=lr, ...)"
+    )
     _check_owners(results, where)
     for rank, result in enumerate(results):
-        assert result["outer_lr"] == [LR, LR / 3], (
-            f"{where}: rank {rank}'s param_groups have lr {result['outer_lr']}"
+        assert result["outer_lr"] == [FIRST_LR, LR / 3], (
+            f"{where}: rank {rank}'s param_groups have lr {result['outer_lr']}, expected "
+            f"[{FIRST_LR}, {LR / 3}]: each group keeps the options it was given"
         )
-        assert result["inner_lr"] == [LR, LR / 3], (
+        assert result["inner_lr"] == [FIRST_LR, LR / 3], (
             f"{where}: rank {rank}'s inner optimizer has groups with lr {result['inner_lr']}, "
-            f"expected [{LR}, {LR / 3}]: give optimizer_cls one group per group of "
+            f"expected [{FIRST_LR}, {LR / 3}]: give optimizer_cls one group per group of "
             "self.param_groups, with that group's options and only its owned parameters"
         )
+        for index, (mine, expected) in enumerate(
+            zip(result["inner_options"], result["expected_options"])
+        ):
+            wrong = [key for key in expected if mine.get(key) != expected[key]]
+            if wrong:
+                key = wrong[0]
+                raise AssertionError(
+                    f"{where}: rank {rank}'s inner optimizer's group {index} has {key}="
+                    f"{mine.get(key)!r}, but param_groups[{index}] has {key}={expected[key]!r} "
+                    f"(unsharded AdamW's group {index} too): give each inner group every option of "
+                    "its group (every key but 'params', as it is), not only some of them; the "
+                    "defaults fill in only what a group does not set itself"
+                )
 
 
 @pytest.mark.step(2)
@@ -391,7 +473,39 @@ def test_zero_grad_clears_every_parameter(kata):
 # --------------------------------------------------------------------------- step 3: step
 
 
+def _options_mismatch(result) -> tuple | None:
+    """The first option an inner step ran with that its param group did not have by then:
+    ``(step, group index, key, the inner's value, the group's)``, or None."""
+    for step, (seen, expected) in enumerate(
+        zip(result["stepped_with"] or [], result["expected_stepped_with"])
+    ):
+        if len(seen) != len(expected):
+            return step, None, "groups", len(seen), len(expected)
+        for index, (mine, wanted) in enumerate(zip(seen, expected)):
+            wrong = [key for key in wanted if mine.get(key) != wanted[key]]
+            if wrong:
+                return step, index, wrong[0], mine.get(wrong[0]), wanted[wrong[0]]
+    return None
+
+
 def _check_training(results, where, exact=True):
+    for rank, result in enumerate(results):
+        mismatch = _options_mismatch(result)
+        if mismatch is None:
+            continue
+        step, index, key, mine, wanted = mismatch
+        if index is None:
+            raise AssertionError(
+                f"{where}: in step {step + 1} rank {rank}'s inner optimizer had {mine} group(s) "
+                f"for {wanted} param groups: give optimizer_cls one group per group of "
+                "self.param_groups, with that group's options and its owned parameters"
+            )
+        raise AssertionError(
+            f"{where}: in step {step + 1} rank {rank}'s inner optimizer stepped its group {index} "
+            f"with {key}={mine!r}, while param_groups[{index}] had {key}={wanted!r}: each inner "
+            "group takes every option of its group (every key but 'params'), at construction and "
+            "again before every inner step (a scheduler changes self.param_groups)"
+        )
     for rank, result in enumerate(results):
         for name, expected in result["expected"].items():
             mine = result["params"][name]
@@ -403,7 +517,14 @@ def _check_training(results, where, exact=True):
             if same:
                 continue
             gap = (mine.double() - expected.double()).abs().max().item()
-            owner = next(r for r, other in enumerate(results) if name in other["owned"])
+            owners = [r for r, other in enumerate(results) if name in other["owned"]]
+            if not owners:
+                raise AssertionError(
+                    f"{where}: {name} is owned by no rank (it is in no rank's inner optimizer), "
+                    "so nobody updates it: every parameter of every group gets exactly one owner "
+                    "(assign_owners over all of them) and joins that rank's inner optimizer"
+                )
+            owner = owners[0]
             unchanged = not result["broadcasts"] or all(not calls for calls in result["broadcasts"])
             hint = (
                 "step() made no broadcast: after the inner step, broadcast every parameter from "
@@ -419,10 +540,10 @@ def _check_training(results, where, exact=True):
 
 
 def _check_broadcasts(results, where, rows=None):
-    expected_count = len(results[0]["order"])
     for rank, result in enumerate(results):
         members = result["global_members"] or list(range(len(results)))
         for step, calls in enumerate(result["broadcasts"]):
+            expected_count = result["given"][step]  # the parameters the test handed over
             names = [c[0] for c in calls]
             assert names == ["broadcast"] * expected_count, (
                 f"{where}: in step {step + 1} rank {rank} made {len(calls)} call(s) "
@@ -491,7 +612,7 @@ def test_state_bytes_per_rank_are_about_one_nth(kata, world_size):
 @pytest.mark.step(3)
 def test_groups_with_their_own_lr_train_as_unsharded(kata):
     results = _run(2, "groups")
-    _check_training(results, "ShardedOptimizer with two groups (the second at lr / 3)")
+    _check_training(results, "ShardedOptimizer with two groups, each with options of its own")
 
 
 @pytest.mark.step(3)
@@ -512,6 +633,118 @@ def test_against_torchs_zero_redundancy_optimizer(kata):
     )
     results = _run(2, "generator", against="zero")
     _check_training(results, "ShardedOptimizer(AdamW) against torch's ZeroRedundancyOptimizer")
+
+
+CHANGES = {
+    "assignment": "param_groups[0]['lr'] = lr / 4 and param_groups[1]['weight_decay'] = 0.05 "
+    "after step 1",
+    "scheduler": "LambdaLR(optimizer, lambda done: 0.5 ** done), stepped after every step",
+}
+
+
+def _check_options_reached(results, where, change):
+    for rank, result in enumerate(results):
+        mismatch = _options_mismatch(result)
+        if mismatch is None or mismatch[1] is None:
+            continue  # the same options all along, or a layout _check_training names
+        step, index, key, mine, wanted = mismatch
+        raise AssertionError(
+            f"{where}: in step {step + 1} rank {rank}'s inner optimizer stepped its group "
+            f"{index} with {key}={mine!r}, while param_groups[{index}] had {key}={wanted!r} by "
+            f"then ({CHANGES[change]}): step() must pass every option of each of "
+            "self.param_groups (every key but 'params') on to its inner group before the inner "
+            "step. A scheduler and a training loop change self.param_groups, the optimizer they "
+            "were given, never the inner one"
+        )
+
+
+@pytest.mark.step(3)
+@pytest.mark.parametrize("change", CHANGES)
+def test_options_changed_after_construction_reach_the_inner_optimizer(kata, change):
+    results = _run(2, "groups", change=change)
+    where = f"ShardedOptimizer with two groups, then {CHANGES[change]}"
+    _check_options_reached(results, where, change)
+    _check_training(results, where)
+
+
+def _step_with_a_closure(rank, world_size):
+    """One step(closure) of ShardedOptimizer and of unsharded AdamW, the closure computing the
+    loss and the mean gradient; what the step returned, and what the closure saw."""
+    from dojo.todo import KataTodo
+
+    kata = load_kata(KATA)
+    model, plain = make_transformer(0), make_transformer(0)
+    sharded = kata.ShardedOptimizer(model.parameters(), RecordingAdamW, lr=LR, betas=BETAS)
+    other = torch.optim.AdamW(plain.parameters(), lr=LR, betas=BETAS)
+    tokens, targets = make_tokens(4, rank)
+    seen = []
+
+    def closure_of(net, optimizer, notes):
+        def closure():
+            optimizer.zero_grad()
+            value = transformer_loss(net(tokens), targets)
+            value.backward()
+            for param in net.parameters():
+                dist.all_reduce(param.grad)
+                param.grad /= world_size
+            notes.append(value.detach().clone())
+            return value
+
+        return closure
+
+    expected = other.step(closure_of(plain, other, []))
+    try:
+        returned = sharded.step(closure_of(model, sharded, seen))
+    except KataTodo:
+        raise
+    except RuntimeError as error:
+        if "does not require grad" not in str(error):
+            raise
+        return {"no_grad": str(error).splitlines()[0]}
+    names = _names(model)
+    return {
+        "no_grad": None,
+        "calls": len(seen),
+        "loss": seen[0] if seen else None,
+        "returned": returned.detach().clone() if isinstance(returned, torch.Tensor) else returned,
+        "expected_loss": expected.detach().clone(),
+        "params": {names[p]: p.detach().clone() for p in model.parameters()},
+        "expected": {n: p.detach().clone() for n, p in plain.named_parameters()},
+    }
+
+
+@pytest.mark.step(3)
+def test_step_with_a_closure_calls_it_and_returns_its_loss(kata):
+    results = run_world(_step_with_a_closure, 2, deadline=15)
+    where = "ShardedOptimizer.step(closure) (the closure: zero_grad, loss, backward, mean gradient)"
+    for rank, result in enumerate(results):
+        if result["no_grad"]:
+            raise AssertionError(
+                f"{where}: on rank {rank} the closure's backward() found no graph "
+                f"({result['no_grad']}): step() runs under torch.no_grad(), and the closure was "
+                "called inside it. Call it inside `with torch.enable_grad():`, as torch's "
+                "optimizers do"
+            )
+        if result["calls"] != 1:
+            raise AssertionError(
+                f"{where}: rank {rank}'s step called the closure {result['calls']} times: call it "
+                "once, first (it computes the gradients the step uses), and return its loss"
+            )
+        returned, loss_value = result["returned"], result["loss"]
+        if not (isinstance(returned, torch.Tensor) and torch.equal(returned, loss_value)):
+            raise AssertionError(
+                f"{where}: rank {rank}'s step called the closure, whose loss was "
+                f"{loss_value.item():.6g}, and returned {returned!r}: return the closure's loss, "
+                "as every torch.optim.Optimizer.step(closure) does (a training loop reads the "
+                "loss from it, and LBFGS-style loops need it)"
+            )
+    for rank, result in enumerate(results):
+        for name, expected in result["expected"].items():
+            assert torch.equal(result["params"][name], expected), (
+                f"{where}: after step(closure) rank {rank}'s {name} differs from unsharded "
+                "AdamW's step(closure): the closure computes the gradients, then the step is "
+                "the same as without one"
+            )
 
 
 # --------------------------------------------------------------------------- step 4: add_param_group

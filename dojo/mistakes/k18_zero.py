@@ -147,6 +147,26 @@ class ZeroGradOwnedOnly(_Reference):
         self.inner.zero_grad(set_to_none)  # "the inner optimizer has the parameters"
 
 
+class LrOnlyToTheInner(_Reference):
+    def _owned_part(self, group):
+        part = super()._owned_part(group)
+        return {"params": part["params"], "lr": group["lr"]}  # "lr is what a group changes"
+
+
+class EmptyDefaultsOuter(_Reference):
+    """Right: the outer Optimizer made with defaults={} (its groups hold only what they bring);
+    the inner one gets the keyword arguments, and step() passes on whatever the groups hold."""
+
+    def __init__(self, params, optimizer_cls, process_group=None, **defaults):
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.optimizer_cls = optimizer_cls
+        self.owners, self.loads, self.inner = {}, [0] * self.world_size, None
+        torch.optim.Optimizer.__init__(self, params, {})
+        self.inner = optimizer_cls([self._owned_part(g) for g in self.param_groups], **defaults)
+
+
 class ListedFirst(_Reference):
     """Right: the parameters into a list first (read once), groups made by hand."""
 
@@ -202,10 +222,53 @@ class BroadcastOnTheWorld(_Reference):
                 dist.broadcast(param, src=_global(self, param))  # no group=
 
 
+class OptionsNeverPassedOn(_Reference):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.inner.step()  # with the options it was built with, whatever a scheduler set since
+        _broadcast_all(self, _all(self), lambda p: _global(self, p))
+        return loss
+
+
+class LrOnlyPassedOn(_Reference):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner["lr"] = outer["lr"]  # "the scheduler changes the lr": the other options stay
+        self.inner.step()
+        _broadcast_all(self, _all(self), lambda p: _global(self, p))
+        return loss
+
+
+class ClosureLossLost(_Reference):
+    def step(self, closure=None):
+        super().step(closure)  # the closure runs, its loss is dropped
+
+
+class ClosureUnderNoGrad(_Reference):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None  # still inside no_grad: no graph
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self.inner.step()
+        _broadcast_all(self, _all(self), lambda p: _global(self, p))
+        return loss
+
+
 class ByOwnerThenOrder(_Reference):
     """Right: rank 0's parameters first, then rank 1's...: an order every rank computes alike."""
 
     def step(self, closure=None):
+        loss = closure() if closure is not None else None  # grad is on here: no decorator
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         self.inner.step()
@@ -213,6 +276,7 @@ class ByOwnerThenOrder(_Reference):
         with torch.no_grad():
             for param in order:
                 dist.broadcast(param.data, src=_global(self, param), group=self.process_group)
+        return loss
 
 
 # --------------------------------------------------------------------------- add_param_group
@@ -242,18 +306,24 @@ class AddedGroupNotSharded(_Reference):
 
 _ASSIGN = "test_assign_owners_gives_the_largest_first_to_the_least_loaded"
 _OWNERS = "test_every_parameter_has_one_owner_and_the_inner_optimizer_only_its_own"
+_CHANGED = "test_options_changed_after_construction_reach_the_inner_optimizer"
+_CLOSURE = "test_step_with_a_closure_calls_it_and_returns_its_loss"
 
 MISTAKES = [
     Mistake(
         "round_robin",
         replaces="assign_owners",
-        fails=[f"{_ASSIGN}[alternating]", "test_state_bytes_per_rank_are_about_one_nth"],
+        fails=[
+            f"{_ASSIGN}[lesson]",
+            f"{_ASSIGN}[alternating]",
+            "test_state_bytes_per_rank_are_about_one_nth",
+        ],
         says=["round robin"],
     ),
     Mistake(
         "in_the_order_given",
         replaces="assign_owners",
-        fails=[f"{_ASSIGN}[three-ranks]"],
+        fails=[f"{_ASSIGN}[alternating]", f"{_ASSIGN}[three-ranks]"],
         says=["take the largest first"],
     ),
     Mistake(
@@ -293,7 +363,7 @@ MISTAKES = [
             "test_groups_keep_their_own_options",
             "test_groups_with_their_own_lr_train_as_unsharded",
         ],
-        says=["lr"],
+        says=["one group per group of self.param_groups"],
     ),
     Mistake(
         "GeneratorReadTwice",
@@ -338,6 +408,36 @@ MISTAKES = [
         says=["on the optimizer's process group"],
     ),
     Mistake(
+        "LrOnlyToTheInner",
+        replaces="ShardedOptimizer",
+        fails=["test_groups_keep_their_own_options"],
+        says=["group 0 has weight_decay=0.01", "every option of its group"],
+    ),
+    Mistake(
+        "OptionsNeverPassedOn",
+        replaces="ShardedOptimizer",
+        fails=[_CHANGED],
+        says=["stepped its group 0 with lr=", "pass every option of each of self.param_groups"],
+    ),
+    Mistake(
+        "LrOnlyPassedOn",
+        replaces="ShardedOptimizer",
+        fails=[f"{_CHANGED}[assignment]"],
+        says=["group 1 with weight_decay=0.0", "pass every option of each of self.param_groups"],
+    ),
+    Mistake(
+        "ClosureLossLost",
+        replaces="ShardedOptimizer",
+        fails=[_CLOSURE],
+        says=["returned None", "return the closure's loss"],
+    ),
+    Mistake(
+        "ClosureUnderNoGrad",
+        replaces="ShardedOptimizer",
+        fails=[_CLOSURE],
+        says=["found no graph", "torch.enable_grad()"],
+    ),
+    Mistake(
         "RebuiltOnAdd",
         replaces="ShardedOptimizer",
         fails=["test_add_param_group_after_construction"],
@@ -354,5 +454,6 @@ MISTAKES = [
 RIGHT_ANSWERS = [
     RightAnswer("heap_of_loads", replaces="assign_owners"),
     RightAnswer("ListedFirst", replaces="ShardedOptimizer", steps=(2, 3, 4)),
+    RightAnswer("EmptyDefaultsOuter", replaces="ShardedOptimizer", steps=(2, 3, 4)),
     RightAnswer("ByOwnerThenOrder", replaces="ShardedOptimizer", steps=(3,)),
 ]

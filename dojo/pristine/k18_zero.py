@@ -59,7 +59,9 @@ WHAT THE TESTS CHECK
     steps on TinyTransformer bitwise equal to unsharded AdamW and to torch's
     ``ZeroRedundancyOptimizer`` on every rank; recorded broadcasts: one per parameter per step,
     from its owner, in the same order on every rank; a generator of parameters; groups with
-    their own lr; ``add_param_group`` after construction; ``zero_grad``; and the program.
+    options of their own; options changed after construction (``param_groups[0]["lr"] = ...``,
+    an LR scheduler) reaching the inner optimizer's step; ``step(closure)`` returning the
+    closure's loss; ``add_param_group`` after construction; ``zero_grad``; and the program.
 
 RUN IT
     python -m katas.k18_zero --world-size 2 --steps 3
@@ -124,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # add_param_group (written) shards a group itself only once self.inner is set. The tests
         # record optimizer_cls's arguments, check every parameter is in exactly one rank's inner
         # optimizer, the same on every rank, balanced by size, with the RNGs untouched, on 2 and 3
-        # ranks, for a generator and for two groups with their own lr.
+        # ranks, for a generator and for two groups with options of their own (lr, weight_decay).
         raise KataTodo("k18", 2, "__init__: an Optimizer, owners, the inner optimizer")
 
     def _owned_part(self, group: dict) -> dict:
@@ -162,7 +164,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The tests record every call of step(): exactly one broadcast per parameter, from its
         # owner, the same sequence on every rank, and compare 3 AdamW steps bitwise with unsharded
         # AdamW and torch's ZeroRedundancyOptimizer, on 2 and 3 ranks and in the subgroups [0, 2]
-        # and [1, 3] of a world of 4.
+        # and [1, 3] of a world of 4; then they change lr and weight_decay after a step (by hand,
+        # and with an LR scheduler), read the options every inner step ran with, and check that
+        # step(closure) returns the closure's loss.
         raise KataTodo(
             "k18", 3, "step: update what you own, broadcast every parameter from its owner"
         )
