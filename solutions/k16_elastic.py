@@ -57,8 +57,9 @@ STEPS
 WHAT THE TESTS CHECK
     On 4 ranks laid out as 2 nodes x 2, only global rank 0 writes (every ``torch.save`` is
     recorded), to another file in the same folder that then becomes the snapshot (the same
-    inode: renamed, not copied), leaving no temporary file behind; a write that dies halfway
-    leaves the previous snapshot whole and loadable. Every rank loads the snapshot (Adam's
+    inode: renamed, not copied), leaving no temporary file behind and a snapshot at the path
+    at every moment (every remove and rename is watched); a write that dies halfway leaves the
+    previous snapshot whole and loadable. Every rank loads the snapshot (Adam's
     moments included, ``map_location`` recorded), a first start finds none and gets 0, and a file that
     is not a snapshot is refused. In the harness, a rank killed mid-epoch and a new world
     started after it end with exactly the weights and optimizer state of a run that was never

@@ -57,8 +57,9 @@ STEPS
 WHAT THE TESTS CHECK
     On 4 ranks laid out as 2 nodes x 2, only global rank 0 writes (every ``torch.save`` is
     recorded), to another file in the same folder that then becomes the snapshot (the same
-    inode: renamed, not copied), leaving no temporary file behind; a write that dies halfway
-    leaves the previous snapshot whole and loadable. Every rank loads the snapshot (Adam's
+    inode: renamed, not copied), leaving no temporary file behind and a snapshot at the path
+    at every moment (every remove and rename is watched); a write that dies halfway leaves the
+    previous snapshot whole and loadable. Every rank loads the snapshot (Adam's
     moments included, ``map_location`` recorded), a first start finds none and gets 0, and a file that
     is not a snapshot is refused. In the harness, a rank killed mid-epoch and a new world
     started after it end with exactly the weights and optimizer state of a run that was never
@@ -120,8 +121,9 @@ def write_snapshot(path: str | os.PathLike, model: nn.Module, optimizer, epoch: 
     # no moment did path hold anything but the previous snapshot or this one, whole: a process
     # killed halfway through must not leave a torn file behind. Only global rank 0 writes. The
     # tests run 4 ranks laid out as 2 nodes x 2, record every torch.save (where, by whom),
-    # compare the inode of what it wrote with the snapshot's, look for leftovers, and kill a
-    # write halfway through.
+    # compare the inode of what it wrote with the snapshot's, look for leftovers, watch every
+    # os.remove/os.rename/os.replace for a moment without a snapshot, and kill a write halfway
+    # through.
     raise KataTodo("k16", 1, "write the snapshot atomically, from rank 0")
 
 
