@@ -793,6 +793,15 @@ def _halo_sends_problem(traces, world_size) -> str | None:
                     "left neighbour puts it at the end of its halo) and the last element goes right. "
                     "Are the two edges swapped?"
                 )
+            other = TAG_TO_RIGHT if tag == TAG_TO_LEFT else TAG_TO_LEFT
+            if note["tag"] == other and left == right:
+                return (
+                    f"rank {rank} sent its {edge} element with tag={note['tag']}"
+                    f"{_tag_name(note['tag'])}, as if it travelled {'right' if to == 'left' else 'left'}: "
+                    f"on a ring of two both neighbours are rank {peer}, so only the tag says which "
+                    "way a message goes. The first element goes left (TAG_TO_LEFT), the last goes "
+                    "right (TAG_TO_RIGHT). Are the two edges swapped?"
+                )
             if note["tag"] != tag:
                 return (
                     f"rank {rank} sent its {edge} element to its {to} neighbour with tag="
