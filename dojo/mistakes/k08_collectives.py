@@ -376,7 +376,7 @@ MISTAKES = [
     Mistake(
         "broadcast_from_own_rank",
         replaces="broadcast_from",
-        fails=["test_broadcast_and_reduce[3]"],
+        fails=["test_broadcast_and_reduce[2]", "test_broadcast_and_reduce[3]"],
         says=["rank 1 called dist.broadcast(src=1) while rank 0 used src=0", "not its own rank"],
     ),
     Mistake(
@@ -400,9 +400,9 @@ MISTAKES = [
     Mistake(
         "reduce_always_to_rank_0",
         replaces="reduce_to",
-        fails=["test_broadcast_and_reduce[3]"],
+        fails=["test_broadcast_and_reduce"],  # every world: its dst is never 0
         says=[
-            "inside reduce_to(tensor, dst=2)",
+            "inside reduce_to(tensor, dst=",
             "called dist.reduce(dst=0): pass dst on unchanged",
         ],
     ),
@@ -439,8 +439,8 @@ MISTAKES = [
     Mistake(
         "scatter_list_on_every_rank",
         replaces="scatter_rows",
-        fails=["test_scatter_and_gather[3]"],
-        says=["passed a scatter_list of 3 tensors, but it is not src", "scatter_list=None"],
+        fails=["test_scatter_and_gather"],  # every world: a list of world_size tensors
+        says=["tensors, but it is not src", "scatter_list=None"],
     ),
     Mistake(
         "scatter_without_checking",
@@ -517,8 +517,8 @@ MISTAKES = [
     Mistake(
         "barrier_only_on_rank_0",
         replaces="prepare_once",
-        fails=["test_prepare_once_waits_at_a_barrier[3]"],
-        says=["only rank 0 called dist.barrier; ranks 1, 2 never did", "called by every rank"],
+        fails=["test_prepare_once_waits_at_a_barrier"],  # every world: rank 0 waits alone
+        says=["only rank 0 called dist.barrier;", "called by every rank"],
     ),
     Mistake(
         "everyone_prepares",
@@ -541,7 +541,10 @@ MISTAKES = [
     Mistake(
         "parity_own_group_only",
         replaces="parity_sums",
-        fails=["test_subgroups_touch_only_their_members[4]"],
+        fails=[
+            "test_subgroups_touch_only_their_members[2]",
+            "test_subgroups_touch_only_their_members[4]",
+        ],
         says=["dist.new_group is a collective of the whole world", "members or not"],
     ),
     Mistake(
