@@ -59,7 +59,8 @@ WHAT THE TESTS CHECK
     partial, unsorted, nested, touching, several overlapping all-reduces, several backward
     pieces) and against counting on a grid; bad intervals raise ValueError. ``watch_all_reduces``
     on 2 ranks: a blocking all-reduce's call and return, its result and op untouched; an async
-    one whose peer comes 0.3 s late completes after the peer arrived; one that finished before
+    one whose peer comes 0.3 s late returns at once (the watch must not wait for it) and
+    completes after the peer arrived; one that finished before
     ``wait()`` was called completed before ``is_completed()`` said so; ``dist.all_reduce`` comes
     back after the block, also after an error. ``record_step`` on 2 ranks with the TinyTransformer:
     k04's average after backward hides exactly nothing; your k12 and k13 record one all-reduce

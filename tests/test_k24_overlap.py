@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 import re
+import threading
 import time
 from fractions import Fraction
 
@@ -22,15 +24,57 @@ KATA = "k24_overlap"
 PER_RANK = 4  # sequences per rank
 LATE = 0.3  # seconds rank 1 waits before it joins rank 0's all-reduce
 SPLIT_MB = 0.01  # k13's cap for the tests: several buckets of the TinyTransformer
+LIMIT_S = 10.0  # merge_intervals and overlap_fraction on a few intervals take microseconds
+
+
+class _StillRunning(BaseException):
+    """Raised inside a call that ran past its limit, to stop it (see ``_returns``)."""
+
+
+class _DidNotReturn(AssertionError):
+    """A call that needs nothing outside itself ran past its short limit."""
+
+
+def _returns(what: str, function, *args, limit: float = LIMIT_S):
+    """``function(*args)``, given a short limit of its own: it needs no other rank and no I/O,
+    so one that has not returned by then never will. The AssertionError names the call instead
+    of a harness timeout minutes later; the call is stopped (an exception raised inside it)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = function(*args)
+        except BaseException as error:  # carried to the caller as it was
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(_StillRunning)
+        )
+        raise _DidNotReturn(
+            f"{what} did not return within {limit:g} s: it waits for no other rank and reads "
+            "nothing, so it is going round a loop for ever. Does every turn of the loop change "
+            "what its condition tests (an index that moves on, a rank that makes progress)?"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _call(function, *args):
     try:
-        return function(*args), None
-    except KataTodo:
+        return _returns(f"{function.__name__}{_args(args)}", function, *args), None
+    except (KataTodo, _DidNotReturn):
         raise
     except Exception as error:
         return None, error
+
+
+def _args(args) -> str:
+    return "(" + ", ".join(_shown(a) if isinstance(a, list) else repr(a) for a in args) + ")"
 
 
 def _shown(intervals) -> str:
@@ -132,7 +176,7 @@ def test_merge_intervals_against_a_grid(kata):
         for _ in range(generator.randint(1, 8)):
             start = generator.randint(0, 40)
             given.append((start, start + generator.randint(1, 10)))
-        got = [tuple(p) for p in kata.merge_intervals(given)]
+        got = [tuple(p) for p in _returns(f"merge_intervals({given})", kata.merge_intervals, given)]
         assert _cells(got) == _cells(given), (
             f"merge_intervals({given}) returned {got}, which does not cover the same time: "
             "every moment inside some interval must be inside the union, and nothing else"
@@ -224,6 +268,46 @@ FRACTIONS = [
 ]
 
 
+def _union(intervals) -> list:
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _fraction_mistake(backward, comms, got) -> str:
+    """Which likely mistake returns ``got`` here (compared with what each would return)."""
+    busy, computing = _union(comms), _union(backward)
+    total = sum(e - s for s, e in busy)
+    spent = sum(f - b for b, f in computing)
+
+    def hidden(clip):
+        return sum(clip(s, e, b, f) for s, e in busy for b, f in computing)
+
+    both = hidden(lambda s, e, b, f: max(0, min(e, f) - max(s, b)))
+    end_only = hidden(lambda s, e, b, f: max(0, min(e, f) - s))
+    if got < 0:
+        return (
+            ". A fraction of time is never negative: an interval's hidden time is "
+            "max(0, min(ends) - max(starts)), so communication outside backward adds 0"
+        )
+    if spent and got == pytest.approx(both / spent) and both / spent != both / total:
+        return (
+            f". {got!r} is the hidden time over the backward's time ({both:g} / {spent:g}): "
+            "Divide the hidden time by the communication's time"
+        )
+    if total and got == pytest.approx(end_only / total) and end_only != both:
+        return (
+            ". That is what clipping the communication at backward's end only gives: clip "
+            "each communication interval at both ends of backward (max of the starts, min of "
+            "the ends)"
+        )
+    return ""
+
+
 @pytest.mark.step(2)
 @pytest.mark.parametrize(
     "backward, comms, expected, why", [f[1:] for f in FRACTIONS], ids=[f[0] for f in FRACTIONS]
@@ -234,7 +318,10 @@ def test_overlap_fraction_hand_made(kata, backward, comms, expected, why):
     assert error is None, f"{call} raised {error!r}: {why}"
     # Exact: the hand-made times are whole numbers, so the hidden and total times are exact and
     # one division rounds the same way in any correct implementation.
-    assert got == expected, f"{call} returned {got!r}, expected {expected!r}: {why}"
+    assert got == expected, (
+        f"{call} returned {got!r}, expected {expected!r}: {why}"
+        + _fraction_mistake(backward, comms, got)
+    )
 
 
 def _grid_fraction(backward, comms) -> Fraction:
@@ -256,7 +343,9 @@ def test_overlap_fraction_against_a_grid(kata):
     for _ in range(200):
         backward, comms = intervals(generator.randint(0, 3)), intervals(generator.randint(1, 6))
         expected = _grid_fraction(backward, comms)
-        got = kata.overlap_fraction(backward, comms)
+        got = _returns(
+            f"overlap_fraction({backward}, {comms})", kata.overlap_fraction, backward, comms
+        )
         # Whole-number times: exact sums, one rounding in the division (hence the tolerance).
         assert got == pytest.approx(float(expected), rel=1e-12, abs=1e-15), (
             f"overlap_fraction(backward={backward}, communication={comms}) returned {got}, "
@@ -594,6 +683,13 @@ def _timeline(got) -> str:
 
 
 def _check_counts(rank, way, got, what):
+    if way.startswith("k04") and not got["called"] and got["expected"]:
+        raise AssertionError(
+            f"rank {rank}, {way}: no all-reduce was called during record_step, though "
+            f"{got['expected']} were expected ({what}): record_step must call synchronize() "
+            "after loss.backward() (here k04's average_gradients, which all-reduces every "
+            f"gradient). What happened:\n{_timeline(got)}"
+        )
     if got["called"] and not got["comms"]:
         raise AssertionError(
             f"rank {rank}, {way}: record_step recorded no all-reduce, yet {got['called']} were "
@@ -644,8 +740,10 @@ def test_hooks_launch_the_first_all_reduce_before_backward_returns(kata, way, wh
             f"What happened:\n{_timeline(got)}"
         )
         assert all(completed is not None for _, completed in got["comms"]), (
-            f"rank {rank}, {way}: some all-reduces have no completion time after synchronize() "
-            "returned"
+            f"rank {rank}, {way}: some all-reduces had not completed when record_step returned: "
+            "record_step must call synchronize() after loss.backward() (it waits for every "
+            "all-reduce the hooks launched), and return after it. What happened:\n"
+            f"{_timeline(got)}"
         )
         fraction = _fraction(got["backward"], got["comms"])
         assert fraction > 0.0, f"rank {rank}, {way}: overlap fraction {fraction}, expected > 0"
