@@ -44,9 +44,10 @@ STEPS
        unsort, gate; and the tokens per expert, kept for the report.
 
 WHAT THE TESTS CHECK
-    ``route`` on logits where the dimension, the gate, a tie and an empty expert matter; by
-    recording every rank's calls, that the counts are exchanged with one all_to_all_single
-    before the tokens move; ``AllToAll`` with uneven and empty splits, forward and backward,
+    ``route`` on logits where the dimension, the gate, a tie and an empty expert matter;
+    ``exchange_counts`` on 2 and 4 ranks and inside a subgroup (a collective off the group is
+    stopped and named); by recording every rank's calls, that the counts are exchanged with one
+    all_to_all_single before the tokens move; ``AllToAll`` with uneven and empty splits, forward and backward,
     against torch's own; on 2 and 4 ranks, that the layer's outputs and the gradients of its
     input, router and experts equal one process running every expert (``LocalMoE``, the same
     weights), and inside a subgroup; an expert that gets no token; the tokens per expert; and the
