@@ -79,8 +79,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def _is_deadlock(error: BaseException) -> bool:
-    """The harness's deadlock report, or a program under test that hung (dojo.testing's)."""
-    return type(error).__name__ == "WorldDeadlock" or "hung: its ranks stopped making" in str(error)
+    """The harness's deadlock report: raised as it is, quoted by a spec's own message (which
+    says what hung), or a program under test that hung (dojo.testing's)."""
+    seen: BaseException | None = error
+    for _ in range(10):  # an exception's chain of causes, not for ever
+        if seen is None:
+            break
+        if type(seen).__name__ == "WorldDeadlock" or "deadlock: rank(s)" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
