@@ -232,6 +232,30 @@ def _check_said(rank: int, result: dict, joined: int, world_size: int) -> None:
 
 
 @pytest.mark.step(2)
+def test_wait_for_world_returns_once_every_rank_has_joined(kata):
+    """Checked first: a wait that never returns (or waits out the timeout) is named here."""
+    results = with_free_port(
+        lambda port: run_world(
+            _right_size_join, 3, port, init_group=False, deadline=DEADLINE_S, straggler=15
+        )
+    )
+    last_joined = max(r["started"] for r in results)
+    for rank, result in enumerate(results):
+        assert result["how"] == "returned", (
+            f"rank {rank} of a world of 3 in which all 3 ranks joined ended with "
+            f"{result['how']} {result['message']!r}: wait_for_world must return once world_size "
+            "ranks have counted themselves in. Re-read the count (store.add(key, 0)) while you "
+            "wait: the total you got when you counted yourself in does not grow by itself."
+        )
+        waited = result["started"] + result["seconds"] - last_joined
+        assert waited < 4.0, (
+            f"rank {rank} returned {waited:.1f} s after the last rank had joined, with "
+            "join_timeout_s=8: return as soon as the count reaches world_size (poll it), "
+            "not after the join timeout"
+        )
+
+
+@pytest.mark.step(2)
 def test_wait_for_world_gives_up_when_too_few_join(kata):
     """World size 4 but 2 ranks: both give up within seconds, rank 0 last, saying 2 of 4."""
     results = with_free_port(
@@ -305,29 +329,6 @@ def _right_size_join(rank, world_size, port):
         while store.add("test/done", 0) < world_size and time.monotonic() < end:
             time.sleep(0.05)
     return result
-
-
-@pytest.mark.step(2)
-def test_wait_for_world_returns_once_every_rank_has_joined(kata):
-    results = with_free_port(
-        lambda port: run_world(
-            _right_size_join, 3, port, init_group=False, deadline=DEADLINE_S, straggler=15
-        )
-    )
-    last_joined = max(r["started"] for r in results)
-    for rank, result in enumerate(results):
-        assert result["how"] == "returned", (
-            f"rank {rank} of a world of 3 in which all 3 ranks joined ended with "
-            f"{result['how']} {result['message']!r}: wait_for_world must return once world_size "
-            "ranks have counted themselves in. Re-read the count (store.add(key, 0)) while you "
-            "wait: the total you got when you counted yourself in does not grow by itself."
-        )
-        waited = result["started"] + result["seconds"] - last_joined
-        assert waited < 4.0, (
-            f"rank {rank} returned {waited:.1f} s after the last rank had joined, with "
-            "join_timeout_s=8: return as soon as the count reaches world_size (poll it), "
-            "not after the join timeout"
-        )
 
 
 # --------------------------------------------------------------------------- step 3: join_world

@@ -395,13 +395,19 @@ MISTAKES = [
     Mistake(
         "every_rank_opens_the_store",
         replaces="join_world",
-        fails=["test_the_right_world_size_still_forms"],
+        fails=[
+            "test_too_many_processes_the_tutorials_failure",
+            "test_the_right_world_size_still_forms",
+        ],
         says=["did not join it", "only rank 0 opens the store (is_master=(rank == 0))"],
     ),
     Mistake(
         "init_without_the_store",
         replaces="join_world",
-        fails=["test_the_right_world_size_still_forms"],
+        fails=[
+            "test_too_many_processes_the_tutorials_failure",
+            "test_the_right_world_size_still_forms",
+        ],
         says=["did not join it", "init_process_group must reuse it (store=store)"],
     ),
     Mistake(
