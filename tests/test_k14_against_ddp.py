@@ -200,6 +200,21 @@ def test_torch_ddp_on_a_subgroup(kata):
 # --------------------------------------------------------------------------- step 2: train
 
 
+def _bucket_count(model, cap) -> int:
+    """How many buckets k13's rule makes of ``model``'s trainable parameters (reverse order, a
+    bucket closes before a tensor would push it over the cap in MiB; None: one bucket): counted
+    here, never read from the wrapper, whose layout is the learner's own."""
+    count, size = 0, 0
+    for param in reversed([p for p in model.parameters() if p.requires_grad]):
+        nbytes = param.numel() * param.element_size()
+        if count and cap is not None and size + nbytes > cap * MIB:
+            count, size = count + 1, 0
+        elif not count:
+            count = 1
+        size += nbytes
+    return count
+
+
 def _train(rank, world_size, name, cap, steps, micro_batches):
     """Both wrappers through kata.train on the same data; ours' collectives recorded."""
     from torch.nn.parallel import DistributedDataParallel
@@ -223,7 +238,7 @@ def _train(rank, world_size, name, cap, steps, micro_batches):
             else [type(x).__name__ for x in losses],
             "loss_type": type(losses).__name__,
             "calls": len(calls),
-            "buckets": len(wrapper.buckets) if which == "ours" else None,
+            "buckets": _bucket_count(model, cap) if which == "ours" else None,
         }
     return out
 

@@ -580,7 +580,7 @@ MISTAKES = [
     Mistake(
         "every_micro_batch_synced",
         replaces="train",
-        fails=[f"{_TRAIN}[4]"],
+        fails=[f"{_TRAIN}[2]", f"{_TRAIN}[4]"],
         says=["the micro-batches synchronised", "inside wrapper.no_sync()"],
     ),
     Mistake(
@@ -622,13 +622,13 @@ MISTAKES = [
     Mistake(
         "torch_without_momentum",
         replaces="against_torch_ddp",
-        fails=[f"{_AGAINST}[buffer]"],
+        fails=[_AGAINST],
         says=["torch's DDP differ(s) from one process", "the same optimizer"],
     ),
     Mistake(
         "seeded_once_built_twice",
         replaces="against_torch_ddp",
-        fails=[f"{_AGAINST}[tied]"],
+        fails=[_AGAINST],
         says=["torch's DDP differ(s) from one process", "the same model"],
     ),
     Mistake(
@@ -694,7 +694,7 @@ MISTAKES = [
     Mistake(
         "MomentumBackwards",
         replaces="SyncBatchNorm2d",
-        fails=[f"{_BN}[3]"],
+        fails=[f"{_BN}[2]", f"{_BN}[3]"],
         says=["running_mean", "running = (1 - momentum) * running + momentum"],
     ),
     Mistake(
