@@ -36,6 +36,27 @@ THE IDEA
     element apart (10 elements on 4 ranks: 3, 3, 2, 2); one shorter than N has empty chunks,
     which nobody sends.
 
+    Pipelining (what gloo and NCCL do, and the reference; your ring need not). In one step as
+    above a rank waits for the whole chunk, then adds it, then sends it on: nothing travels
+    while it adds, and it adds nothing while the chunk travels. Cut each chunk into slices
+    (``_slicing``: ``SLICE_BYTES`` each) and post the recv of the next slice before adding this
+    one: gloo's own thread receives slice j+1 while the rank adds slice j, and each slice
+    travels on as soon as it is summed. The all-gather posts every recv at once, straight into
+    place, and passes each slice on the moment it arrives.
+
+        whole chunks:  recv chunk ......... | add ..... | send it on (next step) ...
+        in slices:     recv s0 | recv s1 | recv s2 | recv s3
+                                 add s0  | add s1  | add s2  | add s3
+                                           send s0 | send s1 | send s2 | send s3
+
+    Each element is added in the same order as before (the same bits); only the timing
+    changes. The overlap needs a core to spare: over loopback a message is copied by the CPU
+    too, so with 4 ranks on a 2-core laptop every core is busy already (the benchmark's CPU
+    column shows more CPU seconds than wall seconds) and slices gain little there. With a core
+    per rank, or a real network, the wire and the adds run at once: that is why gloo and NCCL
+    slice (``python -m benchmarks.allreduce --impl solutions``; ``dojo solution k09`` shows the
+    code once you have passed).
+
     Sending without deadlock (k07): every rank sends and receives at once, so post the send
     without waiting, then receive, then wait for the send:
 
@@ -59,8 +80,8 @@ STEPS
 
 WHAT THE TESTS CHECK
     The chunk arithmetic; that both rings equal ``dist.all_reduce`` (exactly for integers,
-    closely for floats) on 1 to 4 ranks, for lengths that do not divide by the world size and
-    lengths below it; that the optimal ring gives bitwise identical results on every rank and
+    closely for floats) on 1 to 4 ranks, for lengths that do not divide by the world size,
+    lengths below it and a gradient-sized one (600,001 elements); that the optimal ring gives bitwise identical results on every rank and
     the pass-along ring, as the lesson says, does not; how many elements each rank sends
     ((N-1) tensors, then 2(N-1)/N of one); that no collective is called; that the tensor
     passed in holds the sum (in place, like ``dist.all_reduce``).
@@ -71,10 +92,12 @@ RUN IT
     python -m dojo trace k09                # your ring as a timeline: traces/k09/*.png and .json
 
     The timeline draws one lane per rank and one bar per torch.distributed call, an arrow from
-    each send to its recv: the reduce-scatter's N-1 steps, then the all-gather's, each rank
-    sending to rank + 1, and the white gaps where a rank adds chunks or waits. The reference's
-    is docs/timelines/k09_ring_allreduce.png; open the .json in https://ui.perfetto.dev (or
-    chrome://tracing) to zoom into single calls and follow the arrows.
+    each send to its recv, and above the calls a strip per part of the program (the program
+    names them with torch.profiler.record_function): the pass-along ring, the reduce-scatter's
+    N-1 steps, the all-gather's, then dist.all_reduce. A thin bar after an isend or irecv is
+    the message still in flight, until its wait(); white gaps are where a rank adds chunks or
+    waits. The reference's is docs/timelines/k09_ring_allreduce.png; open the .json in
+    https://ui.perfetto.dev (or chrome://tracing) to zoom into single calls and follow arrows.
 """
 
 from __future__ import annotations
@@ -84,6 +107,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from dojo.console import run_program, say
 from dojo.devices import rank_device
@@ -110,6 +134,21 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError("the ring works in place on a contiguous tensor: pass tensor.contiguous()")
     return tensor.view(-1)
+
+
+# The pipelined ring's slices (see PIPELINING in the lesson): about this many bytes each.
+SLICE_BYTES = 1 << 20
+
+
+def _slicing(bounds: list[tuple[int, int]], element_size: int) -> list[list[tuple[int, int]]]:
+    """Each chunk's ``(start, stop)`` cut into the same number of slices of at most about
+    ``SLICE_BYTES``: every rank cuts every chunk alike, so each slice sent has its recv."""
+    longest = bounds[0][1] - bounds[0][0]
+    parts = max(1, -(-longest * element_size // SLICE_BYTES))
+    return [
+        [(start + a, start + b) for a, b in chunk_bounds(stop - start, parts)]
+        for start, stop in bounds
+    ]
 
 
 def _send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
@@ -190,20 +229,53 @@ def _demo(rank: int, world_size: int, length: int) -> dict:
     generator = torch.Generator().manual_seed(rank)
     mine = (torch.randn(length, generator=generator) * 10.0 ** (3 * (rank % 3))).to(device)
     say(rank, f"holds {length} numbers, the first {mine[0].item():.9g}")
+    # Each part is named (torch's record_function) for `dojo trace k09`'s timeline: a labelled
+    # strip above the calls it made. The ring runs as its two halves to show both.
     results = {}
-    for name, ring in (("pass-along", pass_along_allreduce), ("ring", ring_allreduce)):
-        with _count_sent_elements() as sent:
-            total = ring(mine.clone())
-        results[name] = total.cpu()
+    with _count_sent_elements() as sent, record_function("pass-along ring"):
+        results["pass-along"] = pass_along_allreduce(mine.clone()).cpu()
+    sent_by = {"pass-along": sent[0]}
+    ring = mine.clone()
+    with _count_sent_elements() as sent:
+        with record_function("ring: reduce-scatter"):
+            owned = ring_reduce_scatter(ring)
+        with record_function("ring: all-gather"):
+            results["ring"] = ring_all_gather(ring, owned).cpu()
+    sent_by["ring"] = sent[0]
+    for name, total in results.items():
         say(
             rank,
-            f"{name:>10}: first sum {total[0].item():.9g}, sent {sent[0]} elements "
-            f"= {sent[0] / length:.2f}x the tensor",
+            f"{name:>10}: first sum {total[0].item():.9g}, sent {sent_by[name]} elements "
+            f"= {sent_by[name] / length:.2f}x the tensor",
         )
     reference = mine.clone()
-    dist.all_reduce(reference)
+    with record_function("dist.all_reduce (the reference)"):
+        dist.all_reduce(reference)
     results["dist.all_reduce"] = reference.cpu()
     return results
+
+
+def _verdict(name: str, per_rank: list[dict]) -> str:
+    """Whether every rank holds the same bits, and how far each rank's sum is from its
+    dist.all_reduce's (the reference itself is compared with nothing)."""
+    sums = [results[name] for results in per_rank]
+    differing = sum(int((s != sums[0]).sum()) for s in sums[1:])
+    text = f"{name:>15}: every rank holds the same bits: " + (
+        "yes" if differing == 0 else f"NO ({differing} numbers differ from rank 0's)"
+    )
+    if name == "dist.all_reduce":
+        return text + " (the reference the rings are compared with)"
+    references = [results["dist.all_reduce"] for results in per_rank]
+    close = all(torch.allclose(s, r, rtol=1e-5, atol=1e-3) for s, r in zip(sums, references))
+    equal = sum(int((s == r).sum()) for s, r in zip(sums, references))
+    largest = max(
+        float((s - r).abs().max()) if s.numel() else 0.0 for s, r in zip(sums, references)
+    )
+    return (
+        text + f"; close to dist.all_reduce: {'yes' if close else 'NO'} ({equal} of "
+        f"{sum(s.numel() for s in sums)} numbers on all ranks bitwise equal to it, the largest "
+        f"difference {largest:.3g})"
+    )
 
 
 def main(argv=None) -> int:
@@ -215,16 +287,7 @@ def main(argv=None) -> int:
         _demo, args.world_size, args.length, backend=args.backend, device=args.device
     )
     for name in ("pass-along", "ring", "dist.all_reduce"):
-        sums = [results[name] for results in per_rank]
-        agree = all(torch.equal(s, sums[0]) for s in sums)
-        close = torch.allclose(sums[0], per_rank[0]["dist.all_reduce"], rtol=1e-5, atol=1e-3)
-        differing = sum(int((s != sums[0]).sum()) for s in sums[1:])
-        say(
-            None,
-            f"{name:>15}: every rank holds the same bits: {'yes' if agree else 'NO'}"
-            + ("" if agree else f" ({differing} numbers differ from rank 0's)")
-            + f"; close to dist.all_reduce: {'yes' if close else 'NO'}",
-        )
+        say(None, _verdict(name, per_rank))
     return 0
 
 

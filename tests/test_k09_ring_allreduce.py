@@ -402,7 +402,9 @@ def _run_cases(rank, world_size, function_name, cases, trace_dir):
 
 def _cases():
     cases = [(n, dtype, None) for n in LENGTHS for dtype in ("int64", "float32", "mixed")]
-    return cases + [(21, "int64", (3, 7))]
+    # A gradient-sized tensor too (4.8 MB): a ring that cuts chunks into slices (the lesson's
+    # pipelining) must sum these the same, every slice sent and received.
+    return cases + [(21, "int64", (3, 7)), (600_001, "int64", None)]
 
 
 def world_outcomes(function_name, world_size):
@@ -779,7 +781,19 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
             if torch.equal(got, expected):
                 continue
             counts = counts_of(got, start, n)
-            if counts is not None and sum(counts) == 1 and counts[rank] == 1:
+            expected_sends = [
+                c for c in ((rank - s) % n for s in range(n - 1)) if bounds[c][1] > bounds[c][0]
+            ]
+            backwards = [
+                c for c in ((rank + s) % n for s in range(n - 1)) if bounds[c][1] > bounds[c][0]
+            ]
+            if sent_chunks(outcome["seen"]) == backwards != expected_sends:
+                likely = (
+                    "the chunks went round the wrong way: in step s send (rank - s) % N, the "
+                    "chunk you added into in step s - 1 (it then moves on to the right), not "
+                    "(rank + s) % N"
+                )
+            elif counts is not None and sum(counts) == 1 and counts[rank] == 1:
                 likely = (
                     "no addend ever arrived into this chunk: the chunk index must move with the "
                     "step. In step s send chunk (rank - s) % N and add the arriving chunk "
@@ -797,9 +811,6 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
                     "the chunk you send in each step must be the one you just added into: send "
                     "(rank - s) % N, receive and add (rank - s - 1) % N"
                 )
-            expected_sends = [
-                c for c in ((rank - s) % n for s in range(n - 1)) if bounds[c][1] > bounds[c][0]
-            ]
             raise AssertionError(
                 f"with {length} integers on {n} ranks, after the reduce-scatter's {n - 1} steps "
                 f"rank {rank} should own chunk {owned} ({_span(bounds, owned)}) summed over all "

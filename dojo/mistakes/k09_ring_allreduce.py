@@ -437,7 +437,7 @@ MISTAKES = [
     Mistake(
         "isend_never_waited",
         replaces="_send_right_receive_left",
-        fails=["test_pass_along_equals_all_reduce[3]"],
+        fails=["test_pass_along_equals_all_reduce[2]", "test_pass_along_equals_all_reduce[3]"],
         says=["never waited on", "call request.wait()"],
     ),
     Mistake(
@@ -449,13 +449,13 @@ MISTAKES = [
     Mistake(
         "pass_along_keeps_sending_own",
         replaces="pass_along_allreduce",
-        fails=["test_pass_along_equals_all_reduce[4]"],
-        says=["3 x rank 3's values", "not your own tensor again"],
+        fails=["test_pass_along_equals_all_reduce[3]", "test_pass_along_equals_all_reduce[4]"],
+        says=[" x rank ", "a tensor was added more than once", "not your own tensor again"],
     ),
     Mistake(
         "pass_along_forgets_own",
         replaces="pass_along_allreduce",
-        fails=["test_pass_along_equals_all_reduce[4]"],
+        fails=["test_pass_along_equals_all_reduce[1]", "test_pass_along_equals_all_reduce[4]"],
         says=["every other rank's tensor but not its own", "start the sum from your own tensor"],
     ),
     Mistake(
@@ -473,35 +473,40 @@ MISTAKES = [
     Mistake(
         "reduce_scatter_index_fixed",
         replaces="ring_reduce_scatter",
-        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank[4]"],
+        fails=[
+            "test_reduce_scatter_leaves_one_summed_chunk_per_rank[3]",
+            "test_reduce_scatter_leaves_one_summed_chunk_per_rank[4]",
+        ],
         says=[
             "rank 0 should own chunk 1",
             "rank 0's value only",
             "the chunk index must move with the step",
-            "in step 1 it sent chunk 0, expected chunk 3",
+            "in step 1 it sent chunk 0, expected chunk",
         ],
     ),
     Mistake(
         "reduce_scatter_index_wrong_way",
         replaces="ring_reduce_scatter",
-        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank[4]"],
-        says=["a partial sum of 2 of the 4 ranks", "in step 1 it sent chunk 1, expected chunk 3"],
+        fails=[  # on 2 ranks there is one step: either way is right
+            "test_reduce_scatter_leaves_one_summed_chunk_per_rank[3]",
+            "test_reduce_scatter_leaves_one_summed_chunk_per_rank[4]",
+        ],
+        says=["the chunks went round the wrong way", "in step 1 it sent chunk 1, expected chunk"],
     ),
     Mistake(
         "reduce_scatter_stores",
         replaces="ring_reduce_scatter",
-        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank[3]"],
+        fails=[
+            "test_reduce_scatter_leaves_one_summed_chunk_per_rank[2]",
+            "test_reduce_scatter_leaves_one_summed_chunk_per_rank[3]",
+        ],
         says=["holds rank 1's value only", "stored instead of added"],
     ),
     Mistake(
         "reduce_scatter_returns_rank",
         replaces="ring_reduce_scatter",
-        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank[4]"],
-        says=[
-            "returned the chunk indices [0, 1, 2, 3]",
-            "expected [1, 2, 3, 0]",
-            "rank r owns chunk (r + 1) % N",
-        ],
+        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank"],  # on every world
+        says=["returned the chunk indices [0, 1", "rank r owns chunk (r + 1) % N"],
     ),
     Mistake(
         "reduce_scatter_all_reduces_chunks",
@@ -512,29 +517,38 @@ MISTAKES = [
     Mistake(
         "all_gather_adds",
         replaces="ring_all_gather",
-        fails=["test_all_gather_copies_every_owned_chunk_everywhere[3]"],
+        fails=[
+            "test_all_gather_copies_every_owned_chunk_everywhere[2]",
+            "test_all_gather_copies_every_owned_chunk_everywhere[3]",
+        ],
         says=["the arriving chunk was added", "store it"],
     ),
     Mistake(
         "all_gather_adds_in_the_whole_ring",
         replaces="ring_all_gather",
-        fails=["test_ring_allreduce_equals_all_reduce[4]"],
-        says=[
-            "2 x rank 0's",
-            "added more than once",
-            "The all-gather must store each arriving chunk",
+        # the all-gather's own test names it first; the whole ring's says it too
+        fails=[
+            "test_all_gather_copies_every_owned_chunk_everywhere[2]",
+            "test_ring_allreduce_equals_all_reduce[4]",
         ],
+        says=["added", "all-gather", "store"],
     ),
     Mistake(
         "all_gather_wrong_way",
         replaces="ring_all_gather",
-        fails=["test_all_gather_copies_every_owned_chunk_everywhere[4]"],
+        fails=[
+            "test_all_gather_copies_every_owned_chunk_everywhere[3]",
+            "test_all_gather_copies_every_owned_chunk_everywhere[4]",
+        ],
         says=["passed on a chunk it had not received yet", "in step 1 it sent chunk"],
     ),
     Mistake(
         "all_gather_assumes_owner",
         replaces="ring_all_gather",
-        fails=["test_all_gather_copies_every_owned_chunk_everywhere[3]"],
+        fails=[
+            "test_all_gather_copies_every_owned_chunk_everywhere[2]",
+            "test_all_gather_copies_every_owned_chunk_everywhere[3]",
+        ],
         says=["rank 0 was told it owns chunk 0", "use `owned` rather than assuming"],
     ),
     Mistake(
