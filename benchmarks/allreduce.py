@@ -7,8 +7,10 @@
 For each size (float32 tensors, 4 KB to 64 MB by default) both all-reduces run on the same world
 (gloo on CPU unless --backend/--device say otherwise), alternating, so a busy machine slows both
 alike. Each timing is the slowest rank's time between two barriers; the table shows the median
-over the repetitions, the algorithm bandwidth (size / time, as nccl-tests report it) and
-``library time / ring time`` (above 1: the ring is faster). The ring's sum is checked against the
+over the repetitions (the "runs" column says how many), the algorithm bandwidth (size / time, as
+nccl-tests report it), ``library time / ring time`` (above 1: the ring is faster) and the CPU time
+of one all-reduce, every rank's process together (gloo's threads included): where the ranks
+outnumber the cores, that, not the wire, sets the time. The ring's sum is checked against the
 library's at every size; a wrong sum fails the run.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -61,9 +64,15 @@ def repetitions(nbytes: int, at_least: int) -> int:
     return max(at_least, min(100, (8 << 20) // nbytes))
 
 
-def _timed(op, buffer: torch.Tensor, original: torch.Tensor) -> float:
+def _timed(op, buffer: torch.Tensor, original: torch.Tensor) -> tuple[float, float]:
+    """(seconds on the slowest rank, CPU seconds of every rank's process together, gloo's own
+    threads included): where a ring spends its time when the cores, not the wire, are short."""
     buffer.copy_(original)  # a fresh input each time: repeated sums would overflow
-    return timed(op, buffer)
+    cpu = time.process_time()
+    seconds = timed(op, buffer)
+    used = torch.tensor([time.process_time() - cpu], dtype=torch.float64, device=rank_device())
+    dist.all_reduce(used)
+    return seconds, float(used.item())
 
 
 def _bench_rank(
@@ -83,13 +92,18 @@ def _bench_rank(
             results[name] = buffer.clone()
         correct = torch.allclose(results["ring"], results["library"], rtol=1e-4, atol=1e-4)
         times = {name: [] for name in ops}
+        cpu = {name: [] for name in ops}
         for _ in range(repetitions(nbytes, at_least)):
             for name, op in ops.items():  # alternate, so noise hits both alike
-                times[name].append(_timed(op, buffer, original))
+                seconds, used = _timed(op, buffer, original)
+                times[name].append(seconds)
+                cpu[name].append(used)
         row = {
             "bytes": nbytes,
             "correct": correct,
+            "runs": len(times["ring"]),
             **{n: statistics.median(t) for n, t in times.items()},
+            **{f"{n} cpu": statistics.median(t) for n, t in cpu.items()},
         }
         if rank == 0:
             say(None, _format_row(row))
@@ -100,7 +114,8 @@ def _bench_rank(
 def _header(library: str) -> str:
     return (
         f"{'size':>8} | {'ring time':>10} {'ring algbw':>12} | {library + ' time':>10} "
-        f"{library + ' algbw':>12} | {library + '/ring':>9}"
+        f"{library + ' algbw':>12} | {library + '/ring':>9} | {'runs':>4} | "
+        f"{'CPU, all ranks: ring':>22} {library:>9}"
     )
 
 
@@ -109,6 +124,7 @@ def _format_row(row: dict) -> str:
     text = (
         f"{human(size):>8} | {ring * 1e3:>7.2f} ms {human(size / ring) + '/s':>12} | "
         f"{library * 1e3:>7.2f} ms {human(size / library) + '/s':>12} | {library / ring:>8.2f}x"
+        f" | {row['runs']:>4} | {row['ring cpu'] * 1e3:>19.1f} ms {row['library cpu'] * 1e3:>6.1f} ms"
     )
     return text if row["correct"] else text + "  WRONG SUM"
 
@@ -147,7 +163,8 @@ def main(argv=None) -> int:
     say(
         None,
         f"{args.impl}.k09_ring_allreduce.ring_allreduce against dist.all_reduce, {args.world_size} ranks, "
-        f"{backend} on {device}, float32, median of at least {args.repeat} runs",
+        f"{backend} on {device}, float32; each time is the median of `runs` runs (at least "
+        f"{args.repeat}, more for small sizes)",
     )
     say(None, _header(backend))
     rows = launch_world(
