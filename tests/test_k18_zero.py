@@ -290,6 +290,11 @@ def _train(
         ]
     steps_record, expected_options, given = [], [], []
     size = dist.get_world_size(group)
+    if steps == 0:  # construction only (step 2's tests): gradients, then zero_grad, no step()
+        tokens, targets = make_tokens(4, dist.get_rank(group))
+        transformer_loss(model(tokens), targets).backward()
+        sharded.zero_grad()
+        cleared = {names[p]: p.grad is None or not p.grad.any() for p in model.parameters()}
     for step in range(steps):
         if add and step == 1:
             rest = [p for p, n in names.items() if n not in first]
@@ -396,7 +401,7 @@ def _check_owners(results, where):
 @pytest.mark.step(2)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_parameter_has_one_owner_and_the_inner_optimizer_only_its_own(kata, world_size):
-    results = _run(world_size, "generator", steps=1)
+    results = _run(world_size, "generator", steps=0)
     where = f"ShardedOptimizer(model.parameters(), AdamW) on {world_size} ranks"
     _check_owners(results, where)
     sizes = {n: t.numel() for n, t in results[0]["params"].items()}
@@ -426,7 +431,7 @@ def test_every_parameter_has_one_owner_and_the_inner_optimizer_only_its_own(kata
 
 @pytest.mark.step(2)
 def test_groups_keep_their_own_options(kata):
-    results = _run(2, "groups", steps=1)
+    results = _run(2, "groups", steps=0)
     where = (
         f"ShardedOptimizer([{{'params': weights, 'lr': {FIRST_LR}, 'weight_decay': "
         f"{FIRST_WEIGHT_DECAY}}}, {{'params': the rest, 'lr': lr / 3, 'weight_decay': 0.0}}], "
@@ -460,7 +465,7 @@ def test_groups_keep_their_own_options(kata):
 
 @pytest.mark.step(2)
 def test_zero_grad_clears_every_parameter(kata):
-    for rank, result in enumerate(_run(2, "generator", steps=1)):
+    for rank, result in enumerate(_run(2, "generator", steps=0)):
         kept = [n for n, cleared in result["cleared"].items() if not cleared]
         assert not kept, (
             f"rank {rank}: after zero_grad() {len(kept)} parameter(s) still hold a gradient "
