@@ -308,7 +308,7 @@ def test_there_is_a_snapshot_at_every_moment_of_a_write(kata):
         f"while write_snapshot replaced the snapshot of epoch {EPOCHS_DONE - 1}, its "
         f"{gone} left no snapshot at all"
         + (f" until {back}" if back else ", and none was there when it returned")
-        + ": a worker killed between the two (and a kill can land anywhere) leaves nothing to "
+        + ": a worker killed in that window (a kill can land anywhere) leaves nothing to "
         "restart from. os.replace(temporary, path) replaces the old snapshot in one step, even "
         "when it exists: do not remove it (or move it aside) first."
     )
