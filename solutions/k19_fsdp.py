@@ -366,7 +366,10 @@ class FullyShardedModule(nn.Module):
 
     def _reshard(self, unit: ShardedUnit) -> None:
         """The unit's full vector let go (``_pack`` no longer knows its storage): only the
-        shard stays."""
+        shard stays. Not the model's own unit after its forward: it is kept, as ``fully_shard``
+        keeps the root's (its forward ends last, and backward starts with it)."""
+        if self._phase == "forward" and unit.module is self.module:
+            return
         unit.full = None
         self._live = {ptr: u for ptr, u in self._live.items() if u is not unit}
 
@@ -392,10 +395,8 @@ class FullyShardedModule(nn.Module):
         )
 
     def _forward_hook(self, unit: ShardedUnit, module: nn.Module, args: tuple, output):
-        """After a unit's forward: freed (``reshard_after_forward``), or kept for backward. The
-        model's own unit is always kept, as ``fully_shard`` keeps the root's: its forward ends
-        last, and backward starts with it."""
-        if self.reshard_after_forward and unit.module is not self.module:
+        """After a unit's forward: freed (``reshard_after_forward``), or kept for backward."""
+        if self.reshard_after_forward:
             return self._after_forward(unit, module, args, output)
         return self._keep(unit, module, args, output)
 
@@ -496,9 +497,14 @@ class FullyShardedModule(nn.Module):
 
 
 def _counting(counts: dict, phase: list):
-    """Wrap the two flat collectives this module calls, counting them per phase."""
+    """Wrap the all-gathers (flat, or into a list) and reduce-scatters, counting them per phase."""
     originals = {}
-    for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single"):
+    for name in (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_gather",
+        "reduce_scatter_single",
+    ):
         originals[name] = getattr(dist, name, None)
     originals["reduce_scatter_tensor"] = dist.reduce_scatter_tensor
 

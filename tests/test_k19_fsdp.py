@@ -16,7 +16,7 @@ from dojo.calls import clock, recording
 from dojo.impl import load_kata
 from dojo.testing import refusal, require_gpus, run_program
 from dojo.toy_models import Block, TinyTransformer, make_tokens, make_transformer, transformer_loss
-from dojo.world import RankFailed, run_world
+from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k19_fsdp"
 LR = 0.05
@@ -335,6 +335,7 @@ def _probe(
             loss = transformer_loss(output, targets)
         watch.measure("the end of forward")
         peak_forward = watch.peak
+        kept = [u.prefix for u in getattr(wrapper, "units", []) if u.full is not None]
         phase[0] = "backward"
         with recording() as backward_calls:
             loss.backward()
@@ -367,6 +368,7 @@ def _probe(
             "peak": watch.peak,
             "peak_where": watch.where,
             "peak_forward": peak_forward,
+            "kept_after_forward": kept,
             "left": left,
             "pending": [u.prefix for u in getattr(wrapper, "units", []) if u.pending is not None],
             "gathered_dtypes": sorted({str(d) for d in dtypes}),
@@ -427,13 +429,6 @@ def _check_sharding(results, world_size, members, units="layers"):
     replicated = [n for n in params if n not in taken]
     for position, rank in enumerate(ranks):
         got = results[rank]
-        kept = [n for n in got["model_params"] if n in taken]
-        assert not kept, (
-            f"{where}: after sharding, rank {rank}'s modules still have parameters of their own "
-            f"({', '.join(kept[:3])}): remove each from the module it lives in (delattr; "
-            "owner_of finds it), so that only the shards (and the replicated parameters) are "
-            "parameters"
-        )
         missing = [p for p in expected_units if p not in got["shards"]]
         if missing:
             deeper = (
@@ -449,6 +444,13 @@ def _check_sharding(results, world_size, members, units="layers"):
                 f"{', '.join(_shown(p) for p in got['units'][:6])}): every module of shard_types "
                 "with parameters to take gets one, with its name in the model as prefix." + deeper
             )
+        kept = [n for n in got["model_params"] if n in taken]
+        assert not kept, (
+            f"{where}: after sharding, rank {rank}'s modules still have parameters of their own "
+            f"({', '.join(kept[:3])}): remove each from the module it lives in (delattr; "
+            "owner_of finds it), so that only the shards (and the replicated parameters) are "
+            "parameters"
+        )
         assert got["units"] == list(expected_units), (
             f"{where}: rank {rank} has {len(got['units'])} units "
             f"({', '.join(_shown(p) for p in got['units'][:6])}...), expected "
@@ -690,6 +692,15 @@ def test_one_gather_per_unit_in_forward_and_again_in_backward(kata, units):
             f"{where}: rank {rank} made {len(forward)} all-gathers in forward, expected {count}: "
             "one per unit, just before it runs (all of a unit's parameters in one vector)"
         )
+        kept = [p for p in got["kept_after_forward"] if p]  # the model's own is kept: rightly
+        if not backward and kept:
+            raise AssertionError(
+                f"{where}: rank {rank} gathered nothing in backward: after forward its units "
+                f"{', '.join(_shown(p) for p in kept[:3])} still had their full vector "
+                "(unit.full). After a unit's forward free it, self._reshard(unit) in "
+                "_after_forward (the attributes back to None too), so that only shards stay "
+                "between forward and backward and backward gathers again"
+            )
         if not backward:
             raise AssertionError(
                 f"{where}: rank {rank} gathered nothing in backward: autograd kept forward's full "
@@ -1024,7 +1035,7 @@ def test_reshard_after_forward_off_keeps_every_unit_until_backward(kata, units):
 def test_prefetch_in_a_subgroup(kata):
     try:
         results = run_world(_train, 3, 3, "sgd", [1, 2], None, "blocks", True)
-    except RankFailed as failure:
+    except (RankFailed, WorldDeadlock) as failure:  # a gather on the world waits for rank 0
         raise AssertionError(
             f"{_where('blocks', world=3)}, process_group=[1, 2]: a rank failed. Every collective "
             "of the wrapper runs on self.process_group, the prefetched gathers too (a vector of "
