@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dojo.calls import recording
 from dojo.impl import load_kata
 from dojo.testing import refusal, require_gpus, run_program
+from dojo.todo import KataTodo
 from dojo.world import WorldDeadlock, run_world
 
 KATA = "k23_hangs"
@@ -604,10 +605,18 @@ def test_checked_blames_the_rank_that_torchs_detail_mode_blames(kata):
 def _torch_group_mismatch(rank, world_size):
     kata = load_kata(KATA)
     before = dist.get_debug_level()
-    group = kata.torch_checked_group(3.0)
-    after = dist.get_debug_level()
-    agreed = torch.full((4,), float(rank))
-    dist.all_reduce(agreed, group=group)  # the same on every rank: it runs
+    start = time.monotonic()
+    try:
+        group = kata.torch_checked_group(3.0)
+        after = dist.get_debug_level()
+        agreed = torch.full((4,), float(rank))
+        dist.all_reduce(agreed, group=group)  # the same on every rank: it runs
+    except KataTodo:
+        raise
+    except Exception as error:  # the group gave up (or was never made): say how soon
+        lines = str(error).strip().splitlines()
+        text = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+        return "gave up", text, time.monotonic() - start, None
     try:
         dist.all_reduce(torch.ones(3 if rank == 2 else 4), group=group)
         said = "returned"
@@ -629,6 +638,23 @@ def test_torch_checked_group_catches_a_shape_mismatch(kata):
         ),
     )
     for rank, (before, after, agreed, said) in enumerate(results):
+        if before == "gave up":
+            text, seconds = after, agreed
+            early = seconds < 3.0 and any(
+                sign in text.lower() for sign in ("timeout", "timed out", "monitoredbarrier")
+            )
+            raise AssertionError(
+                f"{where}: on rank {rank} making the group or its first all_reduce (every rank "
+                f"alike) raised {text} after {1000 * seconds:.0f} ms"
+                + (
+                    ": the group timed out long before its 3 s, so the timeout is in seconds "
+                    "where you gave another unit: dist.new_group(timeout=timedelta(seconds="
+                    "timeout_s))"
+                    if early
+                    else ": torch_checked_group(timeout_s) makes a group of every rank with "
+                    "dist.new_group(timeout=timedelta(seconds=timeout_s))"
+                )
+            )
         assert after == before, (
             f"rank {rank}: torch_checked_group left the debug level at {after} (it was "
             f"{before}): every group made afterwards would pay for the checks. Set DETAIL only "

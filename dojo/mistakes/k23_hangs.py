@@ -336,7 +336,7 @@ MISTAKES = [
     Mistake(
         "NamesWhoArrived",
         replaces="StoreBarrier",
-        fails=[f"{_NAMED}[ranks1and3]"],
+        fails=[f"{_NAMED}[rank3]", f"{_NAMED}[ranks1and3]"],
         says=["those are the ranks that arrived", "NOT in the store"],
     ),
     Mistake(
@@ -366,7 +366,7 @@ MISTAKES = [
     Mistake(
         "shape_only",
         replaces="fingerprint",
-        fails=[f"{_FINGERPRINT}[matrix-float64]"],
+        fails=[f"{_FINGERPRINT}[vector]", f"{_FINGERPRINT}[matrix-float64]"],
         says=["it leaves out the dtype"],
     ),
     Mistake(
@@ -438,7 +438,10 @@ MISTAKES = [
     Mistake(
         "timeout_in_milliseconds",
         replaces="torch_checked_group",
-        fails=["test_torch_checked_group_gives_up_after_its_timeout"],
+        fails=[
+            "test_torch_checked_group_catches_a_shape_mismatch",
+            "test_torch_checked_group_gives_up_after_its_timeout",
+        ],
         says=["the timeout is in seconds"],
     ),
 ]
