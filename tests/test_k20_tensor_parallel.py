@@ -628,6 +628,59 @@ def _take(tensor: torch.Tensor, where: tuple[int, slice]) -> torch.Tensor:
     return tensor[part] if dim == 0 else tensor[:, part]
 
 
+def _attend(q, k, v, width: int, scale: float) -> torch.Tensor:
+    """Causal attention of (batch, length, features) in heads of ``width`` features each."""
+    batch, length, _ = q.shape
+
+    def heads(t):
+        return t.reshape(batch, length, -1, width).transpose(1, 2)
+
+    scores = heads(q) @ heads(k).transpose(-2, -1) / scale**0.5
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    attended = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ heads(v)
+    return attended.transpose(1, 2).reshape(batch, length, -1)
+
+
+def _mistaken(name: str, dense: nn.Module, x: torch.Tensor, size: int) -> dict:
+    """What the likely mistakes would output, computed from the dense module: the broad check
+    names the one the learner's output matches (and only then a cause)."""
+    with torch.no_grad():
+        if name == "mlp":
+            return {
+                "relu after the sum": (
+                    torch.relu(dense.down(dense.up(x))),
+                    "ParallelMLP's output is relu(down(up(x))): the ReLU came after the down "
+                    "projection's sum. The MLP is down(relu(up(x))): apply the ReLU between the "
+                    "layers, on this rank's slice of up's output (it acts on each feature alone, "
+                    "so it splits with them), before the row-parallel layer",
+                ),
+            }
+        q, k, v = dense.query(x), dense.key(x), dense.value(x)
+        features, head_dim = q.shape[-1], dense.head_dim
+        width, heads = features // size, features // head_dim
+        out = {
+            "scaled by the rank's width": (
+                dense.out(_attend(q, k, v, head_dim, width)),
+                f"ParallelAttention scaled the scores by 1/sqrt({width}), the rank's width "
+                "(local_heads * head_dim): a head's scores are scaled by 1/sqrt(self.head_dim), "
+                "the width of one head, as in the dense attention, on every rank alike",
+            )
+        }
+        if width % heads == 0 and size > 1:  # every head cut into size pieces
+            total = dense.out.bias.clone()
+            for index in range(size):
+                part = slice(index * width, (index + 1) * width)
+                cut = _attend(q[..., part], k[..., part], v[..., part], width // heads, head_dim)
+                total = total + cut @ dense.out.weight[:, part].T
+            out["heads cut"] = (
+                total,
+                "ParallelAttention's output is what all the heads cut into smaller ones give: "
+                "each rank must attend with whole heads of its own, viewed as (batch, length, "
+                "self.local_heads, self.head_dim), not all the heads cut into smaller ones",
+            )
+        return out
+
+
 def _block(rank, world_size, groups, name):
     kata = load_kata(KATA)
     group, members = _group(rank, world_size, groups)
@@ -662,6 +715,7 @@ def _block(rank, world_size, groups, name):
         "expected_grads": {n: _take(dense_params[n].grad, s) for n, s in slices.items()},
         "forward": _calls(forward, group),
         "backward": _calls(backward, group),
+        "mistaken": _mistaken(name, dense, x, len(members)),
     }
 
 
@@ -700,16 +754,22 @@ def check_block(name: str, world: str, results) -> None:
                 )
             )
             _check_reduce_call(rank, reduces, f"{what}'s {phase}", where)
-        assert _close(output, expected), (
-            f"rank {rank}: {what}'s output is not the dense {name}'s ({_gap(output, expected)}) "
-            f"{where}"
-            + (
-                ": each rank must attend with whole heads of its own, viewed as (batch, length, "
-                "self.local_heads, self.head_dim), not all the heads cut into smaller ones"
-                if name == "attention"
-                else ""
+        if not _close(output, expected):
+            for candidate, why in got["mistaken"].values():
+                if _close(output, candidate):
+                    raise AssertionError(f"rank {rank}, {what} {where}: {why}")
+            raise AssertionError(
+                f"rank {rank}: {what}'s output is not the dense {name}'s "
+                f"({_gap(output, expected)}) {where}"
+                + (
+                    ": each rank attends with whole heads of its own (self.local_heads heads of "
+                    "self.head_dim features, scores scaled by 1/sqrt(self.head_dim)), and the "
+                    "row-parallel out projection sums the ranks' parts"
+                    if name == "attention"
+                    else ": each rank computes down(relu(up(x))) with its slices, and the "
+                    "row-parallel down projection sums the ranks' parts"
+                )
             )
-        )
         assert _close(got["x_grad"], got["expected_x_grad"]), (
             f"rank {rank}: the input's gradient through {what} is not the dense {name}'s "
             f"({_gap(got['x_grad'], got['expected_x_grad'])}) {where}"

@@ -445,7 +445,7 @@ MISTAKES = [
     Mistake(
         "FBackwardAverages",
         replaces="CopyToParallelRegion",
-        fails=[f"{_F}[4]"],
+        fails=[_F],
         says=["the gradient's mean over the group", "not divided by the group's size"],
     ),
     Mistake(
@@ -457,7 +457,7 @@ MISTAKES = [
     Mistake(
         "GAverages",
         replaces="ReduceFromParallelRegion",
-        fails=[f"{_G}[4-rows]", f"{_ROW}[2]"],
+        fails=[_G, f"{_ROW}[2]"],
         says=["divide"],
     ),
     Mistake(
@@ -508,7 +508,7 @@ MISTAKES = [
     Mistake(
         "ColumnWithG",
         replaces="ColumnParallelLinear",
-        fails=[f"{_COLUMN}[4-rows]"],
+        fails=[_COLUMN],
         says=["all-reduced in forward", "not g"],
     ),
     Mistake(
@@ -538,7 +538,7 @@ MISTAKES = [
     Mistake(
         "RowWithoutG",
         replaces="RowParallelLinear",
-        fails=[f"{_ROW}[4-rows]"],
+        fails=[_ROW],
         says=["made no all-reduce in forward", "reduce_from_parallel_region"],
     ),
     Mistake(
@@ -550,8 +550,8 @@ MISTAKES = [
     Mistake(
         "MLPReluAfterTheSum",
         replaces="ParallelMLP",
-        fails=[f"{_MLP}[4]"],
-        says=["ParallelMLP's output is not the dense mlp's"],
+        fails=[_MLP],
+        says=["the ReLU came after the down projection's sum", "down(relu(up(x)))"],
     ),
     Mistake(
         "MLPOnTheWorld",
@@ -574,8 +574,8 @@ MISTAKES = [
     Mistake(
         "AttentionScaledByLocalWidth",
         replaces="ParallelAttention",
-        fails=[f"{_ATTENTION}[2]"],
-        says=["ParallelAttention's output is not the dense attention's"],
+        fails=[f"{_ATTENTION}[2]", f"{_ATTENTION}[4-rows]"],
+        says=["scaled the scores by 1/sqrt(8)", "1/sqrt(self.head_dim)"],
     ),
     Mistake(
         "AttentionNoHeadsCheck",
