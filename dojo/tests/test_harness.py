@@ -60,11 +60,10 @@ def _write_pid(tmp_path, rank):
 
 
 def _read_pids(tmp_path, world_size):
-    return [
-        int(_pid_file(tmp_path, r).read_text())
-        for r in range(world_size)
-        if _pid_file(tmp_path, r).exists()
-    ]
+    """The pids the ranks have written so far (a file a rank is still writing is not one yet)."""
+    texts = [_pid_file(tmp_path, r) for r in range(world_size)]
+    texts = [path.read_text().strip() for path in texts if path.exists()]
+    return [int(text) for text in texts if text.isdigit()]
 
 
 def _assert_gone(pids, within=5.0):
