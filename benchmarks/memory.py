@@ -16,12 +16,26 @@ rank's bytes next to the ZeRO paper's formulas for fp32 Adam with P parameters o
 (Rajbhandari et al. 2020, without their fp16 copies): DDP 4P + 4P + 8P, ZeRO-1 4P + 4P + 8P/N,
 ZeRO-3 (4P + 4P + 8P)/N, and measured / formula (1.00: the formula holds; a little above: the
 step counters, the padding and the LayerNorms that FSDP keeps whole on every rank).
+
+A second table measures what ZeRO-3 gathers: the bytes of full (all-gathered) parameters alive at
+once on a rank during a training step (its second: prefetch follows the first one's order),
+with k19's units as ``fully_shard``'s (a block each; the model's own unit the embedding, the last
+norm and the output), three ways: one unit at a time (``prefetch=False``), the next unit's gather
+launched ahead (``prefetch=True``: two blocks at once), and ``reshard_after_forward=False``
+(every unit kept from its forward to its backward). Measured by watching the storage of every
+all-gather's output (a storage is alive while any tensor uses it: a parameter's view, a tensor
+autograd saved, a pending gather's buffer) at every all-gather and at the start of every
+block's forward; beside it what it should be: the model's unit (alive from the first forward to
+the last backward) plus one block, plus two, or every unit.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -29,7 +43,7 @@ import torch.distributed as dist
 from dojo import impl
 from dojo.console import run_program, say
 from dojo.launch import launch_world
-from dojo.toy_models import TinyTransformer, make_tokens, transformer_loss
+from dojo.toy_models import Block, TinyTransformer, make_tokens, transformer_loss
 
 WAYS = ("DDP", "ZeRO-1 (k18)", "ZeRO-3 (k19)")
 KIB = 1024
@@ -99,6 +113,112 @@ def _measure_rank(
     _one_step(wrapper, optimizer, rank, seed, wrapper.finish_gradient_synchronization)
     found[WAYS[2]] = _held(wrapper.parameters(), optimizer)
     return found
+
+
+GATHERED = {  # (prefetch, reshard_after_forward) -> what it should keep alive at once
+    "one unit at a time (prefetch off)": (False, True),
+    "prefetch (the next unit ahead)": (True, True),
+    "reshard_after_forward off (kept)": (True, False),
+}
+_GATHERS = ("all_gather_single", "all_gather_into_tensor", "all_gather")
+
+
+class _Storages:
+    """The gathered vectors alive at once, watched through weak references to their storages.
+    Gloo's worker thread lets go of a collective's tensors a moment after the call returns: while
+    more than one is alive a measure waits a little (0.5 s in all) for such stragglers to go."""
+
+    def __init__(self):
+        self.watched: dict[int, tuple] = {}
+        self.peak = 0
+        self.patience = 0.5
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        known = self.watched.get(storage.data_ptr())
+        if known is None or known[0]() is None:
+            self.watched[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+
+    def _alive(self) -> list[int]:
+        return [n for ref, n in self.watched.values() if ref() is not None]
+
+    def measure(self, *_) -> None:
+        alive = self._alive()
+        while len(alive) > 1 and self.patience > 0:
+            time.sleep(0.005)
+            self.patience -= 0.005
+            alive = self._alive()
+        self.peak = max(self.peak, sum(alive))
+
+
+def _watched(original, watch: _Storages):
+    def gather(output, *args, **kwargs):
+        result = original(output, *args, **kwargs)
+        for tensor in output if isinstance(output, (list, tuple)) else [output]:
+            watch.track(tensor)
+        watch.measure()
+        return result
+
+    return functools.update_wrapper(gather, original)
+
+
+def _gathered_peak(k19, rank, blocks, dim, seed, prefetch, reshard) -> int:
+    """The peak of gathered bytes alive at once during the second training step of one way."""
+    import torch.distributed.distributed_c10d as c10d
+
+    model = make_model(blocks, dim, seed)
+    wrapper = k19.FullyShardedModule(
+        model,
+        shard_types=(Block, TinyTransformer),
+        prefetch=prefetch,
+        reshard_after_forward=reshard,
+    )
+    optimizer = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+    _one_step(wrapper, optimizer, rank, seed, wrapper.finish_gradient_synchronization)
+    watch = _Storages()
+    originals = {name: getattr(c10d, name) for name in _GATHERS if hasattr(c10d, name)}
+    hooks = [block.register_forward_pre_hook(watch.measure) for block in model.blocks]
+    try:
+        for name, original in originals.items():
+            for module in (c10d, dist):
+                setattr(module, name, _watched(original, watch))
+        _one_step(wrapper, optimizer, rank, seed + 1, wrapper.finish_gradient_synchronization)
+    finally:
+        for name, original in originals.items():
+            for module in (c10d, dist):
+                setattr(module, name, original)
+        for hook in hooks:
+            hook.remove()
+    return watch.peak
+
+
+def _gathered_rank(
+    rank: int, world_size: int, impl_name: str, blocks: int, dim: int, seed: int
+) -> dict:
+    """Each way's peak of gathered bytes alive at once, during the second training step."""
+    k19 = importlib.import_module(f"{impl_name}.k19_fsdp")
+    return {
+        way: _gathered_peak(k19, rank, blocks, dim, seed, prefetch, reshard)
+        for way, (prefetch, reshard) in GATHERED.items()
+    }
+
+
+def gathered_formulas(model: TinyTransformer, world_size: int) -> dict:
+    """What each way should keep alive at once: bytes of fp32 vectors padded to N."""
+
+    def vector(params) -> int:
+        return 4 * (-(-sum(p.numel() for p in params) // world_size) * world_size)
+
+    block = max(vector(b.parameters()) for b in model.blocks)
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    own = vector(p for p in model.parameters() if id(p) not in in_blocks)
+    every = own + sum(vector(b.parameters()) for b in model.blocks)
+    ways = list(GATHERED)
+    return {
+        ways[0]: (own + block, "the model's unit + 1 block"),
+        ways[1]: (own + min(2, len(model.blocks)) * block, "the model's unit + 2 blocks"),
+        ways[2]: (every, "every unit"),
+    }
 
 
 def formulas(parameters: int, world_size: int) -> dict:
@@ -203,6 +323,30 @@ def main(argv=None) -> int:
         "formula (ZeRO paper, fp32 Adam, P parameters, N ranks): DDP 4P + 4P + 8P; ZeRO-1 "
         "4P + 4P + 8P/N; ZeRO-3 (4P + 4P + 8P)/N",
     )
+    say(
+        None,
+        f"ZeRO-3 (k19 from {args.impl}/, a unit per block and the model's own, as fully_shard): "
+        "full parameters alive at once during a step, the heaviest rank, measured",
+    )
+    say(None, f"{'ranks':>5} | {'way':<34} | {'measured':>12} | {'should be':>12} | which")
+    for world_size in world_sizes:
+        peaks = launch_world(
+            _gathered_rank,
+            world_size,
+            args.impl,
+            args.blocks,
+            args.dim,
+            args.seed,
+            backend="gloo",
+            device="cpu",
+        )
+        for way, (expected, which) in gathered_formulas(model, world_size).items():
+            measured = max(peak[way] for peak in peaks)
+            say(
+                None,
+                f"{world_size:>5} | {way:<34} | {_kib(measured):>12} | {_kib(expected):>12} | "
+                f"{which}",
+            )
     return 0
 
 

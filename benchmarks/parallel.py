@@ -9,6 +9,7 @@ same data and the same seeds:
 
     zero   k18's ShardedOptimizer(AdamW)       torch's ZeroRedundancyOptimizer(AdamW)
     fsdp   k19's FullyShardedModule + AdamW    torch's fully_shard (FSDP2) + AdamW
+           (units as fully_shard's: each block one, the model the rest; prefetch on)
     tp     k20's ParallelMLP + SGD             parallelize_module(Colwise up, Rowwise down) + SGD
     pp     k21's 1F1B schedule + SGD           torch.distributed.pipelining's Schedule1F1B + SGD
            (at the toy model's own width: k21's stages send activations of that width)
@@ -16,7 +17,9 @@ same data and the same seeds:
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
 two ways take turns step by step, so a busy machine slows both alike; the table shows the median
-step time of each and ``torch's time / yours`` (above 1: yours is faster). Both ways must end with
+step time of each and ``torch's time / yours`` (above 1: yours is faster), and beside them the
+collectives each way calls in one step (counted in an untimed step after the timed ones: the
+fixed cost of a call is what a small model's step mostly pays). Both ways must end with
 the same weights (to a small tolerance: they add in different orders): a row that does not says
 WRONG and the run fails. A kata not written yet is listed as such; a torch without the
 counterpart skips that row, saying why.
@@ -36,11 +39,19 @@ from torch import nn
 
 from benchmarks._timing import timed
 from dojo import impl
+from dojo.calls import recording
 from dojo.console import run_program, say
 from dojo.devices import rank_device
 from dojo.launch import launch_world
 from dojo.todo import KataTodo
-from dojo.toy_models import MLP, MODEL_DIM, TinyTransformer, make_tokens, transformer_loss
+from dojo.toy_models import (
+    MLP,
+    MODEL_DIM,
+    Block,
+    TinyTransformer,
+    make_tokens,
+    transformer_loss,
+)
 
 KATAS = {
     "zero": ("k18_zero", "ShardedOptimizer", "ZeroRedundancyOptimizer"),
@@ -118,7 +129,8 @@ def _fsdp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     except ImportError as error:
         raise Skip(f"this torch has no fully_shard ({error})") from None
     rank, device = dist.get_rank(), rank_device()
-    yours = kata.FullyShardedModule(_model(args))
+    # the same units as torch's below: a block each, the model the rest (embedding, norm, output)
+    yours = kata.FullyShardedModule(_model(args), shard_types=(Block, TinyTransformer))
     theirs = _model(args)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in theirs.blocks:
@@ -265,9 +277,12 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], ar
                     seconds = timed(way, number)
                     if number >= args.warmup:
                         spent.append(seconds)
+            calls = [_collectives(way, args.warmup + args.steps) for way in (yours, theirs)]
             rows[name] = {
                 "yours": statistics.median(times[0]),
                 "theirs": statistics.median(times[1]),
+                "runs": len(times[0]),
+                "calls": calls,
                 "same": same(),
             }
         except KataTodo as todo:  # every rank reaches the same unwritten step
@@ -275,6 +290,13 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], ar
         except Skip as skip:
             rows[name] = {"skip": str(skip)}
     return rows
+
+
+def _collectives(way: Way, number: int) -> int:
+    """The collectives one step of ``way`` calls on this rank (the barriers of timing aside)."""
+    with recording() as calls:
+        way(number)
+    return sum(1 for call in calls if call.name not in ("barrier", "new_group"))
 
 
 def _format_row(name: str, row: dict) -> str:
@@ -286,9 +308,10 @@ def _format_row(name: str, row: dict) -> str:
         return f"{label:<58} skipped: {row['skip']}"
     ratio = row["theirs"] / row["yours"]
     verdict = "same weights" if row["same"] else "WRONG: the weights differ"
+    calls = f"{row['calls'][0]:>5} {row['calls'][1]:>5}"
     return (
         f"{label:<58} {row['yours'] * 1e3:8.2f} ms {row['theirs'] * 1e3:8.2f} ms "
-        f"{ratio:6.2f}x  {verdict}"
+        f"{ratio:6.2f}x {calls}  {verdict} (median of {row['runs']} steps)"
     )
 
 
@@ -341,10 +364,11 @@ def main(argv=None) -> int:
         None,
         f"one training step, Part IV katas from {args.impl}/ against torch's own, "
         f"{args.world_size} ranks, gloo on cpu; a TinyTransformer of {args.blocks} blocks of width "
-        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches), {args.batch} sequences per rank; median of "
-        f"{args.steps} steps (x: torch's time / yours)",
+        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches), {args.batch} sequences per rank; each time the median "
+        f"of {args.steps} steps (x: torch's time / yours), collectives per step counted",
     )
-    say(None, f"{'':<58} {'yours':>11} {'torch':>11} {'x':>7}")
+    say(None, f"{'':<58} {'':>11} {'':>11} {'':>7} {'collectives':>11}")
+    say(None, f"{'':<58} {'yours':>11} {'torch':>11} {'x':>7} {'yours':>5} {'torch':>5}")
     rows = launch_world(
         _bench_rank, args.world_size, args.impl, names, args, backend="gloo", device="cpu"
     )[0]

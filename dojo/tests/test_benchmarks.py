@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dojo import impl
@@ -72,11 +74,23 @@ def test_memory_benchmark_measures_what_the_formulas_say():
     )
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    from benchmarks.memory import GATHERED, WAYS
+
     rows = [line for line in out.splitlines() if line.startswith("[main]     2 |")]
-    assert len(rows) == 3, f"expected three 2-rank rows (DDP, ZeRO-1, ZeRO-3) in:\n{out}"
-    for row in rows:
+    held = [row for row in rows if any(f"| {way} " in row for way in WAYS)]
+    assert len(held) == 3, f"expected three 2-rank rows (DDP, ZeRO-1, ZeRO-3) in:\n{out}"
+    for row in held:
         ratio = float(row.rsplit("|", 1)[1])
         assert 1.0 <= ratio < 1.05, f"measured / formula should be about 1:\n{row}"
+    gathered = [row for row in rows if any(f"| {way} " in row for way in GATHERED)]
+    assert len(gathered) == 3, f"expected three 2-rank rows of gathered parameters in:\n{out}"
+    for row in gathered:  # measured | should be: one unit, two, every one
+        measured, expected = (
+            float(cell.split()[0].replace(",", "")) for cell in row.split("|")[2:4]
+        )
+        assert expected <= measured <= 1.05 * expected, (
+            f"measured should be what it should be:\n{row}"
+        )
 
 
 def test_collectives_bus_factors_are_nccl_tests():
@@ -241,6 +255,10 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
     assert len(rows) == 4, f"expected the zero, fsdp, tp and pp rows in:\n{out}"
+    fsdp = next(row for row in rows if row.startswith("[main] k19"))
+    if "not implemented yet" not in fsdp:  # beside the times: each way's collectives per step
+        assert re.search(r"\d\.\d\dx +\d+ +\d+ ", fsdp), fsdp
+        assert "(median of 1 steps)" in fsdp, fsdp
     if impl.current() == "solutions":
         wrong = [row for row in rows if "same weights" not in row]
         assert not wrong, "the references must end with torch's weights:\n" + "\n".join(wrong)
