@@ -89,7 +89,7 @@ def run_rank(fn: Callable[[int, int], Any], rank: int, world_size: int, answers)
     raise KataTodo("k01", 3, "run one rank and report its answer")
 
 
-def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: float = 60.0) -> list:
+def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size)`` on ``world_size`` spawned processes; answers in rank order."""
     # TODO: run run_rank for every rank in world_size processes that run side by side, and wait
     # for them. The tests hold launch to this:

@@ -80,7 +80,7 @@ def run_rank(fn: Callable[[int, int], Any], rank: int, world_size: int, answers)
         answers.put((rank, "error", traceback.format_exc()))
 
 
-def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: float = 60.0) -> list:
+def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size)`` on ``world_size`` spawned processes; answers in rank order."""
     context = mp.get_context("spawn")
     answers = context.Queue()

@@ -115,7 +115,7 @@ def _outcome(messages, world_size):
     return [messages[rank][1] for rank in range(world_size)]
 
 
-def in_arrival_order(world_size, fn=None, timeout=60.0):
+def in_arrival_order(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     results = []
     for _ in range(world_size):
@@ -128,7 +128,7 @@ def in_arrival_order(world_size, fn=None, timeout=60.0):
     return results
 
 
-def joins_before_collecting(world_size, fn=None, timeout=60.0):
+def joins_before_collecting(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     for process in processes:
         process.join()  # waits for processes that wait for their answers to be read
@@ -139,7 +139,7 @@ def joins_before_collecting(world_size, fn=None, timeout=60.0):
     return _outcome(messages, world_size)
 
 
-def one_at_a_time(world_size, fn=None, timeout=60.0):
+def one_at_a_time(world_size, fn=None, timeout=180.0):
     fn = fn or _kata().greet
     context = mp.get_context("spawn")
     answers = context.Queue()
@@ -153,7 +153,7 @@ def one_at_a_time(world_size, fn=None, timeout=60.0):
     return _outcome(messages, world_size)
 
 
-def never_joined(world_size, fn=None, timeout=60.0):
+def never_joined(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     messages = {}
     for _ in range(world_size):
@@ -162,7 +162,7 @@ def never_joined(world_size, fn=None, timeout=60.0):
     return _outcome(messages, world_size)  # the processes are left to end on their own
 
 
-def default_start_method(world_size, fn=None, timeout=60.0):
+def default_start_method(world_size, fn=None, timeout=180.0):
     fn = fn or _kata().greet
     answers = mp.Queue()
     processes = [  # mp.Process: the program's default start method, not necessarily spawn
@@ -180,17 +180,17 @@ def default_start_method(world_size, fn=None, timeout=60.0):
     return _outcome(messages, world_size)
 
 
-def sets_the_start_method(world_size, fn=None, timeout=60.0):
+def sets_the_start_method(world_size, fn=None, timeout=180.0):
     mp.set_start_method("spawn")  # as in the tutorial's __main__, but inside a function
     return default_start_method(world_size, fn, timeout)
 
 
-def forces_the_start_method(world_size, fn=None, timeout=60.0):
+def forces_the_start_method(world_size, fn=None, timeout=180.0):
     mp.set_start_method("spawn", force=True)  # "fixes" the error above for the whole program
     return default_start_method(world_size, fn, timeout)
 
 
-def returns_the_failure(world_size, fn=None, timeout=60.0):
+def returns_the_failure(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     messages = {}
     for _ in range(world_size):
@@ -201,7 +201,7 @@ def returns_the_failure(world_size, fn=None, timeout=60.0):
     return [messages[rank] for rank in range(world_size)]
 
 
-def raises_runtime_error(world_size, fn=None, timeout=60.0):
+def raises_runtime_error(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     messages = {}
     for _ in range(world_size):
@@ -215,7 +215,7 @@ def raises_runtime_error(world_size, fn=None, timeout=60.0):
     return [messages[rank][1] for rank in range(world_size)]
 
 
-def names_without_traceback(world_size, fn=None, timeout=60.0):
+def names_without_traceback(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     messages = {}
     for _ in range(world_size):
@@ -229,7 +229,7 @@ def names_without_traceback(world_size, fn=None, timeout=60.0):
     return [messages[rank][1] for rank in range(world_size)]
 
 
-def fails_fast_without_joining(world_size, fn=None, timeout=60.0):
+def fails_fast_without_joining(world_size, fn=None, timeout=180.0):
     answers, processes = _start(world_size, fn)
     messages = {}
     for _ in range(world_size):
@@ -264,7 +264,7 @@ def run_rank_with_exception_text(fn, rank, world_size, answers):
         answers.put((rank, "ok", answer))
 
 
-def launch_polling(world_size, fn=None, timeout=60.0):
+def launch_polling(world_size, fn=None, timeout=180.0):
     """Polls the queue and notices a rank that died without answering (no waiting in vain)."""
     answers, processes = _start(world_size, fn)
     results = [None] * world_size
@@ -301,7 +301,7 @@ def _start_processes_entry(index, fn, world_size, answers):
     _kata().run_rank(fn, index, world_size, answers)
 
 
-def launch_with_start_processes(world_size, fn=None, timeout=60.0):
+def launch_with_start_processes(world_size, fn=None, timeout=180.0):
     """torch.multiprocessing's own launcher (what mp.spawn runs), without its join=True."""
     fn = fn or _kata().greet
     answers = mp.get_context("spawn").Queue()
