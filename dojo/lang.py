@@ -93,6 +93,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "{kata}: {passed} of {total} tests pass{skipped}",
         "zh": "{kata}：{total} 个测试中通过 {passed} 个{skipped}",
     },
+    "full stop": {"en": ".", "zh": "。"},  # a Chinese sentence ends with its own full stop
     "first failing step": {
         "en": ". First failing step: {step}",
         "zh": "。第一个未通过的步骤：{step}",

@@ -142,7 +142,7 @@ class RunResult:
         step = self.first_failing_step()
         if step is not None and not self.broken:
             line += t("first failing step", step=describe_step(k, step))
-        return line + "."
+        return line + t("full stop")
 
 
 # The runner's sentences not (yet) in dojo.lang's table, in both languages.
