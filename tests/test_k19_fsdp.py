@@ -163,13 +163,14 @@ def _group(rank, members):
 class _Watch:
     """Full weights alive at once, measured by watching storages: a storage is alive as long as
     any tensor (a view, a tensor autograd saved) still uses it. Gloo's worker thread lets go of a
-    collective's tensors a moment after the call returns: when more than one watched storage is
-    alive, the measure waits a little (1 s in all per watch) for such stragglers to go."""
+    collective's tensors a moment after the call returns: when more watched storages are alive
+    than ``expected``, the measure waits a little (1 s in all per watch) for such stragglers."""
 
-    def __init__(self):
+    def __init__(self, expected: int = 1):
         self.storages: dict[int, tuple] = {}
         self.peak, self.where = 0, ""
         self.patience = 1.0
+        self.expected = expected  # storages rightly alive at once (prefetch: one more)
 
     def track(self, tensor):
         if not torch.is_tensor(tensor):
@@ -193,7 +194,7 @@ class _Watch:
 
     def measure(self, where: str):
         alive = self._alive()
-        while len(alive) > 1 and self.patience > 0:
+        while len(alive) > self.expected and self.patience > 0:
             time.sleep(0.005)
             self.patience -= 0.005
             alive = self._alive()
@@ -302,7 +303,10 @@ def _probe(
             param.grad = reference_grads[name]
         reference_optimizer.step()
     optimizer.zero_grad()
-    watch, dtypes, weight_dtypes, phase, started = _Watch(), [], [], ["forward"], []
+    # the storages rightly alive at once: a unit (and the model's own), one more with prefetch,
+    # every unit when kept; more than that waits a little for gloo's stragglers to go
+    expected = (1 + (units == "blocks") + prefetch) if reshard else len(report["units"]) + 1
+    watch, dtypes, weight_dtypes, phase, started = _Watch(expected), [], [], ["forward"], []
 
     def look(name):
         def hook(module, args):
