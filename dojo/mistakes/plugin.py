@@ -220,7 +220,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return None
     key = f"{variant.kata.id}-{variant.id}"
     if key in _first_failure and not _named(variant.entry, _plain_name(item, variant)):
-        return True  # the learner never gets here: nothing to run, nothing to report
+        # the learner never gets here: nothing to run, nothing to report; but what the test
+        # before kept set up for this one must go, as pytest would after running it
+        item.session._setupstate.teardown_exact(nextitem)
+        return True
     return None
 
 
