@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
-import os
 import re
 import sys
 import time
@@ -13,10 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo import impl
 from dojo.calls import recording
 from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
@@ -394,8 +391,17 @@ def _backward_once(rank, world_size, model_name):
         began = time.perf_counter()
         loss.backward()
         ended = time.perf_counter()
+    # Compare the launches through the store first: where the ranks launched different
+    # all-reduces, the barrier below would hang behind them, and the report would point here.
+    launched = sum(1 for c in calls if c.name == "all_reduce")
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"k12-launched/{rank}", str(launched))
+    counts = [int(store.get(f"k12-launched/{r}")) for r in range(world_size)]
+    if len(set(counts)) > 1:
+        return {"failure": None, "uneven": counts}
     dist.barrier()  # gloo's barrier returns once every operation launched before it has finished
     return {
+        "uneven": None,
         "failure": None,
         "calls": [
             {"name": c.name, "op": c.op, "async": c.async_op, "shapes": c.shapes, "start": c.start}
@@ -413,14 +419,21 @@ def _backward_once(rank, world_size, model_name):
     }
 
 
-@functools.cache
-def _backward_with(implementation: str, swaps: str, model_name: str):
-    return run_world(_backward_once, 2, model_name)
-
-
+@shared_run
 def _backward(model_name: str):
-    """One backward on 2 ranks, shared by the step-2 tests (a raised todo is not cached)."""
-    return _backward_with(impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, ""), model_name)
+    """One backward on 2 ranks, shared by the step-2 tests (a failure too: a deadlock costs its
+    deadline once)."""
+    results = run_world(_backward_once, 2, model_name)
+    uneven = results[0].get("uneven")
+    if uneven:
+        launches = ", ".join(f"rank {r} launched {n}" for r, n in enumerate(uneven))
+        raise AssertionError(
+            f"in one backward the ranks launched different numbers of all-reduces ({launches}): "
+            "every rank must launch the same all-reduces in the same order (a collective "
+            "completes only when every rank calls it), so no `if rank == ...` around the launch "
+            "or the hook"
+        )
+    return results
 
 
 def _reduces(result) -> list:

@@ -157,6 +157,14 @@ class _Done:
         return True
 
 
+class OnlyRankZeroLaunches(_Wrapper):
+    """Rank 0 coordinates: the hooks launch only there, so its all-reduces wait forever."""
+
+    def _on_gradient_ready(self, param):
+        if dist.get_rank() == 0:
+            super()._on_gradient_ready(param)
+
+
 class AllReduceInFinish(_Wrapper):
     """The hooks only note what is ready; the all-reduces go out after backward (no overlap)."""
 
@@ -485,6 +493,12 @@ MISTAKES = [
         replaces="OverlappingDDP",
         fails=[_LAUNCH],
         says=["blocking", "async_op=True"],
+    ),
+    Mistake(
+        "OnlyRankZeroLaunches",
+        replaces="OverlappingDDP",
+        fails=[_LAUNCH],
+        says=["rank 1 launched 0", "no `if rank == ...`"],
     ),
     Mistake(
         "AllReduceInFinish",
