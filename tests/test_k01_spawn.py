@@ -29,19 +29,44 @@ _FOLDER_VAR = "DOJO_K01_FOLDER"
 # --------------------------------------------------------------------------- step 1: arithmetic
 
 
-def _explain_global_rank(node: int, local: int, per_node: int, got) -> str:
+# Formulas a learner writes instead of node_rank * nproc_per_node + local_rank; one wrong answer
+# alone can fit two of them (node 1, local 0, 3 per node: swapped and added both give 1), so the
+# learner's function is tried on several layouts before one is named.
+_WRONG_FORMULAS = {
+    "swapped": lambda node, local, per_node: local * per_node + node,
+    "added": lambda node, local, per_node: node + local,
+    "from one": lambda node, local, per_node: node * per_node + local + 1,
+}
+_PROBES = [(1, 2, 3), (3, 1, 4), (2, 0, 5), (1, 0, 3), (0, 2, 3)]
+
+
+def _formula_of(kata) -> str | None:
+    try:
+        got = {probe: kata.global_rank(*probe) for probe in _PROBES}
+    except KataTodo:
+        raise
+    except Exception:  # the failing call itself is reported by the test
+        return None
+    for name, formula in _WRONG_FORMULAS.items():
+        if all(got[probe] == formula(*probe) for probe in _PROBES):
+            return name
+    return None
+
+
+def _explain_global_rank(kata, node: int, local: int, per_node: int, got) -> str:
     expected = node * per_node + local
-    if got == local * per_node + node:
+    formula = _formula_of(kata)
+    if formula == "swapped" or (formula is None and got == local * per_node + node):
         return (
             "node_rank and local_rank are swapped: the node picks the block of nproc_per_node "
             "ranks (node_rank * nproc_per_node), the local rank the place inside that block"
         )
-    if got == node + local:
+    if formula == "added" or (formula is None and got == node + local):
         return (
             "node_rank and local_rank were added: each node before this one "
             "holds nproc_per_node ranks, so multiply node_rank by nproc_per_node"
         )
-    if got == expected + 1:
+    if formula == "from one" or got == expected + 1:
         return "one too many: ranks count from 0 (local rank 0 on node 0 is rank 0)"
     if node:
         nodes = {1: "node 0", 2: "nodes 0 and 1"}.get(node, f"nodes 0 to {node - 1}")
@@ -66,7 +91,7 @@ def test_global_rank(kata, node, local, per_node, expected):
     got = kata.global_rank(node, local, per_node)
     assert got == expected, (
         f"global_rank(node_rank={node}, local_rank={local}, nproc_per_node={per_node}) returned "
-        f"{got!r}, expected {expected}: {_explain_global_rank(node, local, per_node, got)}"
+        f"{got!r}, expected {expected}: {_explain_global_rank(kata, node, local, per_node, got)}"
     )
 
 
@@ -100,7 +125,7 @@ def test_tutorial_layout_numbers_every_rank_once(kata):
     assert not wrong, (
         f"the tutorial's 2 nodes x 3 processes got ranks {ranks} (node 0's local ranks 0, 1, 2, "
         "then node 1's): expected [0, 1, 2, 3, 4, 5], every rank once; "
-        f"{_explain_global_rank(wrong[0][0], wrong[0][1], 3, wrong[0][2])}"
+        f"{_explain_global_rank(kata, wrong[0][0], wrong[0][1], 3, wrong[0][2])}"
     )
 
 
