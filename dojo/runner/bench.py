@@ -18,7 +18,7 @@ KNOWN = {
     "collectives": "time, algorithm and bus bandwidth of the collectives over a sweep of sizes (nccl-tests' way)",
     "ddp": "a data-parallel step: your k04, k12 and k13 against torch's DistributedDataParallel",
     "harness": "what a test world costs: the rank harness's start-up and per-world times",
-    "memory": "bytes per rank of parameters, gradients and optimizer state: DDP, ZeRO-1 (k18), FSDP (k19)",
+    "memory": "bytes per rank of parameters, gradients and optimizer state: DDP, ZeRO-1 (k18), FSDP (k19); and the full parameters ZeRO-3 gathers at once (one unit, prefetch, kept)",
     "parallel": "a training step of each Part IV kata's reference against torch's own, on the same world",
 }
 
