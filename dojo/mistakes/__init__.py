@@ -24,6 +24,7 @@ the reference with that one piece swapped in:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -66,6 +67,7 @@ def swaps(kata: curriculum.Kata, entry: Mistake | RightAnswer) -> dict[str, str]
     }
 
 
+@functools.cache  # asked for every test of every entry: parse each stub once
 def stub_steps(kata: curriculum.Kata) -> dict[str, int]:
     """Function or class name -> the (lowest) step whose todo it raises in the shipped stub."""
     tree = ast.parse(kata.pristine_file.read_text(encoding="utf-8"))
