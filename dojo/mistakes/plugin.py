@@ -5,7 +5,8 @@ that entry swapped in (``DOJO_SUBSTITUTE``, which reaches every rank and program
 
 A mistake runs as a learner meets it: the spec in file order, from the first test of the
 replaced function's step on (a test of an earlier step never reaches a later step's code: a
-learner at that step has not written it), until the first failure. That first failure is what
+learner at that step has not written it), until the first failure; the slow tests (real
+torchrun, real hosts) only where the entry names them. That first failure is what
 ``dojo check`` shows in full, so it must be one of the tests the entry names in ``fails`` and say
 every text in ``says``; the tests before it pass, as they would for the learner. The other
 tests in ``fails`` then run too, and must fail saying the same. A right answer's run passes when
@@ -144,7 +145,11 @@ def _wanted(item: pytest.Item, variant: Variant) -> bool:
     if variant.is_mistake:
         if _named(variant.entry, _plain_name(item, variant)):
             return True
-        # a test a learner meets before the named ones: it must pass (or be the first failure)
+        # a test a learner meets before the named ones: it must pass (or be the first failure);
+        # the slow ones (real torchrun, real hosts) run against the reference only, as for a
+        # right answer
+        if item.get_closest_marker("slow"):
+            return False
         return max(_steps_of(item), default=0) >= _first_step(variant.kata, variant.entry)
     if item.get_closest_marker("slow"):  # a right answer runs its step's quick tests; the slow
         return False  # ones (real torchrun, real hosts) run once, against the reference
