@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from dojo import impl
@@ -243,3 +245,40 @@ def shared_run(function):
         return value
 
     return shared
+
+
+class _StillRunning(BaseException):
+    """Raised inside a call that ran past its limit, to stop it (see ``returns_within``)."""
+
+
+class DidNotReturn(AssertionError):
+    """A call that needs nothing outside itself ran past its short limit."""
+
+
+def returns_within(what: str, function, *args, limit: float = 10.0):
+    """``function(*args)``, given a short limit of its own: it needs no other rank and no I/O,
+    so one that has not returned by then never will. The AssertionError names the call instead
+    of a harness timeout minutes later; the call is stopped (an exception raised inside it)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = function(*args)
+        except BaseException as error:  # carried to the caller as it was
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(_StillRunning)
+        )
+        raise DidNotReturn(
+            f"{what} did not return within {limit:g} s: it waits for no other rank and reads "
+            "nothing, so it is going round a loop for ever. Does every turn of the loop change "
+            "what its condition tests (an index that moves on, a rank that makes progress)?"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import threading
 
 import pytest
 import torch
 
 from dojo.calls import recording
 from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.testing import DidNotReturn, require_gpus, returns_within, run_program
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 from dojo.world import RankFailed, WorldDeadlock, run_world
@@ -21,7 +19,6 @@ KATA = "k21_pipeline"
 BLOCKS = 4  # the pipeline's model: a TinyTransformer of 4 blocks
 PER_MICRO_BATCH = 2  # sequences per micro-batch
 DEADLINE = 15  # a pipeline step takes well under a second; a deadlock is reported after this
-LIMIT_S = 10.0  # simulate of a few actions takes microseconds
 
 # Exactness. Each micro-batch's forward and backward on a stage are the same operations as in one
 # process running the whole model on that micro-batch, and every schedule here runs the backwards
@@ -32,43 +29,6 @@ WHOLE = {"rtol": 1e-5, "atol": 1e-7}
 # torch's schedules (scale_grads=True) add the micro-batches' gradients of the unscaled loss and
 # divide by m at the end; with m a power of two that is exact, elsewhere it is rounded once more.
 TORCH = {"rtol": 1e-6, "atol": 1e-8}
-
-
-class _StillRunning(BaseException):
-    """Raised inside a call that ran past its limit, to stop it (see ``_returns``)."""
-
-
-class _DidNotReturn(AssertionError):
-    """A call that needs nothing outside itself ran past its short limit."""
-
-
-def _returns(what: str, function, *args, limit: float = LIMIT_S):
-    """``function(*args)``, given a short limit of its own: it needs no other rank and no I/O,
-    so one that has not returned by then never will. The AssertionError names the call instead
-    of a harness timeout minutes later; the call is stopped (an exception raised inside it)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = function(*args)
-        except BaseException as error:  # carried to the caller as it was
-            box["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread.ident), ctypes.py_object(_StillRunning)
-        )
-        raise _DidNotReturn(
-            f"{what} did not return within {limit:g} s: it waits for no other rank and reads "
-            "nothing, so it is going round a loop for ever. Does every turn of the loop change "
-            "what its condition tests (an index that moves on, a rank that makes progress)?"
-        )
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _names(model, blocks) -> set[str]:
@@ -612,8 +572,8 @@ def test_bubble_matches_the_formula(kata, kind):
 def test_simulate_refuses_a_schedule_that_waits_for_ever(kata):
     stuck = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]  # rank 0's backward before its forward
     try:
-        got = _returns(f"simulate({stuck})", kata.simulate, stuck)
-    except _DidNotReturn as error:
+        got = returns_within(f"simulate({stuck})", kata.simulate, stuck)
+    except DidNotReturn as error:
         raise AssertionError(
             f"{error}. Here no rank can ever start: rank 0's backward of 0 waits for rank 1's, "
             "which waits for rank 1's forward of 0, which waits for rank 0's forward of 0, after "

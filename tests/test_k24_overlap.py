@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import random
 import re
-import threading
 import time
 from fractions import Fraction
 
@@ -15,7 +13,7 @@ import torch.distributed as dist
 
 from dojo.calls import recording
 from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program, shared_run
+from dojo.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer
 from dojo.world import run_world
@@ -24,50 +22,12 @@ KATA = "k24_overlap"
 PER_RANK = 4  # sequences per rank
 LATE = 0.3  # seconds rank 1 waits before it joins rank 0's all-reduce
 SPLIT_MB = 0.01  # k13's cap for the tests: several buckets of the TinyTransformer
-LIMIT_S = 10.0  # merge_intervals and overlap_fraction on a few intervals take microseconds
-
-
-class _StillRunning(BaseException):
-    """Raised inside a call that ran past its limit, to stop it (see ``_returns``)."""
-
-
-class _DidNotReturn(AssertionError):
-    """A call that needs nothing outside itself ran past its short limit."""
-
-
-def _returns(what: str, function, *args, limit: float = LIMIT_S):
-    """``function(*args)``, given a short limit of its own: it needs no other rank and no I/O,
-    so one that has not returned by then never will. The AssertionError names the call instead
-    of a harness timeout minutes later; the call is stopped (an exception raised inside it)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = function(*args)
-        except BaseException as error:  # carried to the caller as it was
-            box["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread.ident), ctypes.py_object(_StillRunning)
-        )
-        raise _DidNotReturn(
-            f"{what} did not return within {limit:g} s: it waits for no other rank and reads "
-            "nothing, so it is going round a loop for ever. Does every turn of the loop change "
-            "what its condition tests (an index that moves on, a rank that makes progress)?"
-        )
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _call(function, *args):
     try:
-        return _returns(f"{function.__name__}{_args(args)}", function, *args), None
-    except (KataTodo, _DidNotReturn):
+        return returns_within(f"{function.__name__}{_args(args)}", function, *args), None
+    except (KataTodo, DidNotReturn):
         raise
     except Exception as error:
         return None, error
@@ -176,7 +136,10 @@ def test_merge_intervals_against_a_grid(kata):
         for _ in range(generator.randint(1, 8)):
             start = generator.randint(0, 40)
             given.append((start, start + generator.randint(1, 10)))
-        got = [tuple(p) for p in _returns(f"merge_intervals({given})", kata.merge_intervals, given)]
+        got = [
+            tuple(p)
+            for p in returns_within(f"merge_intervals({given})", kata.merge_intervals, given)
+        ]
         assert _cells(got) == _cells(given), (
             f"merge_intervals({given}) returned {got}, which does not cover the same time: "
             "every moment inside some interval must be inside the union, and nothing else"
@@ -343,7 +306,7 @@ def test_overlap_fraction_against_a_grid(kata):
     for _ in range(200):
         backward, comms = intervals(generator.randint(0, 3)), intervals(generator.randint(1, 6))
         expected = _grid_fraction(backward, comms)
-        got = _returns(
+        got = returns_within(
             f"overlap_fraction({backward}, {comms})", kata.overlap_fraction, backward, comms
         )
         # Whole-number times: exact sums, one rounding in the division (hence the tolerance).
