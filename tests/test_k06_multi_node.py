@@ -650,6 +650,20 @@ if mode == "fail" and rank == "3":
     sys.exit(7)
 if mode == "first-ends" and local == "0":
     sys.exit(0)
+if mode == "together" and local == "0":  # ends last, so waiting on the first alone passes here
+    for name in os.listdir(folder):
+        if name.startswith("rank-") and name != f"rank-{rank}.json":
+            with open(os.path.join(folder, name)) as f:
+                pid = json.load(f)["pid"]
+            end = time.monotonic() + ALONE_S
+            while time.monotonic() < end:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            break
+                except OSError:
+                    break
+                time.sleep(0.02)
 if mode != "together":
     time.sleep(60)
 """.replace("ALONE_S", "10")

@@ -922,9 +922,20 @@ def _where(units, prefetch=True, reshard=True, world=2):
 @pytest.mark.step(6)
 @pytest.mark.parametrize("units", ["layers", "blocks"])
 def test_prefetch_launches_each_next_gather_ahead(kata, units):
-    results = run_world(_probe, 2, None, None, True, units, True, True, 2)
     count = len(_units_of(make_transformer(0), units))
     where = _where(units) + ", the second step"
+    try:
+        results = run_world(_probe, 2, None, None, True, units, True, True, 2)
+    except RankFailed as failure:
+        if "modified inplace" not in str(failure):
+            raise
+        # the only in-place write to a unit's vector after its views exist: a gather landing
+        raise AssertionError(
+            f"{where}: autograd found a unit's full vector written after the forward had used "
+            "its views: a gather launched ahead landed while the unit ran, because _wait never "
+            "waited for it. Call work.wait() on the pending gather before handing its vector "
+            "over\n" + str(failure)
+        ) from None
     for rank, got in enumerate(results):
         gathers = [c for c in got["forward_calls"] if c["name"] in GATHERS]
         assert len(gathers) == count, (

@@ -654,6 +654,7 @@ MISTAKES = [
         "returns_after_the_first",
         replaces="launch_node",
         # a learner meets it first as a launcher that waits on one rank while another failed
+        # (in the test before, local rank 0 is the last of the node to end)
         fails=["test_launch_node_names_the_failed_rank_and_stops_the_others"],
         says=["was still waiting", "watch every process at once"],
     ),
