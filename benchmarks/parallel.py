@@ -18,7 +18,8 @@ A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
 two ways take turns step by step, so a busy machine slows both alike; the table shows the median
 step time of each and ``torch's time / yours`` (above 1: yours is faster), and beside them the
-collectives each way calls in one step (counted in an untimed step after the timed ones: the
+collectives each way calls in one step (sends and receives included; counted in an untimed
+step after the timed ones, at the dispatcher, so DTensor's functional collectives count too: the
 fixed cost of a call is what a small model's step mostly pays). Both ways must end with
 the same weights (to a small tolerance: they add in different orders): a row that does not says
 WRONG and the run fails. A kata not written yet is listed as such; a torch without the
@@ -36,10 +37,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks._timing import timed
 from dojo import impl
-from dojo.calls import recording
 from dojo.console import run_program, say
 from dojo.devices import rank_device
 from dojo.launch import launch_world
@@ -292,11 +293,29 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], ar
     return rows
 
 
+# What a step asks of the process group, counted where both ways meet it: the dispatcher's c10d
+# ops (torch.distributed's calls, send and recv included) and the functional collectives that
+# DTensor calls without going through torch.distributed (waits and wrappers are not calls).
+_NOT_CALLS = ("barrier", "monitored_barrier", "wait_tensor", "_wrap_tensor_autograd")
+
+
+class _CountCollectives(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func.namespace, func.__name__.split(".")[0]
+        if namespace in ("c10d", "_c10d_functional") and name not in _NOT_CALLS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _collectives(way: Way, number: int) -> int:
-    """The collectives one step of ``way`` calls on this rank (the barriers of timing aside)."""
-    with recording() as calls:
+    """The collectives (and sends, receives) one step of ``way`` makes on this rank."""
+    with _CountCollectives() as counter:
         way(number)
-    return sum(1 for call in calls if call.name not in ("barrier", "new_group"))
+    return counter.count
 
 
 def _format_row(name: str, row: dict) -> str:
