@@ -658,8 +658,12 @@ def draw(
                 edgecolor="#777777",
                 linewidth=0.5,
             )
-            fontsize = 7
-            if (stop - start) / ms_per_point > len(part["name"]) * fontsize * 0.55 + 4:
+            # the largest font (7, else 5) whose label fits the strip: a short span ("F3")
+            # still says which micro-batch it is
+            width = (stop - start) / ms_per_point
+            fits = [f for f in (7, 5) if width > len(part["name"]) * f * 0.55 + 1.5]
+            if fits:
+                fontsize = fits[0]
                 axes.text(
                     (start + stop) / 2,
                     top + (row - 0.02) / 2,

@@ -217,7 +217,8 @@ def run_schedule(
                 inputs = torch.empty(*tokens.shape, MODEL_DIM, device=device)
                 dist.recv(inputs, src=previous, group=process_group)
                 inputs.requires_grad_()  # its gradient is what goes back to the previous rank
-            outputs = stage(inputs)
+            with torch.profiler.record_function(f"F{i}"):  # named for `dojo trace k21`'s timeline
+                outputs = stage(inputs)
             if following is not None:
                 sends.append(dist.isend(outputs.detach(), dst=following, group=process_group))
             held[i] = (inputs if previous is not None else None, outputs)
@@ -225,13 +226,15 @@ def run_schedule(
         else:
             inputs, outputs = held.pop(i)  # backward frees the micro-batch's activations
             if following is None:
-                loss = transformer_loss(outputs, targets.to(device)) / count  # the mean of m
-                loss.backward()
+                with torch.profiler.record_function(f"B{i}"):
+                    loss = transformer_loss(outputs, targets.to(device)) / count  # the mean of m
+                    loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
             else:
                 grad = torch.empty_like(outputs)
                 dist.recv(grad, src=following, group=process_group)
-                outputs.backward(grad)
+                with torch.profiler.record_function(f"B{i}"):
+                    outputs.backward(grad)
             if previous is not None:
                 sends.append(dist.isend(inputs.grad, dst=previous, group=process_group))
     for work in sends:  # every message delivered before the step ends
