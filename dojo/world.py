@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from dojo import impl, stacks
+from dojo import impl, reach, stacks
 from dojo import rank as _rank
 from dojo.stall import BusyWatch, StallWatch
 from dojo.todo import KataTodo
@@ -214,7 +214,7 @@ def _store_port() -> int:
 
 def _implementation_env() -> dict[str, str]:
     """What says which implementation ranks run: katas or solutions, and a catalogue's swaps."""
-    env = {impl.ENV_VAR: os.environ.get(impl.ENV_VAR, "katas")}
+    env = {impl.ENV_VAR: os.environ.get(impl.ENV_VAR, "katas"), **reach.environment()}
     if os.environ.get(impl.SUBSTITUTE_VAR):
         env[impl.SUBSTITUTE_VAR] = os.environ[impl.SUBSTITUTE_VAR]
     return env

@@ -166,11 +166,11 @@ def kata_table(lang: str = "en") -> str:
     }[lang]
     blocks = []
     for number, name in parts(lang).items():
-        rows = [f"**{name}**", "", head, "| --- | --- | --- | --- |"]
-        for kata in katas(lang):
-            if kata.part == number:
-                rows.append(
-                    f"| [{kata.id}](katas/{kata.module}.py) | {kata.title} | {kata.teaches} | {len(kata.steps)} |"
-                )
-        blocks.append("\n".join(rows))
+        rows = [
+            f"| [{kata.id}](katas/{kata.module}.py) | {kata.title} | {kata.teaches} | {len(kata.steps)} |"
+            for kata in katas(lang)
+            if kata.part == number
+        ]
+        if rows:  # a part named before its first kata lands is not shown yet
+            blocks.append("\n".join([f"**{name}**", "", head, "| --- | --- | --- | --- |", *rows]))
     return "\n\n".join(blocks)

@@ -13,6 +13,10 @@ tests in ``fails`` then run too, and must fail saying the same. A right answer's
 the test passes. Every other test is deselected, GPU tests included. A catalogue that names a
 test the spec does not have stops the run.
 
+When the gate has recorded what each test's reference run reached (``dojo.reach``, in
+``DOJO_REACH_FROM``), a test that never reaches the swapped function is not run again for an
+entry (it could only run the reference's code, which passed): it is reported skipped, saying so.
+
 Under xdist a mistake's tests stay together on one worker, in order: ``-n N --dist loadfile``
 keeps each spec file on one worker (another ``--dist`` stops the run; ``loadgroup`` cannot
 group tests that a plugin parametrizes, and pytest 9.2 ignores its renaming of test ids).
@@ -20,6 +24,7 @@ group tests that a plugin parametrizes, and pytest 9.2 ignores its renaming of t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -28,10 +33,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from dojo import curriculum, impl, mistakes
+from dojo import curriculum, impl, mistakes, reach
 from dojo.mistakes import Mistake, RightAnswer
 
 _SPEC = re.compile(r"^test_(k\d\d_\w+)\.py$")
+# Where the gate's run of every spec against the reference recorded what each test reached.
+FROM_VAR = "DOJO_REACH_FROM"
+UNREACHED = "not run again: the reference's own run of this test, which passed, never reaches"
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,44 @@ def _check_every_entry_runs(items: list[pytest.Item], katas: set[curriculum.Kata
 # A mistake's first failure, per worker (its tests run there together, in order): variant id ->
 # the test that failed first.
 _first_failure: dict[str, str] = {}
+
+
+@functools.cache
+def _reference_reach() -> dict[str, set[str]]:
+    """What each test's reference run reached (``dojo.reach``), when the gate recorded it."""
+    folder = os.environ.get(FROM_VAR)
+    return reach.read(folder) if folder else {}
+
+
+def _unreached(item: pytest.Item, variant: Variant) -> str | None:
+    """The swapped names, when the test's reference run reached none of them (so its run with
+    the entry swapped in is the reference's, which passed); else None."""
+    plain = f"{item.nodeid.split('::')[0]}::{_plain_name(item, variant)}"
+    ran = _reference_reach().get(plain)
+    if ran is None:
+        return None
+    module = importlib.import_module(f"solutions.{variant.kata.module}")
+    swapped = set(mistakes.swaps(variant.kata, variant.entry))
+    if not all(reach.observable(module, name) for name in swapped):
+        return None
+    prefix = f"{variant.kata.module}:"
+    names = {name[len(prefix) :] for name in ran if name.startswith(prefix)}
+    if swapped & reach.reached(module, names):
+        return None
+    return ", ".join(sorted(swapped))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test the entry can only meet as the reference's run: not run again, said so."""
+    variant = _variant(item)
+    if variant is None or (
+        variant.is_mistake and _named(variant.entry, _plain_name(item, variant))
+    ):
+        return
+    names = _unreached(item, variant)
+    if names is not None:
+        pytest.skip(f"{UNREACHED}: {names}")
 
 
 @pytest.hookimpl(tryfirst=True)

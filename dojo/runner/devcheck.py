@@ -31,7 +31,8 @@ import sys
 import tempfile
 import time
 
-from dojo import curriculum, impl
+from dojo import curriculum, impl, reach
+from dojo.mistakes import plugin
 from dojo.runner import classroom, consistency, imports, runs, steps
 
 PARTS = ("consistency", "solutions", "mistakes", "stubs")
@@ -132,10 +133,12 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.SUBSTITUTE_VAR)}
 
 
-def _pytest(title: str, *args: str, implementation: str | None = None) -> bool:
+def _pytest(
+    title: str, *args: str, implementation: str | None = None, env: dict | None = None
+) -> bool:
     shown = f"{impl.ENV_VAR}={implementation} " if implementation else ""
     print(f"\n=== {title}\n$ {shown}pytest {' '.join(args)}", flush=True)
-    env = _clean_env()
+    env = {**_clean_env(), **(env or {})}
     if implementation:
         env[impl.ENV_VAR] = implementation
     start = time.monotonic()
@@ -191,42 +194,71 @@ def check(
     ]
     # A full run tests the tooling too (dojo/tests/); a restricted one only its katas' specs.
     solution_tests = ["tests", "dojo/tests"] if katas is None else specs
-    for round_ in range(1, repeat + 1):
-        suffix = f" (round {round_} of {repeat})" if repeat > 1 else ""
-        if "solutions" in parts and solution_tests:
-            ok &= _pytest(
-                f"every solution passes{scope}{suffix}",
-                "--solutions",
-                "-n",
-                workers,
-                "-q",
-                *pytest_select,
-                *solution_tests,
-            )
-        if "mistakes" in parts and catalogued:
-            ok &= _pytest(
-                f"every catalogued mistake fails its spec, naming it; every right answer passes{scope}{suffix}",
-                "-p",
-                "dojo.mistakes.plugin",
-                "-n",
-                workers,
-                "--dist",
-                "loadfile",
-                "-q",
-                *pytest_select,
-                *catalogued,
-            )
-        if "stubs" in parts and specs:
-            ok &= _pytest(
-                f"every shipped stub fails with 'not implemented yet'{scope}{suffix}",
-                "--expect-todo",
-                "-n",
-                workers,
-                "-q",
-                f"--timeout={STUB_TEST_TIMEOUT_S}",
-                *pytest_select,
-                *specs,
-                implementation=impl.SHIPPED,  # dojo/pristine/, whatever katas/ holds
-            )
+    # The solutions pass notes what each test reaches of the reference (dojo.reach), so that the
+    # catalogue pass does not run again a test the swapped function never reaches.
+    reached = tempfile.mkdtemp(prefix="dojo-reach-")
+    try:
+        for round_ in range(1, repeat + 1):
+            suffix = f" (round {round_} of {repeat})" if repeat > 1 else ""
+            passes = (solution_tests, catalogued, specs)
+            ok &= _round(parts, workers, scope + suffix, pytest_select, *passes, reached)
+    finally:
+        shutil.rmtree(reached, ignore_errors=True)
     print(f"\n{'PASSED' if ok else 'FAILED'}: dev check{scope} in {time.monotonic() - start:.0f} s")
     return 0 if ok else 1
+
+
+def _round(
+    parts, workers, scope, pytest_select, solution_tests, catalogued, specs, reached
+) -> bool:
+    """One round of the pytest passes; ``scope`` says what it checks (and which round)."""
+    ok = True
+    if "solutions" in parts and solution_tests:
+        for leftover in os.listdir(reached):  # each round records afresh
+            os.remove(os.path.join(reached, leftover))
+        ok &= _pytest(
+            f"every solution passes{scope}",
+            "--solutions",
+            "-p",
+            "dojo.reach",
+            "-n",
+            workers,
+            "-q",
+            *pytest_select,
+            *solution_tests,
+            env={reach.DIR_VAR: reached},
+        )
+    if "mistakes" in parts and catalogued:
+        recorded = "solutions" in parts and os.listdir(reached)
+        ok &= _pytest(
+            f"every catalogued mistake fails its spec, naming it; every right answer passes{scope}",
+            "-p",
+            "dojo.mistakes.plugin",
+            "-n",
+            workers,
+            "--dist",
+            "loadfile",
+            "-q",
+            *pytest_select,
+            *catalogued,
+            env={plugin.FROM_VAR: reached} if recorded else None,
+        )
+        if recorded:
+            print(
+                "    (skipped: the runs of a test whose reference run never reached the swapped "
+                "function, which would run the reference's code again)",
+                flush=True,
+            )
+    if "stubs" in parts and specs:
+        ok &= _pytest(
+            f"every shipped stub fails with 'not implemented yet'{scope}",
+            "--expect-todo",
+            "-n",
+            workers,
+            "-q",
+            f"--timeout={STUB_TEST_TIMEOUT_S}",
+            *pytest_select,
+            *specs,
+            implementation=impl.SHIPPED,  # dojo/pristine/, whatever katas/ holds
+        )
+    return ok

@@ -2,7 +2,7 @@
 
 * kata files (``katas/``, ``solutions/``) import only the kata API (``KATA_API``); their
   packages' ``__init__`` also ``dojo.commands`` (a Python outside the environment says how to
-  get in);
+  get in), and the reference's ``dojo.reach`` (what the gate's tests reach of it);
 * only the runner (``dojo/runner/``, ``dojo/__main__.py`` and the tooling's own tests in
   ``dojo/tests/``) imports the runner;
 * no two modules of ``dojo`` import each other, directly or round a circle (imports inside
@@ -26,6 +26,7 @@ KATA_API = (
     "dojo.toy_models",
 )
 PACKAGE_API = (*KATA_API, "dojo.commands")  # katas/__init__.py, solutions/__init__.py
+REFERENCE_PACKAGE_API = (*PACKAGE_API, "dojo.reach")  # solutions/__init__.py: the gate's trace
 RUNNER = "dojo.runner"
 
 
@@ -65,7 +66,9 @@ def _python_files(*folders: str) -> list[Path]:
 def problems() -> list[str]:
     found = []
     for path in _python_files("katas", "solutions"):
-        allowed = PACKAGE_API if path.name == "__init__.py" else KATA_API
+        allowed = KATA_API
+        if path.name == "__init__.py":
+            allowed = REFERENCE_PACKAGE_API if path.parent.name == "solutions" else PACKAGE_API
         for name in sorted(imported(path)):
             if name not in allowed:
                 found.append(

@@ -27,8 +27,10 @@ def progress_view(state: progress.State) -> str:
         + f" {bar(done, len(katas))} {t('katas done', done=done, total=len(katas))}"
     ]
     for number, name in curriculum.parts().items():
-        lines.append(f"\n  {name}")
-        for kata in (k for k in katas if k.part == number):
+        members = [k for k in katas if k.part == number]
+        if members:  # a part named before its first kata lands is not shown yet
+            lines.append(f"\n  {name}")
+        for kata in members:
             status = progress.status(state, kata, now)
             label = t(f"status {status}")
             row = f"  {label}{' ' * max(1, 9 - _width(label))}{kata.id}  {kata.title}"
