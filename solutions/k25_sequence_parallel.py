@@ -254,13 +254,13 @@ class SequenceParallelLayerNorm(nn.Module):
 def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Sum over the group the gradients of ``module``'s parameters marked sequence-parallel, in
     one all-reduce; the number of gradients summed."""
-    grads = [
-        p.grad
-        for p in module.parameters()
-        if getattr(p, "sequence_parallel", False) and p.grad is not None
-    ]
-    if not grads:
+    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    if not params:
         return 0
+    for param in params:  # every rank must make the same call, whatever it used
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])  # one buffer: one call, not one per tensor
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # partial sums: add, never average
     offset = 0

@@ -247,6 +247,16 @@ def test_reduce_scatter_sequence_gives_each_rank_the_sum_of_its_positions(kata, 
                 f"expected the sum: do not divide by the group's size {len(members)}"
             )
         _check_one(rank, done["calls"], "reduce-scatter", "reduce_scatter_sequence", where)
+        size = len(members)
+        flat = total.reshape(size * 4, per, 3)[index * 4 : (index + 1) * 4]
+        if value.shape == expected.shape and torch.equal(value, flat):
+            raise AssertionError(
+                f"rank {rank}: reduce_scatter_sequence gave a mix of sequences and positions "
+                f"{where}: reshaping (batch, sequence, dim) straight to (N * batch, sequence / N, "
+                "dim) does not put rank r's positions in block r (it cuts each sequence in N "
+                "pieces, batch by batch). View it as (batch, N, sequence / N, dim), move the ranks' "
+                "dimension first (transpose(0, 1)), make that contiguous, then reduce-scatter"
+            )
         if value.shape == expected.shape and not torch.equal(value, expected):
             for other in range(len(members)):
                 if torch.equal(value, total[:, other * per : (other + 1) * per]):
@@ -329,20 +339,33 @@ def _pair(rank, world_size, groups):
             with recording() as forward:
                 y = apply(leaf, group)
             value = y.detach().clone()
+        except KataTodo:
+            raise
+        except Exception as error:
+            out[name] = {"failure": _fail(rank, f"the {name} region's forward", error)}
+            continue
+        out[name] = {
+            "failure": None,
+            "value": value,
+            "forward": _calls(forward, group),
+            "backward_failure": None,
+        }
+        try:
             with recording() as backward:
                 y.backward(upstream.clone())
         except KataTodo:
             raise
         except Exception as error:
-            out[name] = {"failure": _fail(rank, f"the {name} region (forward or backward)", error)}
+            failure = _fail(rank, f"the {name} region's backward", error)
+            if groups is not None and "invalid gradient" in failure:
+                failure += (
+                    f" (in the group {members}: did backward use the group forward was given, "
+                    "kept in ctx, or the whole world?)"
+                )
+            out[name]["backward_failure"] = failure
             continue
-        out[name] = {
-            "failure": None,
-            "value": value,
-            "grad": None if leaf.grad is None else leaf.grad.clone(),
-            "forward": _calls(forward, group),
-            "backward": _calls(backward, group),
-        }
+        out[name]["grad"] = None if leaf.grad is None else leaf.grad.clone()
+        out[name]["backward"] = _calls(backward, group)
     return out
 
 
@@ -368,6 +391,8 @@ def test_gather_region_all_gathers_forward_and_reduce_scatters_backward(kata, wo
             f"rank {rank}: {what}'s forward is not every rank's positions in order "
             f"({_gap(done['value'], expected)}) {where}: all_gather_sequence"
         )
+        if done["backward_failure"]:
+            raise AssertionError(done["backward_failure"])
         grad = done["grad"]
         summed = sum(results[m]["up_full"] for m in members)[:, mine]
         if grad is None:
@@ -418,6 +443,8 @@ def test_reduce_scatter_region_reduce_scatters_forward_and_all_gathers_backward(
             f"rank {rank}: {what}'s forward is not the group's sum at this rank's positions "
             f"({_gap(done['value'], expected)}) {where}: reduce_scatter_sequence"
         )
+        if done["backward_failure"]:
+            raise AssertionError(done["backward_failure"])
         grad = done["grad"]
         gathered = torch.cat([results[m]["up_mine"] for m in members], dim=1)
         if grad is None:
@@ -765,7 +792,7 @@ def _row(rank, world_size, groups):
             y = layer(inputs)
         with recording() as backward:
             y.backward(upstream[:, mine])
-        local_bias = layer.bias.grad.clone()
+        local_bias = None if layer.bias.grad is None else layer.bias.grad.clone()
         with recording() as synced:
             kata.sync_sequence_parallel_grads(layer, group)
     except KataTodo:
@@ -800,7 +827,8 @@ _rows = shared_run(lambda world: run_world(_row, *WORLDS[world]))
 def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
     where = _where(world)
     what = "RowParallelLinear(nn.Linear(32, 16))"
-    for got in _rows(world):
+    results = _rows(world)
+    for got in results:  # every rank's output first, then the gradients
         if got["failure"]:
             raise AssertionError(got["failure"])
         rank, size = got["rank"], got["size"]
@@ -817,6 +845,8 @@ def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
             f"({_gap(output, expected)}) {where}: F.linear without the bias, the region's "
             "reduce-scatter, then + self.bias on every rank"
         )
+    for got in results:
+        rank = got["rank"]
         _check_one(rank, got["backward"], "all-gather", f"{what}'s backward", where)
         assert _close(got["x_grad"], got["expected_x_grad"]), (
             f"rank {rank}: the input's gradient through {what} is not the dense layer's "
@@ -902,7 +932,13 @@ def _block(rank, world_size, groups):
     except KataTodo:
         raise
     except Exception as error:
-        return {"failure": _fail(rank, "SequenceParallelBlock", error)}
+        failure = _fail(rank, "SequenceParallelBlock", error)
+        if "invalid for input of size" in failure:
+            failure += (
+                ". The gathered q, k and v hold the WHOLE sequence: take the length from them "
+                "(q.shape[1]), not from x (this rank's positions)"
+            )
+        return {"failure": failure}
     slices = _expected_slices(index, size)
     dense_params = dict(dense.named_parameters())
     return {
@@ -1124,8 +1160,8 @@ def _explain(got: int, measured: int, batch: int, length: int, dim: int, heads: 
         "two LayerNorms)",
         4 * heads * batch * length * length // n: "softmax's output (batch x heads x s x s)",
     }
-    tp = 4 * (4 * batch * length * dim) * (1 - 1 / n)
-    if n > 1 and abs(-diff - tp) < 1:
+    whole = (4 * 4 * batch * length * dim, 4 * (4 * batch * length * dim + 4 * batch * length))
+    if n > 1 and any(abs(-diff - w * (1 - 1 / n)) < 8 for w in whole):
         return (
             ": you counted the LayerNorms' inputs and outputs whole (k20's layout); with "
             "sequence parallelism they hold this rank's positions only: divide them by the ranks"

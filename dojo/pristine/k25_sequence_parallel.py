@@ -255,11 +255,12 @@ class SequenceParallelLayerNorm(nn.Module):
 def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Sum over the group the gradients of ``module``'s parameters marked sequence-parallel, in
     one all-reduce; the number of gradients summed."""
-    # TODO: every parameter of `module` marked sequence_parallel (and holding a gradient) gets the
-    # SUM of its gradient over the group (None: the world), in ONE collective call whatever their
-    # number; other parameters untouched; return how many gradients were summed. The tests
-    # compare with the dense LayerNorm's gradients, give an unmarked parameter a gradient of its
-    # own, and record the calls, on 2 and 4 ranks and in subgroups.
+    # TODO: every parameter of `module` marked sequence_parallel gets the SUM of its gradient over
+    # the group (None: the world; a missing gradient counts as zeros, so that every rank makes the
+    # same call), in ONE collective call whatever their number; other parameters untouched;
+    # return how many gradients were summed. The tests compare with the dense LayerNorm's
+    # gradients, give an unmarked parameter a gradient of its own, and record the calls, on 2
+    # and 4 ranks and in subgroups.
     raise KataTodo("k25", 3, "SequenceParallelLayerNorm and its partial gradients")
 
 
