@@ -153,11 +153,11 @@ def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
 def sequence_range(length: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(start, end)`` of this rank's positions of a sequence of ``length``; ValueError when
     the length does not divide by the group's size."""
-    # TODO: (start, end) of this rank's equal share of `length` positions, in the order of the
-    # ranks IN THE GROUP (None: the world), so that the group's ranks cover 0..length - 1 once.
-    # A length that does not divide by the group's size is a ValueError naming both numbers and
-    # what to do. The tests run in the world and in subgroups [0, 1] and [2, 3], and try 10
-    # positions on 4 ranks.
+    # TODO: (start, end) of this rank's equal share of `length` positions, in the order of the ranks
+    # IN THE GROUP (None: the world), so that the group's ranks cover 0..length - 1 once. A length
+    # that does not divide by the group's size is a ValueError naming both numbers and what to do.
+    # The tests run in the world and in subgroups [0, 1] and [2, 3], and try 10 positions on 4
+    # ranks.
     raise KataTodo("k25", 1, "along the sequence: all-gather and reduce-scatter on dim 1")
 
 
@@ -165,9 +165,9 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None)
     """Every rank's ``x`` (batch, sequence / N, ...) end to end along the sequence (dim 1), in
     the order of the ranks in the group: a new tensor (batch, sequence, ...)."""
     # TODO: every rank's x end to end along dim 1 (the sequence), in group order, in a new tensor
-    # (batch, N * x.shape[1], ...); one all-gather on the group (all_gather_into above gathers
-    # along dim 0). The tests record exactly one all-gather on the group and compare the values
-    # exactly, on 2 and 4 ranks and in subgroups; x itself stays as it was.
+    # (batch, N * x.shape[1], ...); one all-gather on the group (all_gather_into above gathers along
+    # dim 0). The tests record exactly one all-gather on the group and compare the values exactly,
+    # on 2 and 4 ranks and in subgroups; x itself stays as it was.
     raise KataTodo("k25", 1, "along the sequence: all-gather and reduce-scatter on dim 1")
 
 
@@ -178,9 +178,9 @@ def reduce_scatter_sequence(
     of it (``sequence_range``'s): a new tensor (batch, sequence / N, ...); ValueError when the
     sequence does not divide."""
     # TODO: the group's SUM of x, this rank's positions of it (sequence_range's), a new tensor
-    # (batch, sequence / N, ...); one reduce-scatter on the group (reduce_scatter_into above
-    # splits dim 0); a ValueError before any collective when the sequence does not divide. The
-    # tests record exactly one reduce-scatter (a sum, not an all-reduce) and compare exactly.
+    # (batch, sequence / N, ...); one reduce-scatter on the group (reduce_scatter_into above splits
+    # dim 0); a ValueError before any collective when the sequence does not divide. The tests record
+    # exactly one reduce-scatter (a sum, not an all-reduce) and compare exactly.
     raise KataTodo("k25", 1, "along the sequence: all-gather and reduce-scatter on dim 1")
 
 
@@ -199,9 +199,10 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # TODO: the gradient of this rank's positions: every rank's gathered copy used them, so it is
-        # the SUM over the group, and None for the group. The tests record exactly one reduce-scatter
-        # (on the group kept in ctx) and compare the gradient exactly, in subgroups too.
+        # TODO: the gradient of this rank's positions: every rank's gathered copy used them, so it
+        # is the SUM over the group, and None for the group. The tests record exactly one
+        # reduce-scatter (on the group kept in ctx) and compare the gradient exactly, in subgroups
+        # too.
         raise KataTodo("k25", 2, "the conjugate pair: gather forward, reduce-scatter backward")
 
 
@@ -257,10 +258,10 @@ def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | N
     one all-reduce; the number of gradients summed."""
     # TODO: every parameter of `module` marked sequence_parallel gets the SUM of its gradient over
     # the group (None: the world; a missing gradient counts as zeros, so that every rank makes the
-    # same call), in ONE collective call whatever their number; other parameters untouched;
-    # return how many gradients were summed. The tests compare with the dense LayerNorm's
-    # gradients, give an unmarked parameter a gradient of its own, and record the calls, on 2
-    # and 4 ranks and in subgroups.
+    # same call), in ONE collective call whatever their number; other parameters untouched; return
+    # how many gradients were summed. The tests compare with the dense LayerNorm's gradients, give
+    # an unmarked parameter a gradient of its own, and record the calls, on 2 and 4 ranks and in
+    # subgroups.
     raise KataTodo("k25", 3, "SequenceParallelLayerNorm and its partial gradients")
 
 
@@ -288,10 +289,10 @@ class AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # TODO: the gradient of x (this rank's positions, the sum over the ranks' features), None for
-        # the group, then each weight's and bias's gradient (None for a missing bias). The tests
-        # record exactly one all-gather and one reduce-scatter, however many layers, and compare with
-        # the dense layers' gradients (this rank's rows; the whole sequence counted).
+        # TODO: the gradient of x (this rank's positions, the sum over the ranks' features), None
+        # for the group, then each weight's and bias's gradient (None for a missing bias). The tests
+        # record exactly one all-gather and one reduce-scatter, however many layers, and compare
+        # with the dense layers' gradients (this rank's rows; the whole sequence counted).
         raise KataTodo(
             "k25", 4, "the linears: gather once, gather again in backward; scatter the sum"
         )
@@ -343,8 +344,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO: the dense layer's output at this rank's positions (batch, sequence / N, out), from x
         # (batch, sequence, this rank's input features), the bias counted once. The tests record one
-        # reduce-scatter forward and one all-gather backward, and compare the output, the gradients and
-        # (after sync_sequence_parallel_grads) the bias's gradient with the dense layer's.
+        # reduce-scatter forward and one all-gather backward, and compare the output, the gradients
+        # and (after sync_sequence_parallel_grads) the bias's gradient with the dense layer's.
         raise KataTodo(
             "k25", 4, "the linears: gather once, gather again in backward; scatter the sum"
         )
@@ -408,8 +409,8 @@ class SequenceParallelBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO: the dense block's output at this rank's positions, from this rank's positions. The
         # tests compare the output, the input's gradient and every parameter's gradient (after
-        # sync_sequence_parallel_grads) with the dense block's on 2 and 4 ranks and in subgroups, and
-        # with torch's parallelize_module.
+        # sync_sequence_parallel_grads) with the dense block's on 2 and 4 ranks and in subgroups,
+        # and with torch's parallelize_module.
         raise KataTodo("k25", 5, "the block: equal to one process")
 
 
@@ -419,9 +420,9 @@ class SequenceParallelBlock(nn.Module):
 def activation_bytes(batch: int, length: int, dim: int, heads: int, ranks: int) -> int:
     """The bytes one rank's ``SequenceParallelBlock`` (``ranks`` ranks; 1: the dense ``Block``)
     keeps for backward in fp32: what autograd saves, the parameters aside."""
-    # TODO: the bytes autograd keeps for backward in one rank's SequenceParallelBlock (ranks=1:
-    # the dense Block), fp32, parameters aside, as an int from the shape alone. The tests measure
-    # the blocks with saved_tensors_hooks on 1, 2 and 4 ranks at two shapes and compare exactly.
+    # TODO: the bytes autograd keeps for backward in one rank's SequenceParallelBlock (ranks=1: the
+    # dense Block), fp32, parameters aside, as an int from the shape alone. The tests measure the
+    # blocks with saved_tensors_hooks on 1, 2 and 4 ranks at two shapes and compare exactly.
     raise KataTodo("k25", 6, "activation_bytes: the formula against what autograd saved")
 
 

@@ -254,8 +254,9 @@ def test_reduce_scatter_sequence_gives_each_rank_the_sum_of_its_positions(kata, 
                 f"rank {rank}: reduce_scatter_sequence gave a mix of sequences and positions "
                 f"{where}: reshaping (batch, sequence, dim) straight to (N * batch, sequence / N, "
                 "dim) does not put rank r's positions in block r (it cuts each sequence in N "
-                "pieces, batch by batch). View it as (batch, N, sequence / N, dim), move the ranks' "
-                "dimension first (transpose(0, 1)), make that contiguous, then reduce-scatter"
+                "pieces, batch by batch). View it as (batch, N, sequence / N, dim), move the "
+                "ranks' dimension first (transpose(0, 1)), make that contiguous, then "
+                "reduce-scatter"
             )
         if value.shape == expected.shape and not torch.equal(value, expected):
             for other in range(len(members)):
@@ -1188,10 +1189,15 @@ def test_activation_bytes_is_what_autograd_saved(kata, ranks):
                 f"ranks={ranks})"
             )
             who = "the dense block on one process" if ranks == 1 else f"rank {rank}'s block"
+            why = (
+                _explain(got, saved, batch, length, dim, heads, ranks)
+                if isinstance(got, int)
+                else ": return an int, a number of bytes"
+            )
             assert isinstance(got, int) and got == saved, (
                 f"{what} is {got!r}, but {who} kept {saved} bytes for backward (measured with "
                 "torch.autograd.graph.saved_tensors_hooks: every distinct storage saved, the "
-                f"parameters aside){_explain(got, saved, batch, length, dim, heads, ranks) if isinstance(got, int) else ': return an int, a number of bytes'}"
+                f"parameters aside){why}"
             )
 
 
