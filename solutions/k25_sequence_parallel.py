@@ -1,0 +1,578 @@
+"""k25 · Sequence parallel: k20's block with its LayerNorms and residuals split along the sequence.
+
+THE IDEA
+    k20 split a block's attention and MLP over the ranks of a tensor-parallel group, but left
+    everything between them whole: every rank holds the full ``(batch, sequence, dim)``
+    activations of the two LayerNorms and of the residual stream, and computes the same
+    LayerNorm as every other rank. Those copies are the largest activations the block keeps for
+    backward that did not shrink with the group. Megatron-LM's sequence parallelism (Korthikanti
+    et al. 2022) splits them along the SEQUENCE: each rank keeps ``sequence / N`` positions of
+    the residual stream and normalizes only those (a LayerNorm works on each position alone).
+    The attention and the MLP still need the whole sequence on every rank, so k20's two
+    all-reduces become an all-gather along the sequence before the column-parallel layers and
+    a reduce-scatter along the sequence after the row-parallel one:
+
+        2 ranks, a sequence of 8 positions; rank 0 holds 0..3, rank 1 holds 4..7
+        x[:, mine] -> LayerNorm -> all-gather --> [ q, k, v: my heads ] -> attention -> [ out ]
+                      (my rows)   (sequence)       whole sequence, my features           |
+        x[:, mine] + <-------------------- reduce-scatter (the sum, my rows) <-----------+
+                   -> LayerNorm -> all-gather --> [ up ] -> relu -> [ down ] -> reduce-scatter
+                                                                                 -> + x[:, mine]
+
+        k20:  f (identity forward, all-reduce backward)   g (all-reduce forward, identity back)
+        k25:  all-gather forward, reduce-scatter backward  reduce-scatter forward, all-gather back
+
+    An all-reduce IS a reduce-scatter followed by an all-gather (a ring all-reduce is exactly
+    that), so the bytes each rank sends are the same as k20's; what changes is what each rank
+    holds between the two: a slice of the sequence instead of all of it. The pair is again
+    conjugate: the all-gather's gradient is the SUM of every rank's contribution to the
+    gathered positions, scattered back (each rank gets the sum for its own rows); the
+    reduce-scatter's gradient reaches every rank's whole partial, so it is gathered.
+
+    Two gradients need care. A LayerNorm's weight and bias are replicated, but each rank uses
+    them on its own positions only, so the gradient each rank computes is a PARTIAL SUM (its
+    positions' share); so is the gradient of the row-parallel layers' bias, added after the
+    reduce-scatter on the slice. They must be summed over the group before the optimizer step
+    (one all-reduce, however many of them: flatten them into one buffer). torch leaves them so
+    too: a ``SequenceParallel`` LayerNorm's gradient is a DTensor placed ``Partial(sum)``.
+    The column-parallel layers' gradients are complete: they saw the whole gathered sequence.
+
+    Activation memory. A column-parallel layer needs its input again in backward (for its weight
+    gradient). Saving the gathered input would keep the full sequence alive after all, so
+    Megatron saves only this rank's slice and all-gathers it AGAIN in backward: one more
+    all-gather, and every activation the block keeps shrinks by N. Counting what autograd
+    saves in this block (fp32, 4 bytes; b batch, s sequence, h dim, a heads, N ranks):
+
+        LayerNorm inputs and outputs          4 b s h / N    (k20: 4 b s h, every rank alike)
+        q, k, v, attention's output           4 b s h / N
+        relu's output (4h features)           4 b s h / N
+        softmax's output                      a b s s / N
+        -> about 4 bytes x (12 b s h + a b s s) / N, and a few small tensors more (step 6
+           finds them: measure, then count)
+
+    (Megatron's paper counts 34 s b h + 5 a s s b in fp16 with dropout; the same accounting.)
+
+    What torch offers, and when a practitioner would choose it:
+
+        parallelize_module(block, mesh, plan)     one plan per block; the layouts say where
+          SequenceParallel() on the norms         each tensor is split: Shard(1) is the
+          ColwiseParallel(input_layouts=Shard(1)) sequence of (batch, seq, dim); DTensor
+          RowwiseParallel(output_layouts=Shard(1)) inserts the all-gathers and reduce-scatters
+          PrepareModuleInput(Shard(1) -> Replicate()) (torchtitan's plan for Llama)
+        memory: the activations between the parallel regions / N; the weights as k20's;
+        bytes: the same as TP's all-reduces; calls: the same count forward, two extra
+        all-gathers backward (the inputs gathered again).
+        When it pays: always with tensor parallelism once activations, not weights, fill the
+        device (long sequences, big batches); it costs nothing in bytes. Where a sequence is
+        too long for one device's attention even then, split the attention too (ring
+        attention, context parallel: torch's context_parallel), the next katas.
+
+STEPS
+    1. Along the sequence: ``sequence_range`` (this rank's positions, a ``ValueError`` when the
+       sequence does not divide by the group's size), ``all_gather_sequence`` and
+       ``reduce_scatter_sequence`` (the collectives along dim 1, not dim 0).
+    2. The conjugate pair: ``GatherFromSequenceParallelRegion`` (all-gather forward,
+       reduce-scatter backward) and ``ReduceScatterToSequenceParallelRegion`` (the reverse).
+    3. ``SequenceParallelLayerNorm`` (forward on the slice, no communication) and
+       ``sync_sequence_parallel_grads`` (the partial gradients summed over the group, once).
+    4. The linears: ``AllGatherLinear`` (column-parallel layers that read one slice: gathered
+       once forward, gathered again backward, only the slice kept) and
+       ``RowParallelLinear.forward`` (partial products reduce-scattered, the bias on the slice).
+    5. ``SequenceParallelAttention.forward`` (one all-gather for q, k and v) and
+       ``SequenceParallelBlock``: equal to one process, forward and backward.
+    6. ``activation_bytes``: the formula for what a rank's block keeps for backward, held
+       against what autograd really saved.
+
+WHAT THE TESTS CHECK
+    By recording every rank's calls: which collective each function calls forward and backward
+    (one all-gather, one reduce-scatter, on the group), along the sequence (each rank's rows, in
+    rank order), sums not means, on 2 and 4 ranks and in two subgroups of 4 ranks, inputs left
+    unchanged; a ``ValueError`` for a sequence that does not divide; LayerNorm without
+    communication and its gradients summed in one all-reduce (only the partial ones); each
+    linear's output and gradients equal to the dense layer's slices, the bytes autograd saved
+    (the slice only, not the gathered input); the whole block equal to one process (output,
+    input gradient, every parameter's gradient) with 2 all-gathers and 2 reduce-scatters
+    forward; the same as torch's ``parallelize_module`` with ``SequenceParallel``,
+    ``ColwiseParallel`` and ``RowwiseParallel`` on ``Shard(1)`` over an
+    ``init_device_mesh("cpu", (2,))`` mesh; the activation bytes measured on 1, 2 and 4 ranks
+    against your formula; and the program.
+
+RUN IT
+    python -m katas.k25_sequence_parallel --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from dojo.console import run_program, say
+from dojo.devices import rank_device
+from dojo.launch import add_launch_arguments, launch_world
+from dojo.toy_models import Attention, Block, make_tokens, make_transformer
+
+# --------------------------------------------------------------------------- written for you
+
+
+def all_gather_into(output: torch.Tensor, piece: torch.Tensor, group=None) -> None:
+    """Every rank's contiguous ``piece`` end to end ALONG DIM 0 into ``output`` (N times the
+    piece's first dimension), in rank order. torch 2.14 renamed ``all_gather_into_tensor`` to
+    ``all_gather_single``; older versions have only the old name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, piece, group=group)
+
+
+def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group=None) -> None:
+    """The sum over the ranks of piece ``rank`` ALONG DIM 0 of the contiguous ``full`` into
+    ``output`` (1/N of ``full``'s first dimension). ``reduce_scatter_single`` where torch has it,
+    else ``reduce_scatter_tensor``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, full, op=dist.ReduceOp.SUM, group=group)
+
+
+def sequence_shard(x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's positions of ``x`` (batch, sequence, ...), a copy (``sequence_range``'s)."""
+    start, end = sequence_range(x.shape[1], group)
+    return x[:, start:end].contiguous()
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
+    """Mark a replicated parameter used on this rank's positions only: its gradient is partial."""
+    param.sequence_parallel = True
+    return param
+
+
+# --------------------------------------------------------------------------- step 1
+
+
+def sequence_range(length: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(start, end)`` of this rank's positions of a sequence of ``length``; ValueError when
+    the length does not divide by the group's size."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if length % size:
+        raise ValueError(
+            f"a sequence of {length} positions does not split over {size} ranks: sequence "
+            f"parallelism gives every rank the same number of positions, so make the length a "
+            f"multiple of {size} (pad the sequence) or choose a group size that divides it"
+        )
+    share = length // size
+    return rank * share, (rank + 1) * share
+
+
+def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's ``x`` (batch, sequence / N, ...) end to end along the sequence (dim 1), in
+    the order of the ranks in the group: a new tensor (batch, sequence, ...)."""
+    size = dist.get_world_size(group)
+    piece = x.contiguous()
+    gathered = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(gathered, piece, group)  # along dim 0: rank r's piece is block r
+    # (N, batch, s/N, ...) -> (batch, N, s/N, ...) -> (batch, s, ...): rank r's rows r-th
+    blocks = gathered.view(size, *x.shape)
+    return blocks.transpose(0, 1).reshape(x.shape[0], size * x.shape[1], *x.shape[2:])
+
+
+def reduce_scatter_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The sum over the group of every rank's ``x`` (batch, sequence, ...), this rank's positions
+    of it (``sequence_range``'s): a new tensor (batch, sequence / N, ...); ValueError when the
+    sequence does not divide."""
+    size = dist.get_world_size(group)
+    sequence_range(x.shape[1], group)  # the check, before any collective
+    batch, share = x.shape[0], x.shape[1] // size
+    # (batch, s, ...) -> (batch, N, s/N, ...) -> (N, batch, s/N, ...): rank r's rows in block r
+    blocks = x.reshape(batch, size, share, *x.shape[2:]).transpose(0, 1).contiguous()
+    mine = torch.empty((batch, share, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(mine, blocks.view(size * batch, share, *x.shape[2:]), group)
+    return mine
+
+
+# --------------------------------------------------------------------------- step 2
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Entering the tensor-parallel region: forward all-gather along the sequence; backward the
+    gradient's sum over the group, reduce-scattered to each rank's positions."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # every rank's gathered copy sent gradient to my positions: their sum, my rows
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Leaving the tensor-parallel region: forward the sum over the group, this rank's positions
+    of it; backward the gradient of my positions all-gathered (every partial gets all of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather along the sequence forward, reduce-scatter backward."""
+    return GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward, all-gather backward."""
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+# --------------------------------------------------------------------------- step 3
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """``nn.LayerNorm`` on this rank's positions: the weight and bias replicated (copies), their
+    gradients partial sums (marked for ``sync_sequence_parallel_grads``)."""
+
+    def __init__(self, norm: nn.LayerNorm):
+        super().__init__()
+        self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
+        self.weight = mark_sequence_parallel(nn.Parameter(norm.weight.detach().clone()))
+        self.bias = mark_sequence_parallel(nn.Parameter(norm.bias.detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # each position is normalized over its own features: my positions need no one else's
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Sum over the group the gradients of ``module``'s parameters marked sequence-parallel, in
+    one all-reduce; the number of gradients summed."""
+    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    if not params:
+        return 0
+    for param in params:  # every rank must make the same call, whatever it used
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one buffer: one call, not one per tensor
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # partial sums: add, never average
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return len(grads)
+
+
+# --------------------------------------------------------------------------- step 4
+
+
+class AllGatherLinear(torch.autograd.Function):
+    """Column-parallel layers that read the same sequence slice ``x``: gathered once forward,
+    gathered again backward (only ``x`` is kept), the input's gradient reduce-scattered.
+
+    ``AllGatherLinear.apply(x, group, weight0, bias0, weight1, bias1, ...)`` returns one output
+    per (weight, bias) pair: ``F.linear(all_gather_sequence(x), weight, bias)``; a bias may be
+    None.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, *params):
+        ctx.group = group
+        weights, biases = params[0::2], params[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)  # my slice only: the gathered input is not kept
+        full = all_gather_sequence(x, group)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = all_gather_sequence(x, ctx.group)  # gathered again: cheaper than keeping it
+        inputs = full.reshape(-1, full.shape[-1])
+        grad_full = None
+        param_grads = []
+        for weight, has_bias, grad in zip(weights, ctx.has_bias, grads):
+            flat = grad.reshape(-1, grad.shape[-1])
+            through = flat @ weight
+            grad_full = through if grad_full is None else grad_full.add_(through)
+            param_grads += [flat.t() @ inputs, flat.sum(0) if has_bias else None]
+        # every rank's features sent gradient to every position: the sum, my positions of it
+        grad_x = reduce_scatter_sequence(grad_full.view(*full.shape[:-1], -1), ctx.group)
+        return (grad_x, None, *param_grads)
+
+
+def all_gather_linear(x: torch.Tensor, layers, group=None) -> tuple[torch.Tensor, ...]:
+    """Each of ``layers`` (``weight``, ``bias``) applied to the gathered ``x``, one all-gather."""
+    return AllGatherLinear.apply(
+        x, group, *[t for layer in layers for t in (layer.weight, layer.bias)]
+    )
+
+
+def _split(features: int, group, what: str) -> tuple[int, int]:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if features % size:
+        raise ValueError(
+            f"{what}: {features} features do not split evenly over {size} ranks: choose a "
+            "group size that divides them"
+        )
+    share = features // size
+    return rank * share, (rank + 1) * share
+
+
+class ColumnParallelLinear(nn.Module):
+    """k20's column-parallel layer (my output features), reading my positions: it gathers them."""
+
+    def __init__(self, linear: nn.Linear, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.process_group = process_group
+        start, end = _split(linear.out_features, process_group, "ColumnParallelLinear")
+        self.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[start:end].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather_linear(x, [self], self.process_group)[0]
+
+
+class RowParallelLinear(nn.Module):
+    """k20's row-parallel layer (my input features), its output reduce-scattered to my positions;
+    the whole bias on every rank, added on my positions (so its gradient is partial: marked)."""
+
+    def __init__(self, linear: nn.Linear, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.process_group = process_group
+        start, end = _split(linear.in_features, process_group, "RowParallelLinear")
+        self.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
+        self.bias = mark_sequence_parallel(nn.Parameter(linear.bias.detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # my features' share of every position's output
+        mine = reduce_scatter_to_sequence_parallel_region(partial, self.process_group)
+        return mine + self.bias  # once, after the sum, on my positions
+
+
+# --------------------------------------------------------------------------- step 5
+
+
+class SequenceParallelAttention(nn.Module):
+    """``dojo.toy_models.Attention`` split by whole heads (k20's), reading my positions and
+    returning my positions: q, k and v from one all-gather, out reduce-scattered."""
+
+    def __init__(self, attention: Attention, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.process_group = process_group
+        self.head_dim = attention.head_dim
+        heads = attention.query.out_features // attention.head_dim
+        size = dist.get_world_size(process_group)
+        if heads % size:
+            raise ValueError(
+                f"SequenceParallelAttention: {heads} heads do not split over {size} ranks: "
+                "each rank must hold whole heads, so the group's size must divide the heads"
+            )
+        self.local_heads = heads // size
+        self.query = ColumnParallelLinear(attention.query, process_group)
+        self.key = ColumnParallelLinear(attention.key, process_group)
+        self.value = ColumnParallelLinear(attention.value, process_group)
+        self.out = RowParallelLinear(attention.out, process_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        q, k, v = all_gather_linear(x, [self.query, self.key, self.value], self.process_group)
+        length = q.shape[1]  # the whole sequence: attention needs every position
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, my heads, length, head_dim)
+            return t.view(batch, length, self.local_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(q), heads(k), heads(v)
+        scores = q @ k.transpose(-2, -1) / self.head_dim**0.5
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        attended = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
+        return self.out(attended.transpose(1, 2).reshape(batch, length, -1))  # my positions
+
+
+class SequenceParallelMLP(nn.Module):
+    """``dojo.toy_models.MLP``: up column-parallel (gathering), down row-parallel (scattering)."""
+
+    def __init__(self, mlp: nn.Module, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.up = ColumnParallelLinear(mlp.up, process_group)
+        self.down = RowParallelLinear(mlp.down, process_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class SequenceParallelBlock(nn.Module):
+    """``dojo.toy_models.Block`` with tensor and sequence parallelism: input and output are this
+    rank's positions ``(batch, sequence / N, dim)``; call ``sync_sequence_parallel_grads`` after
+    backward."""
+
+    def __init__(self, block: Block, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.process_group = process_group
+        self.attention_norm = SequenceParallelLayerNorm(block.attention_norm)
+        self.attention = SequenceParallelAttention(block.attention, process_group)
+        self.mlp_norm = SequenceParallelLayerNorm(block.mlp_norm)
+        self.mlp = SequenceParallelMLP(block.mlp, process_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))  # the residual on my positions
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# --------------------------------------------------------------------------- step 6
+
+
+def activation_bytes(batch: int, length: int, dim: int, heads: int, ranks: int) -> int:
+    """The bytes one rank's ``SequenceParallelBlock`` (``ranks`` ranks; 1: the dense ``Block``)
+    keeps for backward in fp32: what autograd saves, the parameters aside."""
+    floats = 12 * batch * length * dim + heads * batch * length * length + 4 * batch * length
+    return 4 * floats // ranks + length * length  # the causal mask: one bool per pair, whole
+
+
+# --------------------------------------------------------------------------- the program
+
+
+def saved_activation_bytes(run, module: nn.Module) -> tuple[object, int]:
+    """``run()``'s result and the bytes of the distinct storages autograd saved for backward
+    meanwhile, ``module``'s parameters aside: the activations a rank holds until backward."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return result, sum(saved.values())
+
+
+def _counted(run) -> tuple[object, dict]:
+    """``run()``'s result and this rank's all-gathers, reduce-scatters and all-reduces meanwhile:
+    how many, and the bytes of the whole tensor each gathers or sums (an all-reduce of B bytes
+    costs what a reduce-scatter and an all-gather of B bytes cost: it is the two)."""
+    counts: dict = {}
+    names = {
+        "all_gather_single": "all-gather",
+        "all_gather_into_tensor": "all-gather",
+        "reduce_scatter_single": "reduce-scatter",
+        "reduce_scatter_tensor": "reduce-scatter",
+        "all_reduce": "all-reduce",
+    }
+    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def wrap(name, original):
+        def counted(*args, **kwargs):
+            calls, size = counts.get(names[name], (0, 0))
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            whole = max(t.numel() * t.element_size() for t in tensors)  # the gathered or summed
+            counts[names[name]] = (calls + 1, size + whole)
+            return original(*args, **kwargs)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        return run(), counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def show_block(rank: int, world_size: int, seed: int, batch: int) -> dict:
+    """The tiny transformer's first block split over the world: compare it with the dense one."""
+    device = rank_device()
+    dense = make_transformer(seed).blocks[0].to(device)
+    tokens, _ = make_tokens(batch, seed)
+    with torch.no_grad():
+        x = make_transformer(seed).embedding.to(device)(tokens.to(device))
+    block = SequenceParallelBlock(dense, None)
+    mine = sequence_shard(x, None).requires_grad_()
+    (y, forward), saved = saved_activation_bytes(lambda: _counted(lambda: block(mine)), block)
+    _, backward = _counted(lambda: y.square().sum().backward())
+    _, synced = _counted(lambda: sync_sequence_parallel_grads(block, None))
+    reference = x.clone().requires_grad_()
+    expected, dense_saved = saved_activation_bytes(lambda: dense(reference), dense)
+    expected.square().sum().backward()  # the loss of every position: the ranks' losses summed
+    start, end = sequence_range(x.shape[1], None)
+    _, length, dim = x.shape
+    heads = dim // dense.attention.head_dim
+    gaps = {
+        "output": (y.detach() - expected.detach()[:, start:end]).abs().max().item(),
+        "input grad": (mine.grad - reference.grad[:, start:end]).abs().max().item(),
+        "norm grad": (block.mlp_norm.weight.grad - dense.mlp_norm.weight.grad).abs().max().item(),
+    }
+    return {
+        "positions": (start, end),
+        "forward": forward,
+        "backward": backward,
+        "sync": synced,
+        "gaps": gaps,
+        "saved": saved,
+        "formula": activation_bytes(batch, length, dim, heads, world_size),
+        "dense saved": dense_saved,
+    }
+
+
+def _calls(counts: dict) -> str:
+    return ", ".join(f"{n} {calls} ({size} B)" for n, (calls, size) in sorted(counts.items()))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Sequence parallel: a transformer block's norms and residuals split along "
+        "the sequence, its attention and MLP by features."
+    )
+    add_launch_arguments(parser, world_size=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=4, help="sequences (default 4)")
+    args = parser.parse_args(argv)
+    if args.world_size not in (1, 2, 4):
+        parser.error("--world-size must divide the 4 heads and the 8 positions: 1, 2 or 4")
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
+    say(None, f"a TinyTransformer block split over {args.world_size} ranks, by features and along")
+    say(None, f"the sequence ({args.batch} sequences of 8 positions, width 16, 4 heads)")
+    results = launch_world(
+        show_block, args.world_size, args.seed, args.batch, backend=args.backend, device=args.device
+    )
+    for rank, result in enumerate(results):
+        start, end = result["positions"]
+        say(rank, f"positions {start}..{end - 1}; forward: {_calls(result['forward'])}")
+        say(rank, f"backward: {_calls(result['backward'])}; then {_calls(result['sync'])}")
+        gaps = result["gaps"]
+        say(
+            rank,
+            f"largest gap to the dense block on my positions: output {gaps['output']:.1e}, "
+            f"input gradient {gaps['input grad']:.1e}, a LayerNorm's weight gradient "
+            f"{gaps['norm grad']:.1e}",
+        )
+        say(
+            rank,
+            f"activations kept for backward: {result['saved']} bytes (formula "
+            f"{result['formula']}; the dense block on one process: {result['dense saved']})",
+        )
+    worst = max(g for r in results for g in r["gaps"].values())
+    close = worst < 1e-4
+    say(
+        None,
+        f"every rank's positions and gradients equal the dense block's (largest gap {worst:.1e}), "
+        "the LayerNorms' after the sync"
+        if close
+        else f"the split block differs from the dense one by up to {worst:.1e}",
+    )
+    return 0 if close else 1
+
+
+if __name__ == "__main__":
+    run_program(main)
