@@ -27,11 +27,18 @@ all-gather's output (a storage is alive while any tensor uses it: a parameter's 
 autograd saved, a pending gather's buffer) at every all-gather and at the start of every
 block's forward; beside it what it should be: the model's unit (alive from the first forward to
 the last backward) plus one block, plus two, or every unit.
+
+A third table measures sequence parallelism (k25): the bytes of activations autograd saves for
+backward in one transformer block on each rank (``saved_tensors_hooks``: every distinct storage,
+the parameters aside), k20's tensor-parallel layout (LayerNorms and residual whole on every
+rank) against k25's (split along the sequence too), each beside its formula (k25's own
+``activation_bytes``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import importlib
 import time
@@ -39,6 +46,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dojo import impl
 from dojo.console import run_program, say
@@ -271,6 +279,49 @@ def _format_row(row: dict) -> str:
     )
 
 
+# Sequence parallel (k25): what one block keeps for backward, k20's layout against k25's.
+SP_BATCH, SP_LENGTH, SP_HEADS = 8, 64, 4
+
+
+def _tp_block(k20, block: nn.Module, group=None) -> nn.Module:
+    class TensorParallelBlock(nn.Module):  # k20's layout: everything between the regions whole
+        def __init__(self):
+            super().__init__()
+            self.attention_norm = block.attention_norm
+            self.attention = k20.ParallelAttention(block.attention, group)
+            self.mlp_norm = block.mlp_norm
+            self.mlp = k20.ParallelMLP(block.mlp, group)
+
+        def forward(self, x):
+            x = x + self.attention(self.attention_norm(x))
+            return x + self.mlp(self.mlp_norm(x))
+
+    return TensorParallelBlock()
+
+
+def _activations_rank(rank, world_size, impl_name, batch, length, dim, heads, seed):
+    k25 = importlib.import_module(f"{impl_name}.k25_sequence_parallel")
+    k20 = importlib.import_module(f"{impl_name}.k20_tensor_parallel")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        dense = Block(dim)
+    if dense.attention.query.out_features // dense.attention.head_dim != heads:
+        raise ValueError(f"the toy Block has {dim // dense.attention.head_dim} heads, not {heads}")
+    x = torch.randn(batch, length, dim, generator=torch.Generator().manual_seed(seed + 1))
+    tp = _tp_block(k20, copy.deepcopy(dense))
+    _, tp_saved = k25.saved_activation_bytes(lambda: tp(x.clone().requires_grad_()), tp)
+    sp = k25.SequenceParallelBlock(copy.deepcopy(dense))
+    mine = k25.sequence_shard(x).requires_grad_()
+    _, sp_saved = k25.saved_activation_bytes(lambda: sp(mine), sp)
+    return {"tp": tp_saved, "sp": sp_saved}
+
+
+def tp_formula(batch, length, dim, heads, ranks) -> int:
+    """What k20's block keeps for backward: its LayerNorms' tensors and the residual whole."""
+    b, s, h, a, n = batch, length, dim, heads, ranks
+    return 4 * (4 * b * s * h + 4 * b * s + (8 * b * s * h + a * b * s * s) // n) + s * s
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -346,6 +397,37 @@ def main(argv=None) -> int:
                 None,
                 f"{world_size:>5} | {way:<34} | {_kib(measured):>12} | {_kib(expected):>12} | "
                 f"{which}",
+            )
+    say(
+        None,
+        f"sequence parallel (k25 from {args.impl}/ against k20's layout): the activations one "
+        f"block (width {args.dim}, {SP_HEADS} heads) keeps for backward, {SP_BATCH} sequences "
+        f"of {SP_LENGTH} positions, fp32, the heaviest rank, measured (autograd's saved "
+        "tensors) and by formula",
+    )
+    say(None, f"{'ranks':>5} | {'way':<34} | {'measured':>12} | {'formula':>12} | measured/formula")
+    k25 = importlib.import_module(f"{args.impl}.k25_sequence_parallel")
+    for world_size in world_sizes:
+        if SP_LENGTH % world_size or SP_HEADS % world_size:
+            say(
+                None,
+                f"{world_size:>5} | skipped: {SP_HEADS} heads and {SP_LENGTH} positions do not divide",
+            )
+            continue
+        saved = launch_world(
+            _activations_rank, world_size, args.impl, SP_BATCH, SP_LENGTH, args.dim, SP_HEADS,
+            args.seed, backend="gloo", device="cpu",
+        )  # fmt: skip
+        sizes = (SP_BATCH, SP_LENGTH, args.dim, SP_HEADS, world_size)
+        for way, key, formula in (
+            ("tensor parallel (k20's layout)", "tp", tp_formula(*sizes)),
+            ("+ sequence parallel (k25)", "sp", k25.activation_bytes(*sizes)),
+        ):
+            measured = max(r[key] for r in saved)
+            say(
+                None,
+                f"{world_size:>5} | {way:<34} | {_kib(measured):>12} | {_kib(formula):>12} | "
+                f"{measured / formula:.3f}",
             )
     return 0
 

@@ -1,4 +1,4 @@
-"""Benchmark: a training step of each Part IV kata against torch's own, on one world.
+"""Benchmark: a training step of each Part IV and VI kata against torch's own, on one world.
 
     python -m benchmarks.parallel                      # katas/ (yours), 2 ranks, gloo on CPU
     python -m benchmarks.parallel --impl solutions     # the reference implementations
@@ -13,6 +13,9 @@ same data and the same seeds:
     tp     k20's ParallelMLP + SGD             parallelize_module(Colwise up, Rowwise down) + SGD
     pp     k21's 1F1B schedule + SGD           torch.distributed.pipelining's Schedule1F1B + SGD
            (at the toy model's own width: k21's stages send activations of that width)
+    sp     k25's SequenceParallelBlock + SGD   parallelize_module(SequenceParallel norms,
+           (one block, 64 positions split       Colwise q, k, v and up, Rowwise out and down
+           along the sequence)                  on Shard(1)) + SGD
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
@@ -59,6 +62,7 @@ KATAS = {
     "fsdp": ("k19_fsdp", "FullyShardedModule", "fully_shard"),
     "tp": ("k20_tensor_parallel", "ParallelMLP", "parallelize_module"),
     "pp": ("k21_pipeline", "1F1B schedule", "pipelining Schedule1F1B"),
+    "sp": ("k25_sequence_parallel", "SequenceParallelBlock", "parallelize_module SP"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -260,7 +264,83 @@ def _pp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return step_yours, step_theirs, same
 
 
-COMPARISONS = {"zero": _zero, "fsdp": _fsdp, "tp": _tp, "pp": _pp}
+SP_LENGTH = 64  # positions per sequence: 32 per rank on 2 ranks
+
+
+def _sp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+    except ImportError as error:
+        raise Skip(f"this torch has no SequenceParallel ({error})") from None
+    rank, size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    length = SP_LENGTH
+
+    def dense() -> Block:
+        torch.manual_seed(args.seed)
+        return Block(args.dim).to(device)
+
+    yours = kata.SequenceParallelBlock(dense())
+    mesh = init_device_mesh(device.type, (size,))
+    plan = {  # torchtitan's plan for a Llama block, on this block's names
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "attention.query": ColwiseParallel(),
+        "attention.key": ColwiseParallel(),
+        "attention.value": ColwiseParallel(),
+        "attention.out": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+        "mlp.up": ColwiseParallel(input_layouts=Shard(1)),
+        "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    theirs = parallelize_module(dense(), mesh, plan)
+    optimizers = [
+        torch.optim.SGD(yours.parameters(), lr=LR),
+        torch.optim.SGD(theirs.parameters(), lr=LR),
+    ]
+    share = length // size
+
+    def positions(number: int) -> torch.Tensor:
+        # sequence parallel: every rank reads the same sequences, its own positions of them
+        generator = torch.Generator().manual_seed(number)
+        x = torch.randn(args.batch, length, args.dim, generator=generator)
+        return x[:, rank * share : (rank + 1) * share].contiguous().to(device)
+
+    def step_yours(number: int) -> None:
+        optimizers[0].zero_grad()
+        yours(positions(number)).square().mean().backward()
+        kata.sync_sequence_parallel_grads(yours)  # the LayerNorms' and row biases' partial sums
+        optimizers[0].step()
+
+    def step_theirs(number: int) -> None:
+        optimizers[1].zero_grad()
+        y = theirs(positions(number))
+        (y.to_local() if hasattr(y, "to_local") else y).square().mean().backward()
+        optimizers[1].step()  # DTensor sums the Partial(sum) LayerNorm gradients here
+
+    def same() -> bool:
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        mine = dict(yours.named_parameters())
+        return all(
+            torch.allclose(mine[name], local(param), **TOLERANCE)
+            for name, param in theirs.named_parameters()
+        )
+
+    return step_yours, step_theirs, same
+
+
+COMPARISONS = {"zero": _zero, "fsdp": _fsdp, "tp": _tp, "pp": _pp, "sp": _sp}
 
 
 def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], args) -> dict:
@@ -377,13 +457,15 @@ def main(argv=None) -> int:
             parser.error(f"{option} must be at least {least}")
     if "pp" in names and args.blocks < args.world_size:
         parser.error(f"--blocks {args.blocks}: the pp row needs a block per rank at least")
+    if "sp" in names and SP_LENGTH % args.world_size:
+        parser.error(f"the sp row splits {SP_LENGTH} positions: --world-size must divide it")
     if args.dim % (4 * args.world_size):
         parser.error(f"--dim {args.dim} must divide by 4 heads x {args.world_size} ranks")
     say(
         None,
-        f"one training step, Part IV katas from {args.impl}/ against torch's own, "
+        f"one training step, Part IV and VI katas from {args.impl}/ against torch's own, "
         f"{args.world_size} ranks, gloo on cpu; a TinyTransformer of {args.blocks} blocks of width "
-        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches), {args.batch} sequences per rank; each time the median "
+        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches; sp: one block, {SP_LENGTH} positions), {args.batch} sequences per rank; each time the median "
         f"of {args.steps} steps (x: torch's time / yours), collectives per step counted",
     )
     say(None, f"{'':<58} {'':>11} {'':>11} {'':>7} {'collectives':>11}")

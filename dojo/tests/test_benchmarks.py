@@ -91,6 +91,11 @@ def test_memory_benchmark_measures_what_the_formulas_say():
         assert expected <= measured <= 1.05 * expected, (
             f"measured should be what it should be:\n{row}"
         )
+    if impl.current() == "solutions":  # k25: the activations a block keeps, each its formula
+        saved = [row for row in rows if "sequence parallel (k25)" in row or "k20's layout" in row]
+        assert len(saved) == 2, f"expected k20's and k25's 2-rank activation rows in:\n{out}"
+        for row in saved:
+            assert row.rsplit("|", 1)[1].strip() == "1.000", f"measured = formula:\n{row}"
 
 
 def test_collectives_bus_factors_are_nccl_tests():
@@ -254,7 +259,7 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 4, f"expected the zero, fsdp, tp and pp rows in:\n{out}"
+    assert len(rows) == 5, f"expected the zero, fsdp, tp, pp and sp rows in:\n{out}"
     fsdp = next(row for row in rows if row.startswith("[main] k19"))
     if "not implemented yet" not in fsdp:  # beside the times: each way's collectives per step
         assert re.search(r"\d\.\d\dx +\d+ +\d+ ", fsdp), fsdp
