@@ -56,6 +56,15 @@ THE IDEA
     all-reduce finished before it chains on it; yours may all-reduce synchronously and return
     a Future already done (``fut = torch.futures.Future(); fut.set_result(buffer)``).
 
+    What it costs in accuracy, on the ConvNet and the digits (the program, 2 ranks x 16):
+
+        steps  PowerSGD plain for   plain    fp16     bf16     PowerSGD rank 1
+        60     10                   96.9 %   96.4 %   96.4 %   96.1 %
+        25     2                    83.0 %                     37.9 %
+
+    Compressing from the second step wrecks the start of training; after 10 plain steps rank 1
+    costs under a point. Measure on your model: the bytes are certain, the accuracy is not.
+
     Memory: fp16/bf16 hooks hold one half-size copy of a bucket; PowerSGD holds, per bucket,
     the error (a full copy), P and Q (small) and a copy of the input while it works. Compute:
     fp16 is a cast; PowerSGD is 3 matrix products and 2 orthogonalisations per matrix per step.
@@ -75,19 +84,21 @@ STEPS
 
 WHAT THE TESTS CHECK
     ``allreduce_hook`` on a bucket of its own returns a Future of the mean, from an
-    ``async_op`` all-reduce; registered on torch's DDP it trains bitwise like DDP without a
-    hook (2 and 3 ranks, a subgroup); ``compress_hook`` all-reduces float16 (bfloat16)
-    tensors, returns the bucket's dtype, does not overflow on large gradients and trains
-    bitwise like torch's ``fp16_compress_hook`` and ``bf16_compress_hook``; ``orthogonalize``
-    equals torch's ``_orthogonalize`` bitwise (rank 1, 2, 4, a batch, fp16); ``low_rank_mean``
-    is exact at full rank and for rank-1 means, equals torch's pieces bitwise on 2 ranks, makes
-    two all-reduces, keeps the new Q and refuses a rank larger than the matrix;
-    ``powersgd_hook`` trains bitwise like torch's ``powerSGD_hook`` on 2 ranks with the same
-    ``PowerSGDState`` settings (start iteration, warm start off and on, error feedback off and
-    on, rank 1, 2 and 4, min_compression_rate) and leaves the same state; ``register_compression``
-    refuses a state for another group and unknown methods; the bytes recorded in one step equal
-    ``bytes_per_step`` and torch's hooks' bytes; on the ConvNet and the digits each method's
-    accuracy after a short run; on a GPU: NCCL and gloo on CUDA; the program.
+    ``async_op`` all-reduce, also on a subgroup; registered on torch's DDP it trains bitwise
+    like DDP without a hook (2 ranks) and like torch's ``allreduce_hook`` (3 ranks);
+    ``compress_hook`` all-reduces float16 (bfloat16) tensors, returns the bucket's dtype, does
+    not overflow on large gradients, refuses other dtypes and trains bitwise like torch's
+    ``fp16_compress_hook`` and ``bf16_compress_hook``; ``orthogonalize`` equals torch's
+    ``_orthogonalize`` bitwise (rank 1 to 4, a batch, fp16, a zero column with epsilon);
+    ``low_rank_mean`` is exact at full rank and for rank-1 means, equals torch's pieces bitwise
+    on 2 ranks, makes two all-reduces, keeps the new Q and refuses a rank larger than the
+    matrix; ``powersgd_hook`` trains bitwise like torch's ``powerSGD_hook`` on 2 ranks with the
+    same ``PowerSGDState`` settings (start iteration, warm start and error feedback off and on,
+    rank 1, 2 and 4, min_compression_rate, the TinyTransformer) and leaves the same state;
+    ``register_compression`` refuses a state for another group and unknown methods; the bytes
+    recorded in one step equal ``bytes_per_step`` for torch's hooks and yours; on the ConvNet
+    and the digits plain and PowerSGD training both learn in 25 steps; on a GPU: NCCL and gloo
+    on CUDA; the program.
 
 RUN IT
     python -m katas.k30_compressed_gradients --world-size 2 --steps 60
