@@ -81,6 +81,9 @@ STEPS
        tensors to compress, the random first Q, warm start and error feedback.
     5. ``register_compression`` (the right hook and state on a DDP, bad ones refused) and
        ``bytes_per_step`` (what a step sends, predicted: the tests count it).
+    The plumbing below them is yours to use: ``_all_reduce_together`` (a list of tensors in one
+    all-reduce), ``_by_shape`` (matrices in torch's PowerSGD order) and ``_views`` (shaped views
+    of a flat memory, as torch keeps its Ps and Qs).
 
 WHAT THE TESTS CHECK
     ``allreduce_hook`` on a bucket of its own returns a Future of the mean, from an

@@ -1033,13 +1033,18 @@ def test_compressed_training_on_the_convnet_learns_the_digits(kata, method):
 @pytest.mark.step(5)
 def test_program_compares_the_methods(kata):
     done = run_program(
-        KATA, "--world-size", "2", "--steps", "4", "--start", "2", "--methods",
-        "allreduce,fp16,powersgd", timeout=180,
+        KATA, "--world-size", "2", "--steps", "3", "--start", "2", "--methods",
+        "allreduce,fp16,powersgd", "--per-rank", "4", timeout=180,
     )  # fmt: skip
     out = done.stdout
     assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    rows = {line.split()[1]: line.split()[2:] for line in out.splitlines() if "%" in line}
     for method in ("allreduce", "fp16", "powersgd"):
-        assert f"  {method} " in out, out
+        assert method in rows, f"the program shows no row for {method}:\n{out}"
+    sent = {method: int(rows[method][0].replace(",", "")) for method in rows}
+    assert sent["fp16"] * 2 == sent["allreduce"] > 10 * sent["powersgd"], (
+        f"the program's bytes per step should be plain DDP's, half, and PowerSGD's far less:\n{out}"
+    )
 
 
 # --------------------------------------------------------------------------- CUDA
