@@ -813,7 +813,19 @@ def check_powersgd(case, results):
 @pytest.mark.step(4)
 @pytest.mark.parametrize("case", list(POWERSGD))
 def test_powersgd_hook_trains_bitwise_like_torchs(kata, case):
-    check_powersgd(case, run_world(_against_torch_powersgd, 2, case, deadline=60))
+    try:
+        results = run_world(_against_torch_powersgd, 2, case, deadline=15)
+    except WorldDeadlock as deadlock:
+        raise AssertionError(
+            f"powersgd_hook ({case}) on 2 ranks under torch's DDP: both ranks stopped inside "
+            "backward, in your hook. Waiting for an all-reduce inside a future's callback (as "
+            "torch's own hook does: .then(...) callbacks that call .wait()) deadlocks on gloo: "
+            "the callback runs on the process group's own thread, which then waits for work "
+            "queued behind itself. Make the all-reduces synchronous (dist.all_reduce(t, "
+            "group=group)) and return a Future that is already done (fut = "
+            "torch.futures.Future(); fut.set_result(buffer))\n" + str(deadlock)
+        ) from None
+    check_powersgd(case, results)
 
 
 @pytest.mark.step(4)

@@ -403,6 +403,13 @@ def powersgd_batched_accepted(state, bucket):
     return _powersgd(state, bucket, refuse=False)
 
 
+def powersgd_chained_like_torchs(state, bucket):
+    # torch's own hook, copied futures and all: its callbacks wait for the next all-reduce
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    return powerSGD_hook(state, bucket)
+
+
 def powersgd_with_a_generator(state, bucket):
     """Right: the random Qs from a generator of their own (the same numbers as a seeded global
     generator, without touching it), the memories kept as torch keeps them."""
@@ -726,6 +733,12 @@ MISTAKES = [
         replaces="powersgd_hook",
         fails=[f"{_POWERSGD}[transformer]"],
         says=["the first compressed step", "the matrices grouped by shape"],
+    ),
+    Mistake(
+        "powersgd_chained_like_torchs",
+        replaces="powersgd_hook",
+        fails=[f"{_POWERSGD}[cold]"],
+        says=["both ranks stopped inside backward", "return a Future that is already done"],
     ),
     Mistake(
         "powersgd_batched_accepted",
