@@ -16,6 +16,10 @@ same data and the same seeds:
     sp     k25's SequenceParallelBlock + SGD   parallelize_module(SequenceParallel norms,
            (one block, 64 positions split       Colwise q, k, v and up, Rowwise out and down
            along the sequence)                  on Shard(1)) + SGD
+    fp16   DDP with k30's fp16_hook + SGD      DDP with torch's fp16_compress_hook + SGD
+    powersgd DDP with k30's powersgd_hook      DDP with torch's powerSGD_hook (rank 1, after
+           (rank 1, after 2 plain steps)        2 plain steps; each all-reduce waited for before
+                                                it chains: on gloo's CPU thread it deadlocks)
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
@@ -32,6 +36,7 @@ counterpart skips that row, saying why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import warnings
@@ -63,6 +68,8 @@ KATAS = {
     "tp": ("k20_tensor_parallel", "ParallelMLP", "parallelize_module"),
     "pp": ("k21_pipeline", "1F1B schedule", "pipelining Schedule1F1B"),
     "sp": ("k25_sequence_parallel", "SequenceParallelBlock", "parallelize_module SP"),
+    "fp16": ("k30_compressed_gradients", "fp16_hook", "fp16_compress_hook"),
+    "powersgd": ("k30_compressed_gradients", "powersgd_hook", "powerSGD_hook"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -340,7 +347,108 @@ def _sp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return step_yours, step_theirs, same
 
 
-COMPARISONS = {"zero": _zero, "fsdp": _fsdp, "tp": _tp, "pp": _pp, "sp": _sp}
+@contextlib.contextmanager
+def _finished():
+    """Each async all-reduce waits before it returns (torch's powerSGD_hook on gloo CPU)."""
+    original = dist.all_reduce
+
+    def finished(*args, **kwargs):
+        work = original(*args, **kwargs)
+        if kwargs.get("async_op") and work is not None:
+            work.wait()
+        return work
+
+    dist.all_reduce = finished
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _torch_powersgd(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    with _finished():
+        return powerSGD_hook(state, bucket)
+
+
+def _powersgd(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError as error:
+        raise Skip(f"this torch has no PowerSGD hook ({error})") from None
+    rank = dist.get_rank()
+    models = [_model(args), _model(args)]
+    wrapped = []
+    for model, hook in zip(models, (kata.powersgd_hook, _torch_powersgd)):
+        ddp = DistributedDataParallel(model)
+        state = PowerSGDState(
+            ddp.process_group, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0
+        )
+        ddp.register_comm_hook(state, hook)
+        wrapped.append(ddp)
+    optimizers = [torch.optim.SGD(ddp.parameters(), lr=LR) for ddp in wrapped]
+
+    def way(index: int) -> Way:
+        def step(number: int) -> None:
+            optimizers[index].zero_grad()
+            tokens, targets = _batch(args, number, rank)
+            transformer_loss(wrapped[index](tokens), targets).backward()
+            optimizers[index].step()
+
+        return step
+
+    def same() -> bool:
+        return all(
+            torch.allclose(a, b, **TOLERANCE)
+            for a, b in zip(models[0].parameters(), models[1].parameters())
+        )
+
+    return way(0), way(1), same
+
+
+def _fp16(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    """A second row, if wanted: KATAS["fp16"] = ("k30_compressed_gradients", "fp16_hook",
+    "fp16_compress_hook"); bitwise the same weights, half plain DDP's bytes."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    models = [_model(args), _model(args)]
+    wrapped = []
+    for model, hook in zip(models, (kata.fp16_hook, fp16_compress_hook)):
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(ddp.process_group, hook)
+        wrapped.append(ddp)
+    optimizers = [torch.optim.SGD(ddp.parameters(), lr=LR) for ddp in wrapped]
+
+    def way(index: int) -> Way:
+        def step(number: int) -> None:
+            optimizers[index].zero_grad()
+            tokens, targets = _batch(args, number, rank)
+            transformer_loss(wrapped[index](tokens), targets).backward()
+            optimizers[index].step()
+
+        return step
+
+    def same() -> bool:
+        return all(
+            torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters())
+        )
+
+    return way(0), way(1), same
+
+
+COMPARISONS = {
+    "zero": _zero,
+    "fsdp": _fsdp,
+    "tp": _tp,
+    "pp": _pp,
+    "sp": _sp,
+    "fp16": _fp16,
+    "powersgd": _powersgd,
+}
 
 
 def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], args) -> dict:
