@@ -1,0 +1,479 @@
+"""LESSON"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.profiler import record_function
+
+from dojo.console import run_program, say
+from dojo.devices import rank_device
+from dojo.launch import add_launch_arguments, launch_world
+from dojo.todo import KataTodo
+
+# Which chunks of the sequence each rank holds: layout[r] lists rank r's chunk numbers, in the
+# order they sit in its shard. chunk_layout(4, balanced=True) is [(0, 7), (1, 6), (2, 5), (3, 4)].
+Layout = list[tuple[int, ...]]
+
+# --------------------------------------------------------------------------- step 1: merging
+
+
+def _check_partial(out: torch.Tensor, lse: torch.Tensor, name: str) -> None:
+    if out.dim() < 2 or tuple(lse.shape) != tuple(out.shape[:-1]):
+        raise ValueError(
+            f"partial {name}: out is shaped {tuple(out.shape)} and lse {tuple(lse.shape)}; a "
+            "partial result is out (..., queries, dim) with lse (..., queries): one log-sum-exp "
+            "per query row"
+        )
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attention results of the same queries over two disjoint sets of keys, as one.
+
+    ``out_x`` is the attention over its keys alone (normalised by its own softmax), ``lse_x``
+    the log-sum-exp of those keys' scores, one per query row. Returns ``(out, lse)`` of the
+    attention over both sets of keys together. A row that saw no key in a part has lse -inf there.
+    """
+    _check_partial(out_a, lse_a, "a")
+    _check_partial(out_b, lse_b, "b")
+    if out_a.shape != out_b.shape:
+        raise ValueError(
+            f"the two partials hold different queries: out_a is shaped {tuple(out_a.shape)}, "
+            f"out_b {tuple(out_b.shape)}; merge results for the same query rows only"
+        )
+    lse = torch.logaddexp(lse_a, lse_b)  # log(e^a + e^b) without overflow
+    # Each part's share of the softmax's mass, e^(lse_x - lse) <= 1; a row that has seen no key
+    # at all (both -inf) keeps lse -inf and out 0 rather than 0/0.
+    seen = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    share_a = torch.exp(lse_a - seen).unsqueeze(-1)
+    share_b = torch.exp(lse_b - seen).unsqueeze(-1)
+    return (out_a * share_a + out_b * share_b).to(out_a.dtype), lse
+
+
+# --------------------------------------------------------------------------- step 2: one block
+
+
+def block_mask(query_chunk: int, key_chunk: int, causal: bool) -> str | None:
+    """What the attention mask leaves of one query chunk against one key chunk (chunks of the
+    same size, numbered along the sequence): ``"full"``, ``"causal"`` (the diagonal) or None."""
+    if not causal or key_chunk < query_chunk:
+        return "full"
+    if key_chunk == query_chunk:
+        return "causal"
+    return None
+
+
+def _cpu_kernel(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU attention kernel (which returns the log-sum-exp) takes ``q``."""
+    return (
+        q.device.type == "cpu"
+        and q.dim() == 4
+        and q.dtype in (torch.float32, torch.float64)
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
+
+
+def attend_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the queries ``q`` over one block of keys ``k`` and values ``v`` alone.
+
+    Shapes as ``F.scaled_dot_product_attention``'s: ``(..., queries, dim)``; the scale is
+    ``1 / sqrt(dim)``. With ``causal`` the block is on the diagonal (queries and keys are the
+    same positions): query i sees keys 0..i. Returns ``(out, lse)``: out ``(..., queries,
+    value dim)`` normalised over this block's keys, lse ``(..., queries)`` the log-sum-exp of
+    the scaled scores each query kept.
+    """
+    if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            f"q, k and v must be (..., length, dim) alike, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit: the "
+            "same leading dims, q and k the same feature dim, k and v the same length"
+        )
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"a causal (diagonal) block needs as many queries as keys, got {q.shape[-2]} "
+            f"queries and {k.shape[-2]} keys: only a chunk against itself is causal"
+        )
+    if _cpu_kernel(q) and v.shape[-1] == q.shape[-1]:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+# --------------------------------------------------------------------------- step 3: the ring
+
+
+def _check_layout(layout: Layout, world_size: int) -> int:
+    """The chunks per rank ``layout`` gives; ValueError unless it fits the world."""
+    if len(layout) != world_size:
+        raise ValueError(
+            f"the layout lists {len(layout)} ranks' chunks, the world has {world_size} ranks: "
+            "give every rank's chunks (chunk_layout(world_size, balanced))"
+        )
+    per_rank = {len(chunks) for chunks in layout}
+    everything = sorted(c for chunks in layout for c in chunks)
+    if len(per_rank) != 1 or 0 in per_rank or everything != list(range(len(everything))):
+        raise ValueError(
+            f"layout {layout}: every rank must hold the same number of chunks (at least one), "
+            f"and together they must be the chunks 0..n-1, each once"
+        )
+    return per_rank.pop()
+
+
+def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int) -> int:
+    """The tokens per chunk of this rank's shards; ValueError unless they fit."""
+    if q.dim() < 2 or q.shape[:-1] != k.shape[:-1] or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"this rank's q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+            "shards of the same tokens: (..., local length, dim), the same local length"
+        )
+    if q.shape[-2] % chunks:
+        raise ValueError(
+            f"this rank holds {q.shape[-2]} tokens, which do not cut into its {chunks} chunks: "
+            "shard the sequence with shard_sequence (the length must divide into "
+            "world_size x chunks per rank)"
+        )
+    return q.shape[-2] // chunks
+
+
+def ring_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the attention over the whole sequence, the keys and values coming
+    round the ring; ``q``, ``k``, ``v`` hold this rank's chunks (``layout[rank]``), in order.
+
+    Returns ``(out, lse)`` for this rank's queries, as ``attend_block`` does for one block.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = _check_layout(layout, world)
+    size = _check_shards(q, k, v, per_rank)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    work = torch.promote_types(q.dtype, torch.float32)  # merge in float32 at least
+    outs: list[torch.Tensor | None] = [None] * per_rank
+    lses: list[torch.Tensor | None] = [None] * per_rank
+    k, v = k.contiguous(), v.contiguous()
+    for step in range(world):
+        source = (rank - step) % world  # whose keys and values this rank holds now
+        if step < world - 1:  # the next block is on its way while this one is computed
+            coming = torch.empty_like(k), torch.empty_like(v)
+            requests = [
+                dist.isend(k, right),
+                dist.isend(v, right),
+                dist.irecv(coming[0], left),
+                dist.irecv(coming[1], left),
+            ]
+        with record_function(f"attend block {step}"):
+            for i, query_chunk in enumerate(layout[rank]):
+                rows = slice(i * size, (i + 1) * size)
+                for j, key_chunk in enumerate(layout[source]):
+                    mask = block_mask(query_chunk, key_chunk, causal)
+                    if mask is None:
+                        continue  # hidden by the causal mask: never computed
+                    keys = slice(j * size, (j + 1) * size)
+                    out, lse = attend_block(
+                        q[..., rows, :], k[..., keys, :], v[..., keys, :], mask == "causal"
+                    )
+                    out = out.to(work)
+                    if outs[i] is None:
+                        outs[i], lses[i] = out, lse
+                    else:
+                        outs[i], lses[i] = merge_partials(outs[i], lses[i], out, lse)
+        if step < world - 1:
+            for request in requests:
+                request.wait()
+            k, v = coming
+    if any(o is None for o in outs):
+        raise ValueError(f"layout {layout}: a query chunk of rank {rank} saw no key at all")
+    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+
+
+# --------------------------------------------------------------------------- step 4: the split
+
+
+def chunk_layout(world_size: int, balanced: bool) -> Layout:
+    """Which two of the sequence's ``2 x world_size`` chunks each rank holds.
+
+    Naive: rank r holds chunks 2r and 2r + 1 (a contiguous quarter on 2 ranks... a slice each).
+    Balanced: rank r holds chunk r and chunk 2N - 1 - r, one from each end.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if balanced:
+        return [(r, 2 * world_size - 1 - r) for r in range(world_size)]
+    return [(2 * r, 2 * r + 1) for r in range(world_size)]
+
+
+def _chunk_size(length: int, layout: Layout) -> int:
+    chunks = sum(len(c) for c in layout)
+    if chunks == 0 or length % chunks:
+        raise ValueError(
+            f"a sequence of {length} tokens does not cut into {chunks} chunks of equal length "
+            f"({len(layout)} ranks x {chunks // max(1, len(layout))} chunks each): pad it to a "
+            f"multiple of {chunks} tokens, or choose a world size that divides it"
+        )
+    return length // chunks
+
+
+def shard_sequence(x: torch.Tensor, layout: Layout, rank: int, dim: int = -2) -> torch.Tensor:
+    """Rank ``rank``'s shard of the whole sequence ``x``: its chunks (``layout[rank]``) along
+    ``dim``, in that order, as a new contiguous tensor."""
+    if not 0 <= rank < len(layout):
+        raise ValueError(f"rank {rank} is not in the layout's {len(layout)} ranks")
+    size = _chunk_size(x.shape[dim], layout)
+    return torch.cat([x.narrow(dim, c * size, size) for c in layout[rank]], dim=dim).contiguous()
+
+
+def unshard_sequence(shards: list[torch.Tensor], layout: Layout, dim: int = -2) -> torch.Tensor:
+    """The whole sequence again from every rank's shard (rank order), undoing ``shard_sequence``."""
+    if len(shards) != len(layout):
+        raise ValueError(
+            f"{len(shards)} shards for a layout of {len(layout)} ranks: give every rank's shard"
+        )
+    pieces: dict[int, torch.Tensor] = {}
+    for shard, chunks in zip(shards, layout):
+        if shard.shape[dim] % len(chunks):
+            raise ValueError(
+                f"a shard of {shard.shape[dim]} tokens does not hold {len(chunks)} equal chunks"
+            )
+        size = shard.shape[dim] // len(chunks)
+        for i, chunk in enumerate(chunks):
+            pieces[chunk] = shard.narrow(dim, i * size, size)
+    return torch.cat([pieces[c] for c in sorted(pieces)], dim=dim)
+
+
+def blocks_per_rank(layout: Layout, causal: bool = True) -> list[int]:
+    """How many (query chunk, key chunk) blocks each rank computes in the ring: those the mask
+    leaves anything of."""
+    keys = [c for chunks in layout for c in chunks]
+    return [
+        sum(block_mask(a, b, causal) is not None for a in chunks for b in keys) for chunks in layout
+    ]
+
+
+# --------------------------------------------------------------------------- step 5: backward
+
+
+def block_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the gradients: ``(dq, dk, dv)`` of the attention over the WHOLE
+    sequence, from this block's keys alone. ``out`` and ``lse`` are the finished results of
+    these queries (over every key), ``grad_out`` the gradient of ``out``."""
+    if out.shape != grad_out.shape or tuple(lse.shape) != tuple(out.shape[:-1]):
+        raise ValueError(
+            f"out {tuple(out.shape)}, grad_out {tuple(grad_out.shape)} and lse "
+            f"{tuple(lse.shape)} must be the finished results of these queries"
+        )
+    if _cpu_kernel(q) and v.shape[-1] == q.shape[-1] and q.dtype == out.dtype:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal
+        )
+        return dq, dk, dv
+    scale = q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    p = torch.exp(scores - lse.unsqueeze(-1))  # the whole row's probabilities, this block's part
+    dv = p.transpose(-2, -1) @ grad_out
+    dp = grad_out @ v.transpose(-2, -1)
+    ds = p * (dp - (grad_out * out).sum(dim=-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention as one autograd function: forward ``ring_attention_forward``, backward a
+    second trip round the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: Layout, causal: bool):
+        out, lse = ring_attention_forward(q, k, v, layout, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.causal = layout, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, causal = ctx.layout, ctx.causal
+        rank, world = dist.get_rank(), dist.get_world_size()
+        size = q.shape[-2] // len(layout[rank])
+        right, left = (rank + 1) % world, (rank - 1) % world
+        work = torch.promote_types(q.dtype, torch.float32)
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q, dtype=work)
+        # The gradients of the keys and values this rank holds now: they travel round the ring
+        # with their block, each rank adding its share, and after N hops arrive at their owner.
+        dk, dv = torch.zeros_like(k, dtype=work), torch.zeros_like(v, dtype=work)
+        k, v = k.contiguous(), v.contiguous()
+        for step in range(world):
+            source = (rank - step) % world
+            requests = []
+            if step < world - 1:
+                coming = torch.empty_like(k), torch.empty_like(v)
+                requests += [
+                    dist.isend(k, right),
+                    dist.isend(v, right),
+                    dist.irecv(coming[0], left),
+                    dist.irecv(coming[1], left),
+                ]
+            if world > 1:  # this block's gradients so far come from the left with it
+                grads_coming = torch.empty_like(dk), torch.empty_like(dv)
+                requests += [dist.irecv(grads_coming[0], left), dist.irecv(grads_coming[1], left)]
+            with record_function(f"gradients of block {step}"):
+                for i, query_chunk in enumerate(layout[rank]):
+                    rows = slice(i * size, (i + 1) * size)
+                    for j, key_chunk in enumerate(layout[source]):
+                        mask = block_mask(query_chunk, key_chunk, causal)
+                        if mask is None:
+                            continue
+                        keys = slice(j * size, (j + 1) * size)
+                        dq_part, dk_part, dv_part = block_gradients(
+                            q[..., rows, :],
+                            k[..., keys, :],
+                            v[..., keys, :],
+                            out[..., rows, :],
+                            lse[..., rows],
+                            grad_out[..., rows, :],
+                            mask == "causal",
+                        )
+                        dq[..., rows, :] += dq_part
+                        dk[..., keys, :] += dk_part
+                        dv[..., keys, :] += dv_part
+            if world > 1:  # ... and go on to the right with this rank's share added
+                requests += [dist.isend(dk, right), dist.isend(dv, right)]
+            for request in requests:
+                request.wait()
+            if step < world - 1:
+                k, v = coming
+            if world > 1:
+                dk, dv = grads_coming  # after the last step: this rank's own, home again
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, causal: bool = True
+) -> torch.Tensor:
+    """Ring attention, differentiable: this rank's rows of the attention over the whole sequence."""
+    return RingAttention.apply(q, k, v, layout, causal)
+
+
+# ------------------------------------------------------------------------- the program
+
+
+def _inputs(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
+    """The whole sequence's q, k, v and the gradient of the output, the same on every rank."""
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (1, args.heads, args.length, args.dim)
+    return [torch.randn(shape, generator=generator).to(device) for _ in range(4)]
+
+
+def _demo(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    device = rank_device()
+    q, k, v, grad = _inputs(args, device)
+    results = {}
+    for balanced in (False, True):
+        name = "balanced" if balanced else "naive"
+        layout = chunk_layout(world_size, balanced)
+        shards = [shard_sequence(t, layout, rank) for t in (q, k, v, grad)]
+        mine = [t.clone().requires_grad_() for t in shards[:3]]
+        # Named (torch's record_function) for `dojo trace k26`: a strip above the calls.
+        with record_function(f"{name} split: forward"):
+            out = ring_attention(*mine, layout, causal=not args.no_causal)
+        with record_function(f"{name} split: backward"):
+            out.backward(shards[3])
+        results[name] = {
+            "out": out.detach().cpu(),
+            "grads": [t.grad.cpu() for t in mine],
+            "blocks": blocks_per_rank(layout, causal=not args.no_causal)[rank],
+            "chunks": layout[rank],
+        }
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Ring attention: every rank's block of the sequence, the keys and values "
+        "passed round the ring, against one process's scaled_dot_product_attention."
+    )
+    add_launch_arguments(parser, world_size=4)
+    parser.add_argument("--length", type=int, default=256, help="tokens (default 256)")
+    parser.add_argument("--heads", type=int, default=2, help="heads (default 2)")
+    parser.add_argument("--dim", type=int, default=16, help="features per head (default 16)")
+    parser.add_argument("--no-causal", action="store_true", help="every token sees every token")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.world_size < 1 or args.length % (2 * args.world_size):
+        parser.error(
+            f"--length {args.length} must cut into 2 x --world-size = {2 * args.world_size} "
+            "chunks of equal length"
+        )
+    causal = "causal" if not args.no_causal else "full (not causal)"
+    say(
+        None,
+        f"{causal} attention over {args.length} tokens, {args.heads} heads of {args.dim}, "
+        f"on {args.world_size} ranks: {2 * args.world_size} chunks of "
+        f"{args.length // (2 * args.world_size)} tokens, two per rank",
+    )
+    results = launch_world(_demo, args.world_size, args, backend=args.backend, device=args.device)
+    q, k, v, grad = (t.double().requires_grad_() for t in _inputs(args, torch.device("cpu")))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=not args.no_causal)
+    expected.backward(grad)
+    wanted = [expected.detach(), q.grad, k.grad, v.grad]
+    worst = 0.0
+    for name in ("naive", "balanced"):
+        layout = chunk_layout(args.world_size, name == "balanced")
+        for rank, result in enumerate(results):
+            got = result[name]
+            say(
+                rank,
+                f"{name:>8} split: chunks {got['chunks']}, {got['blocks']} blocks computed",
+            )
+        got = [
+            unshard_sequence([r[name]["out"] for r in results], layout),
+            *(unshard_sequence([r[name]["grads"][i] for r in results], layout) for i in range(3)),
+        ]
+        gaps = [(a.double() - b).abs().max().item() for a, b in zip(got, wanted)]
+        worst = max(worst, *gaps)
+        blocks = [r[name]["blocks"] for r in results]
+        say(
+            None,
+            f"{name:>8} split: blocks per rank {blocks} (the slowest rank computes "
+            f"{max(blocks)}); largest gap to one process: output {gaps[0]:.1e}, gradients of "
+            f"q {gaps[1]:.1e}, k {gaps[2]:.1e}, v {gaps[3]:.1e}",
+        )
+    close = worst < 1e-4
+    say(
+        None,
+        f"both splits equal scaled_dot_product_attention on one process, forward and backward "
+        f"(largest gap {worst:.1e})"
+        if close
+        else f"the ring differs from scaled_dot_product_attention by up to {worst:.1e}",
+    )
+    return 0 if close else 1
+
+
+if __name__ == "__main__":
+    run_program(main)
