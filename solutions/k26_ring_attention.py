@@ -1,9 +1,127 @@
-"""LESSON"""
+"""k26 · Context parallel: ring attention, the keys and values passed round the ranks.
+
+THE IDEA
+    Attention over L tokens needs every query against every key: an L x L matrix of scores per
+    head. Flash attention never stores it, but the activations of a long sequence (128k tokens
+    of a large model) still outgrow one device, and the compute grows as L^2. Context
+    parallelism splits the SEQUENCE over the ranks: each rank keeps the queries, keys and
+    values of its own tokens, and attention, the one layer where tokens meet, brings the keys
+    and values to the queries. The ring (Liu et al., "Ring Attention", 2023) passes each rank's
+    key/value block to its right neighbour, N - 1 hops, while every rank computes its queries
+    against the block it holds:
+
+        step 0          step 1          step 2          step 3         (4 ranks; Qr: rank r's
+        Q0 . KV0        Q0 . KV3        Q0 . KV2        Q0 . KV1        queries, KVr: the keys
+        Q1 . KV1        Q1 . KV0        Q1 . KV3        Q1 . KV2        and values it started
+        Q2 . KV2        Q2 . KV1        Q2 . KV0        Q2 . KV3        with; at step s rank r
+        Q3 . KV3        Q3 . KV2        Q3 . KV1        Q3 . KV0        holds KV(r - s))
+           --KV to the right-->
+
+    Overlap: the next block's transfer is posted (dist.isend of the block held, dist.irecv of
+    the next) BEFORE the block held is computed, and waited for after; the wire works while
+    the rank computes. A block's compute grows as (L/N)^2, its transfer as L/N: the longer
+    the sequence, the better the transfer hides (the timeline, below, shows it).
+
+    Merging (the online softmax). softmax(s) @ v over all keys is not a sum of each block's
+    softmax(s_block) @ v_block: each block normalises by its own sum. Keep, per query row, the
+    block's out and its lse = log(sum of e^score) (the log-sum-exp); two partials over disjoint
+    keys merge exactly:
+
+        lse = log(e^lse_a + e^lse_b)                 (torch.logaddexp: no overflow)
+        out = e^(lse_a - lse) * out_a + e^(lse_b - lse) * out_b
+
+    Each weight is that part's share of the softmax's mass, at most 1: nothing is ever
+    exponentiated that can overflow (e^1002 is inf even in float64), and a row that saw no key
+    yet (lse -inf) weighs nothing.
+
+    Causal attention and the load-balanced split. Cut the sequence into 2N chunks. With the
+    causal mask a query chunk attends to the key chunks before it fully, to itself causally
+    (query i keeps keys 0..i) and to later chunks not at all: such a block is skipped, never
+    computed. Naive split (rank r holds chunks 2r and 2r + 1): the last rank has the most
+    keys before it, 4r + 3 blocks on rank r, 4N - 1 on the last, and every step waits for it.
+    Balanced (head-tail, as torch's context_parallel): rank r holds chunk r AND chunk
+    2N - 1 - r, one cheap and one dear: 2N + 1 blocks on every rank.
+
+        blocks per rank    naive          balanced        (4 ranks, 8 chunks)
+                           3 7 11 15      9 9 9 9          slowest: 15 against 9
+
+    Backward. The gradient of a query needs every key again, and the gradient of a key
+    needs every query that saw it. A second trip round the ring: the blocks travel as in
+    forward, each rank computes its share of dq (kept) and of that block's dk and dv, and
+    those travel WITH the block, each rank adding its share; after N hops (one more than the
+    block needs) they are home. Each block's share uses the FINISHED out and lse of the
+    queries, saved by forward: the probabilities of the whole row are e^(score - lse).
+    Nothing else is saved, nothing recomputed but one block's scores at a time.
+
+    What torch offers, and when each pays (L tokens, N ranks, d features per head):
+
+        way                         moves per rank        holds at once      pays when
+        ring (this kata; torch's    (N-1)/N of K and V    2 blocks: the one  long sequences, any
+          context_parallel with     forward, twice that   computed, the one  network: each hop
+          set_rotate_method(        backward, in N-1      arriving           hides under a
+          "alltoall"))              hops under compute                       block's compute
+        all-gather K and V (torch's the same bytes, in    all of K and V     moderate N on a fast
+          context_parallel default, one collective                           link (NVLink): one
+          "allgather")                                                       call, no per-hop cost
+        all-to-all on heads         q, k, v and out re-   the whole sequence heads >= N: volume
+          (DeepSpeed-Ulysses; not   sharded by heads:     for H/N heads      per rank stays
+          in torch core)            4 all-to-alls                            constant as N grows
+        no context parallelism      nothing               the whole          the sequence fits
+          (F.scaled_dot_product_                          sequence           one device
+          attention, flash)
+
+    torch's context_parallel (torch.distributed.tensor.experimental) swaps
+    F.scaled_dot_product_attention for its ring while inside the context, with head-tail
+    sharding of the buffers you give it. On CUDA only: on CPU it stops with "Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+    registered" (no sharding rule for the CPU attention kernel). The ring inside it does not
+    care (a private function that takes any kernel returning out and lse): the tests hold
+    yours against it on CPU, the same world, the same shards, and against context_parallel
+    itself on CUDA.
+
+STEPS
+    1. ``merge_partials(out_a, lse_a, out_b, lse_b)``: two partial results of the same queries
+       over disjoint keys, as one (the online softmax).
+    2. ``block_mask(query_chunk, key_chunk, causal)`` ("full", "causal" or None) and
+       ``attend_block(q, k, v, causal)``: one block's attention and its lse.
+    3. ``ring_attention_forward(q, k, v, layout, causal)``: the ring, the next block posted
+       before this one is computed, every block merged into its query chunk's result.
+    4. ``chunk_layout``, ``shard_sequence``, ``unshard_sequence`` and ``blocks_per_rank``:
+       the naive and the balanced split, and the blocks each rank computes in them.
+    5. ``block_gradients`` and ``RingAttention.backward``: one block's share of the
+       gradients, and the second trip round the ring that brings dk and dv home.
+
+WHAT THE TESTS CHECK
+    The merge against the softmax over both parts (at every cut, square partials whose
+    weights must scale rows, scores near 1000, parts that saw no key); each block's out and lse
+    against F.scaled_dot_product_attention and logsumexp (full, wide and diagonal blocks); by
+    recording every rank's calls and watching attend_block (which query and key chunk each call
+    got, with which mask, when): that the keys and values go to the right neighbour only,
+    (N - 1) x one block per rank, no collective; that each step's transfer is posted before the
+    block held is computed and waited for after; that every block the mask leaves anything of
+    is computed once with its mask, and no hidden block at all; out and lse on 2 and 4 ranks,
+    causal and not, equal to one process; the split's chunks, shards and counts (3 7 11 15
+    against 9 9 9 9), and the ring on the balanced split; each block's gradients, and dq, dk,
+    dv on 2 to 4 ranks, naive and balanced, equal to F.scaled_dot_product_attention's on one
+    process; the backward's traffic (dk and dv N hops); equality with torch's own ring on the
+    same world (CPU) and with context_parallel (CUDA); ValueError for inputs that do not fit;
+    and the program. float64 throughout: the ring adds the same terms in another order, so it
+    agrees with one process to rounding (1e-10 allowed), and any real mistake is far larger.
+
+RUN IT
+    python -m katas.k26_ring_attention --world-size 4
+    python -m katas.k26_ring_attention --world-size 4 --trace traces/k26   # the timeline
+
+    The program runs the naive and the balanced split, forward and backward, prints the
+    blocks each rank computed in each, and compares output and gradients with
+    F.scaled_dot_product_attention on one process. Its timeline draws a strip per step
+    ("attend block s" forward, "gradients of block s" backward) over the sends and receives:
+    the arrows of the next block's transfer run under the strip of the block being computed.
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.distributed as dist
@@ -13,7 +131,6 @@ from torch.profiler import record_function
 from dojo.console import run_program, say
 from dojo.devices import rank_device
 from dojo.launch import add_launch_arguments, launch_world
-from dojo.todo import KataTodo
 
 # Which chunks of the sequence each rank holds: layout[r] lists rank r's chunk numbers, in the
 # order they sit in its shard. chunk_layout(4, balanced=True) is [(0, 7), (1, 6), (2, 5), (3, 4)].
@@ -152,6 +269,12 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int
     return q.shape[-2] // chunks
 
 
+def _by_chunk(x: torch.Tensor, chunks: int, dim: int = -2) -> torch.Tensor:
+    """``x`` cut into its ``chunks`` along ``dim`` and stacked, chunk first: each chunk is then
+    contiguous (what the attention kernel reads fastest) and the whole is one message."""
+    return torch.stack(x.chunk(chunks, dim=dim))
+
+
 def ring_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,33 +285,30 @@ def ring_attention_forward(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = _check_layout(layout, world)
-    size = _check_shards(q, k, v, per_rank)
+    _check_shards(q, k, v, per_rank)
     right, left = (rank + 1) % world, (rank - 1) % world
     work = torch.promote_types(q.dtype, torch.float32)  # merge in float32 at least
+    queries = _by_chunk(q, per_rank)
+    keys, values = _by_chunk(k, per_rank), _by_chunk(v, per_rank)  # the block that travels
     outs: list[torch.Tensor | None] = [None] * per_rank
     lses: list[torch.Tensor | None] = [None] * per_rank
-    k, v = k.contiguous(), v.contiguous()
     for step in range(world):
         source = (rank - step) % world  # whose keys and values this rank holds now
         if step < world - 1:  # the next block is on its way while this one is computed
-            coming = torch.empty_like(k), torch.empty_like(v)
+            coming = torch.empty_like(keys), torch.empty_like(values)
             requests = [
-                dist.isend(k, right),
-                dist.isend(v, right),
+                dist.isend(keys, right),
+                dist.isend(values, right),
                 dist.irecv(coming[0], left),
                 dist.irecv(coming[1], left),
             ]
         with record_function(f"attend block {step}"):
             for i, query_chunk in enumerate(layout[rank]):
-                rows = slice(i * size, (i + 1) * size)
                 for j, key_chunk in enumerate(layout[source]):
                     mask = block_mask(query_chunk, key_chunk, causal)
                     if mask is None:
                         continue  # hidden by the causal mask: never computed
-                    keys = slice(j * size, (j + 1) * size)
-                    out, lse = attend_block(
-                        q[..., rows, :], k[..., keys, :], v[..., keys, :], mask == "causal"
-                    )
+                    out, lse = attend_block(queries[i], keys[j], values[j], mask == "causal")
                     out = out.to(work)
                     if outs[i] is None:
                         outs[i], lses[i] = out, lse
@@ -197,7 +317,7 @@ def ring_attention_forward(
         if step < world - 1:
             for request in requests:
                 request.wait()
-            k, v = coming
+            keys, values = coming
     if any(o is None for o in outs):
         raise ValueError(f"layout {layout}: a query chunk of rank {rank} saw no key at all")
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
@@ -209,8 +329,8 @@ def ring_attention_forward(
 def chunk_layout(world_size: int, balanced: bool) -> Layout:
     """Which two of the sequence's ``2 x world_size`` chunks each rank holds.
 
-    Naive: rank r holds chunks 2r and 2r + 1 (a contiguous quarter on 2 ranks... a slice each).
-    Balanced: rank r holds chunk r and chunk 2N - 1 - r, one from each end.
+    Naive: rank r holds chunks 2r and 2r + 1, one contiguous slice of the sequence.
+    Balanced (head-tail): rank r holds chunk r and chunk 2N - 1 - r, one from each end.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -288,7 +408,7 @@ def block_gradients(
         )
     if _cpu_kernel(q) and v.shape[-1] == q.shape[-1] and q.dtype == out.dtype:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal
+            grad_out, q, k, v, out, lse, 0.0, causal
         )
         return dq, dk, dv
     scale = q.shape[-1] ** -0.5
@@ -319,23 +439,24 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, causal = ctx.layout, ctx.causal
         rank, world = dist.get_rank(), dist.get_world_size()
-        size = q.shape[-2] // len(layout[rank])
+        per_rank = len(layout[rank])
         right, left = (rank + 1) % world, (rank - 1) % world
         work = torch.promote_types(q.dtype, torch.float32)
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros_like(q, dtype=work)
+        queries, outs, grads = (_by_chunk(t, per_rank) for t in (q, out, grad_out))
+        lses = _by_chunk(lse, per_rank, dim=-1)
+        keys, values = _by_chunk(k, per_rank), _by_chunk(v, per_rank)
+        dq = torch.zeros_like(queries, dtype=work)
         # The gradients of the keys and values this rank holds now: they travel round the ring
         # with their block, each rank adding its share, and after N hops arrive at their owner.
-        dk, dv = torch.zeros_like(k, dtype=work), torch.zeros_like(v, dtype=work)
-        k, v = k.contiguous(), v.contiguous()
+        dk, dv = torch.zeros_like(keys, dtype=work), torch.zeros_like(values, dtype=work)
         for step in range(world):
             source = (rank - step) % world
             requests = []
             if step < world - 1:
-                coming = torch.empty_like(k), torch.empty_like(v)
+                coming = torch.empty_like(keys), torch.empty_like(values)
                 requests += [
-                    dist.isend(k, right),
-                    dist.isend(v, right),
+                    dist.isend(keys, right),
+                    dist.isend(values, right),
                     dist.irecv(coming[0], left),
                     dist.irecv(coming[1], left),
                 ]
@@ -344,33 +465,32 @@ class RingAttention(torch.autograd.Function):
                 requests += [dist.irecv(grads_coming[0], left), dist.irecv(grads_coming[1], left)]
             with record_function(f"gradients of block {step}"):
                 for i, query_chunk in enumerate(layout[rank]):
-                    rows = slice(i * size, (i + 1) * size)
                     for j, key_chunk in enumerate(layout[source]):
                         mask = block_mask(query_chunk, key_chunk, causal)
                         if mask is None:
                             continue
-                        keys = slice(j * size, (j + 1) * size)
                         dq_part, dk_part, dv_part = block_gradients(
-                            q[..., rows, :],
-                            k[..., keys, :],
-                            v[..., keys, :],
-                            out[..., rows, :],
-                            lse[..., rows],
-                            grad_out[..., rows, :],
+                            queries[i], keys[j], values[j], outs[i], lses[i], grads[i],
                             mask == "causal",
-                        )
-                        dq[..., rows, :] += dq_part
-                        dk[..., keys, :] += dk_part
-                        dv[..., keys, :] += dv_part
+                        )  # fmt: skip
+                        dq[i] += dq_part
+                        dk[j] += dk_part
+                        dv[j] += dv_part
             if world > 1:  # ... and go on to the right with this rank's share added
                 requests += [dist.isend(dk, right), dist.isend(dv, right)]
             for request in requests:
                 request.wait()
             if step < world - 1:
-                k, v = coming
+                keys, values = coming
             if world > 1:
                 dk, dv = grads_coming  # after the last step: this rank's own, home again
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return (
+            torch.cat(list(dq), dim=-2).to(q.dtype),
+            torch.cat(list(dk), dim=-2).to(k.dtype),
+            torch.cat(list(dv), dim=-2).to(v.dtype),
+            None,
+            None,
+        )
 
 
 def ring_attention(

@@ -126,10 +126,10 @@ def _partial(scores: torch.Tensor, v: torch.Tensor):
     return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
 
 
-def _split_case(rows=5, keys=12, dim=3, cut=7, shift=0.0, seed=1):
+def _split_case(rows=5, keys=12, dim=3, cut=7, shift=0.0, seed=1, batch=2):
     generator = torch.Generator().manual_seed(seed)
-    scores = torch.randn(2, rows, keys, generator=generator, dtype=torch.float64) * 3 + shift
-    v = torch.randn(2, keys, dim, generator=generator, dtype=torch.float64)
+    scores = torch.randn(batch, rows, keys, generator=generator, dtype=torch.float64) * 3 + shift
+    v = torch.randn(batch, keys, dim, generator=generator, dtype=torch.float64)
     a = _partial(scores[..., :cut], v[..., :cut, :])
     b = _partial(scores[..., cut:], v[..., cut:, :])
     return a, b, _partial(scores, v)
@@ -174,9 +174,15 @@ def test_merge_equals_the_softmax_over_both_parts(kata, cut):
     a, b, whole = _split_case(cut=cut)
     got, error = _call(kata.merge_partials, *a, *b)
     if error is not None:
+        hint = (
+            ": lse is (..., rows) and out (..., rows, dim), so a row's weight e^(lse_x - lse) "
+            "must be made (..., rows, 1) (unsqueeze(-1)) to scale that row"
+            if "size of tensor" in str(error)
+            else ""
+        )
         raise AssertionError(
             f"merge_partials of two partials (out (2, 5, 3), lse (2, 5)) raised "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {error}{hint}"
         )
     problem = _merge_problem(got, a, b, whole)
     assert problem is None, (
@@ -189,10 +195,14 @@ def test_merge_equals_the_softmax_over_both_parts(kata, cut):
 def test_merge_keeps_each_rows_own_weights(kata):
     """Square partials (as many rows as features): a weight applied per column goes unnoticed
     by shape, not by value."""
-    a, b, whole = _split_case(rows=4, dim=4, cut=5)
+    a, b, whole = _split_case(rows=4, dim=4, cut=5, batch=1)
     got, error = _call(kata.merge_partials, *a, *b)
     if error is not None:
-        raise AssertionError(f"merge_partials raised {type(error).__name__}: {error}")
+        raise AssertionError(
+            f"merge_partials of square partials (out (1, 4, 4), lse (1, 4)) raised "
+            f"{type(error).__name__}: {error}: a row's weight must be made (..., rows, 1) "
+            "(unsqueeze(-1)) to scale that row"
+        )
     assert isinstance(got, tuple) and _close(got[0], whole[0]), (
         f"with 4 query rows of 4 features the merged out is wrong ({_gap(got[0], whole[0])}) "
         "although it is right when rows and features differ in number: each ROW has its own "
@@ -684,13 +694,14 @@ def _blocks_problem(result, layout, rank, causal) -> str | None:
             return (
                 f"rank {rank} attended query chunk {a} to key chunk {b}, which the causal mask "
                 "hides entirely (every key after every query): skip such a block, compute "
-                "nothing (block_mask is None), or the queries see the future"
+                "nothing (block_mask is None), or the queries see the future. Is each block "
+                "numbered by the rank it came from, layout[(rank - step) % N]?"
             )
         if was_causal != (mask == "causal"):
             return (
                 f"rank {rank} attended query chunk {a} to key chunk {b} with causal={was_causal}, "
                 f"expected causal={mask == 'causal'}: only a chunk against itself is causal "
-                "(block_mask). Are the key chunks numbered by the rank they came from, "
+                "(block_mask). Is each block numbered by the rank it came from, "
                 "layout[(rank - step) % N]?"
             )
     for block in sorted(set(done)):
@@ -923,7 +934,9 @@ def test_block_gradients_add_up_to_the_whole(kata, causal):
     _, (dq, dk, dv) = _sdpa_grads(q, k, v, g, causal)
     size, last = 8, slice(16, 24)
     # the gradients that flow from the last chunk's queries alone
-    _, (dq_last, dk_last, dv_last) = _sdpa_grads(q, k, v, g * (torch.arange(24) >= 16).view(1, 1, 24, 1).double(), causal)
+    _, (dq_last, dk_last, dv_last) = _sdpa_grads(
+        q, k, v, g * (torch.arange(24) >= 16).view(1, 1, 24, 1).double(), causal
+    )
     total_dq = torch.zeros_like(q[..., last, :])
     for chunk in range(3):
         keys = slice(chunk * size, (chunk + 1) * size)
@@ -1034,6 +1047,65 @@ def test_ring_backward_equals_one_process(kata, world_size, layout_name, causal)
                 f"share; the sum travels round the ring with the block and comes home. dq is "
                 "right, so the shares are: are they carried along and added up, not kept where "
                 "they were computed?"
+            )
+
+
+def _torch_ring_rank(rank, world_size, length, causal):
+    """torch's own ring (the one context_parallel runs on CUDA, private:
+    _templated_ring_attention and its backward) with torch's CPU attention kernel, and the
+    kata's ring, on the same world and the same balanced shards."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    kata = load_kata(KATA)
+    aten = torch.ops.aten
+    cp.set_rotate_method("alltoall")  # the ring, not the default all-gather
+    cp._cp_options.enable_load_balance = causal  # head-tail: chunks r and 2N - 1 - r
+    cp._cp_options.convert_to_f32 = False  # merge in float64, as the kata's ring does here
+    layout = _balanced(world_size) if causal else _naive(world_size)
+    q, k, v, g = (_shard(t, layout, rank).contiguous() for t in _tensors(length))
+    group = dist.group.WORLD
+    out, lse = cp._templated_ring_attention(
+        group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
+        is_causal=causal, dropout_p=0.0,
+    )  # fmt: skip
+    torch_grads = cp._templated_ring_attention_backward(
+        group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, g,
+        "grad_out", q, k, v, out, lse, is_causal=causal, dropout_p=0.0,
+    )[:3]  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mine = kata.ring_attention(*leaves, layout, causal)
+    mine.backward(g)
+    return {
+        "out": (mine.detach(), out),
+        "grads": [(a.grad, b) for a, b in zip(leaves, torch_grads)],
+    }
+
+
+@pytest.mark.step(5)
+@pytest.mark.parametrize("world_size, causal", [(2, True), (4, True), (2, False)])
+def test_ring_equals_torchs_own_ring_on_the_same_world(kata, world_size, causal):
+    """torch's context_parallel refuses the CPU kernel (no sharding rule for it), but the ring
+    it runs on CUDA takes any attention op that returns (out, lse): here with the CPU one."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError as error:
+        pytest.skip(f"this torch has no context-parallel ring to compare with ({error})")
+    names = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options")
+    if not all(hasattr(cp, n) for n in names) or not hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
+    ):
+        pytest.skip("this torch's context-parallel ring (a private API) has moved")
+    by_rank = run_world(
+        _torch_ring_rank, world_size, 16 * world_size, causal, deadline=DEADLINE_S, stall=STALL_S
+    )
+    for rank, result in enumerate(by_rank):
+        for name, (mine, theirs) in zip(
+            ("output", "dq", "dk", "dv"), [result["out"], *result["grads"]]
+        ):
+            assert _close(mine, theirs), (
+                f"rank {rank}: the {name} of ring_attention differs from torch's own ring's on "
+                f"the same {world_size} ranks and shards ({_gap(mine, theirs)})"
             )
 
 
