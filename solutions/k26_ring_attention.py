@@ -77,7 +77,8 @@ THE IDEA
     registered" (no sharding rule for the CPU attention kernel). The ring inside it does not
     care (a private function that takes any kernel returning out and lse): the tests hold
     yours against it on CPU, the same world, the same shards, and against context_parallel
-    itself on CUDA.
+    itself on CUDA (a world of one on one GPU: NCCL needs a GPU per rank, and gloo moves CUDA
+    tensors in all_reduce and broadcast only, never by send and recv).
 
 STEPS
     1. ``merge_partials(out_a, lse_a, out_b, lse_b)``: two partial results of the same queries

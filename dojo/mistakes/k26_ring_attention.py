@@ -820,13 +820,13 @@ MISTAKES = [
         "ring_sends_blocking_first",
         replaces="ring_attention_forward",
         fails=["test_ring_passes_keys_and_values_to_the_right"],
-        says=["deadlock"],
+        says=["deadlock: rank(s)", "in a blocking dist.send or dist.recv"],
     ),
     Mistake(
         "ring_receives_from_the_right",
         replaces="ring_attention_forward",
         fails=["test_ring_passes_keys_and_values_to_the_right[4-ranks-causal]"],
-        says=["deadlock"],
+        says=["deadlock: rank(s)", "receives from its left one, (rank - 1) % N"],
     ),
     Mistake(
         "ring_computes_then_exchanges",
