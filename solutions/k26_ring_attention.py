@@ -125,6 +125,7 @@ RUN IT
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import torch.distributed as dist
@@ -263,6 +264,8 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int
             f"this rank's q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
             "shards of the same tokens: (..., local length, dim), the same local length"
         )
+    if k.dtype != v.dtype:
+        raise ValueError(f"k is {k.dtype} and v {v.dtype}: give them one dtype")
     if q.shape[-2] % chunks:
         raise ValueError(
             f"this rank holds {q.shape[-2]} tokens, which do not cut into its {chunks} chunks: "
@@ -274,8 +277,21 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int
 
 def _by_chunk(x: torch.Tensor, chunks: int, dim: int = -2) -> torch.Tensor:
     """``x`` cut into its ``chunks`` along ``dim`` and stacked, chunk first: each chunk is then
-    contiguous (what the attention kernel reads fastest) and the whole is one message."""
+    contiguous, what the attention kernel reads fastest."""
     return torch.stack(x.chunk(chunks, dim=dim))
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor, chunks: int) -> tuple[torch.Tensor, tuple]:
+    """A rank's keys and values as ONE flat buffer (one message a hop), chunk by chunk, and the
+    shapes ``_unpack`` needs to view them again."""
+    keys, values = _by_chunk(k, chunks), _by_chunk(v, chunks)
+    return torch.cat([keys.flatten(), values.flatten()]), (keys.shape, values.shape)
+
+
+def _unpack(buffer: torch.Tensor, shapes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the keys and values (chunk first) in a buffer ``_pack`` made."""
+    count = math.prod(shapes[0])
+    return buffer[:count].view(shapes[0]), buffer[count:].view(shapes[1])
 
 
 def ring_attention_forward(
@@ -292,19 +308,15 @@ def ring_attention_forward(
     right, left = (rank + 1) % world, (rank - 1) % world
     work = torch.promote_types(q.dtype, torch.float32)  # merge in float32 at least
     queries = _by_chunk(q, per_rank)
-    keys, values = _by_chunk(k, per_rank), _by_chunk(v, per_rank)  # the block that travels
+    block, shapes = _pack(k, v, per_rank)  # what travels: one message a hop
     outs: list[torch.Tensor | None] = [None] * per_rank
     lses: list[torch.Tensor | None] = [None] * per_rank
     for step in range(world):
         source = (rank - step) % world  # whose keys and values this rank holds now
+        keys, values = _unpack(block, shapes)
         if step < world - 1:  # the next block is on its way while this one is computed
-            coming = torch.empty_like(keys), torch.empty_like(values)
-            requests = [
-                dist.isend(keys, right),
-                dist.isend(values, right),
-                dist.irecv(coming[0], left),
-                dist.irecv(coming[1], left),
-            ]
+            coming = torch.empty_like(block)
+            requests = [dist.isend(block, right), dist.irecv(coming, left)]
         with record_function(f"attend block {step}"):
             for i, query_chunk in enumerate(layout[rank]):
                 for j, key_chunk in enumerate(layout[source]):
@@ -320,7 +332,7 @@ def ring_attention_forward(
         if step < world - 1:
             for request in requests:
                 request.wait()
-            keys, values = coming
+            block = coming
     if any(o is None for o in outs):
         raise ValueError(f"layout {layout}: a query chunk of rank {rank} saw no key at all")
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
@@ -447,25 +459,26 @@ class RingAttention(torch.autograd.Function):
         work = torch.promote_types(q.dtype, torch.float32)
         queries, outs, grads = (_by_chunk(t, per_rank) for t in (q, out, grad_out))
         lses = _by_chunk(lse, per_rank, dim=-1)
-        keys, values = _by_chunk(k, per_rank), _by_chunk(v, per_rank)
         dq = torch.zeros_like(queries, dtype=work)
-        # The gradients of the keys and values this rank holds now: they travel round the ring
-        # with their block, each rank adding its share, and after N hops arrive at their owner.
-        dk, dv = torch.zeros_like(keys, dtype=work), torch.zeros_like(values, dtype=work)
+        block, shapes = _pack(k, v, per_rank)
+        # dk and dv of the block a rank holds travel round the ring with it (tag 1, after the
+        # block itself), each rank adding its share; after N hops they are home. A rank's
+        # share is computed before it waits for the shares of the ranks before it, so that
+        # transfer hides under the computation too.
+        earlier, sends = None, []
         for step in range(world):
             source = (rank - step) % world
+            keys, values = _unpack(block, shapes)
             requests = []
             if step < world - 1:
-                coming = torch.empty_like(keys), torch.empty_like(values)
-                requests += [
-                    dist.isend(keys, right),
-                    dist.isend(values, right),
-                    dist.irecv(coming[0], left),
-                    dist.irecv(coming[1], left),
-                ]
-            if world > 1:  # this block's gradients so far come from the left with it
-                grads_coming = torch.empty_like(dk), torch.empty_like(dv)
-                requests += [dist.irecv(grads_coming[0], left), dist.irecv(grads_coming[1], left)]
+                coming = torch.empty_like(block)
+                requests += [dist.isend(block, right), dist.irecv(coming, left)]
+            arriving = None
+            if world > 1:  # the next block's gradients so far (after the last step: our own)
+                arriving = torch.empty(block.numel(), dtype=work, device=block.device)
+                requests_grads = dist.irecv(arriving, left, tag=1)
+            mine = torch.zeros(block.numel(), dtype=work, device=block.device)
+            dk, dv = _unpack(mine, shapes)
             with record_function(f"gradients of block {step}"):
                 for i, query_chunk in enumerate(layout[rank]):
                     for j, key_chunk in enumerate(layout[source]):
@@ -479,14 +492,22 @@ class RingAttention(torch.autograd.Function):
                         dq[i] += dq_part
                         dk[j] += dk_part
                         dv[j] += dv_part
-            if world > 1:  # ... and go on to the right with this rank's share added
-                requests += [dist.isend(dk, right), dist.isend(dv, right)]
+            if world > 1:
+                if earlier is not None:  # the shares of the ranks this block visited before
+                    earlier[0].wait()
+                    mine += earlier[1]
+                sends.append(dist.isend(mine, right, tag=1))
+                earlier = (requests_grads, arriving)
             for request in requests:
                 request.wait()
             if step < world - 1:
-                keys, values = coming
-            if world > 1:
-                dk, dv = grads_coming  # after the last step: this rank's own, home again
+                block = coming
+        if world > 1:
+            earlier[0].wait()
+            mine = earlier[1]  # this rank's own keys' gradients, home from the left
+        for request in sends:
+            request.wait()
+        dk, dv = _unpack(mine, shapes)
         return (
             torch.cat(list(dq), dim=-2).to(q.dtype),
             torch.cat(list(dk), dim=-2).to(k.dtype),
