@@ -125,6 +125,7 @@ RUN IT
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import torch.distributed as dist
@@ -244,6 +245,8 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int
             f"this rank's q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
             "shards of the same tokens: (..., local length, dim), the same local length"
         )
+    if k.dtype != v.dtype:
+        raise ValueError(f"k is {k.dtype} and v {v.dtype}: give them one dtype")
     if q.shape[-2] % chunks:
         raise ValueError(
             f"this rank holds {q.shape[-2]} tokens, which do not cut into its {chunks} chunks: "
@@ -255,8 +258,21 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int
 
 def _by_chunk(x: torch.Tensor, chunks: int, dim: int = -2) -> torch.Tensor:
     """``x`` cut into its ``chunks`` along ``dim`` and stacked, chunk first: each chunk is then
-    contiguous (what the attention kernel reads fastest) and the whole is one message."""
+    contiguous, what the attention kernel reads fastest."""
     return torch.stack(x.chunk(chunks, dim=dim))
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor, chunks: int) -> tuple[torch.Tensor, tuple]:
+    """A rank's keys and values as ONE flat buffer (one message a hop), chunk by chunk, and the
+    shapes ``_unpack`` needs to view them again."""
+    keys, values = _by_chunk(k, chunks), _by_chunk(v, chunks)
+    return torch.cat([keys.flatten(), values.flatten()]), (keys.shape, values.shape)
+
+
+def _unpack(buffer: torch.Tensor, shapes: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the keys and values (chunk first) in a buffer ``_pack`` made."""
+    count = math.prod(shapes[0])
+    return buffer[:count].view(shapes[0]), buffer[count:].view(shapes[1])
 
 
 def ring_attention_forward(
