@@ -1104,6 +1104,15 @@ def test_ring_equals_torchs_own_ring_on_the_same_world(kata, world_size, causal)
         torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
     ):
         pytest.skip("this torch's context-parallel ring (a private API) has moved")
+    import inspect
+
+    expected = {
+        "_templated_ring_attention": ["group", "seq_dim", "op", "query", "key", "value"],
+        "_templated_ring_attention_backward": ["group", "seq_dim", "op", "grad_out"],
+    }
+    for name, first in expected.items():
+        if list(inspect.signature(getattr(cp, name)).parameters)[: len(first)] != first:
+            pytest.skip(f"this torch's {name} (a private API) takes other arguments")
     by_rank = _world(_torch_ring_rank, world_size, 16 * world_size, causal)
     for rank, result in enumerate(by_rank):
         for name, (mine, theirs) in zip(
