@@ -395,7 +395,8 @@ class RingAttention(torch.autograd.Function):
         # (point-to-point only, to the right: N - 1 hops of keys and values and N of their gradients
         # per rank), compare dq, dk and dv with scaled_dot_product_attention on one process on 2 to 4
         # ranks, naive and balanced, and with torch's own ring on the same world, and name the rank
-        # whose key gradients a rank ended with when they did not come home.
+        # whose key gradients a rank ended with when they did not come home. Name each step's
+        # computation `with record_function(f"gradients of block {step}"):` for the timeline.
         raise KataTodo(
             "k26", 5, "backward: each block's gradients, and dk and dv round the ring home"
         )
