@@ -16,6 +16,9 @@ same data and the same seeds:
     sp     k25's SequenceParallelBlock + SGD   parallelize_module(SequenceParallel norms,
            (one block, 64 positions split       Colwise q, k, v and up, Rowwise out and down
            along the sequence)                  on Shard(1)) + SGD
+    cp     k26's ring_attention, forward and   torch's own ring inside context_parallel (its
+           backward, causal, 2048 tokens        private _templated_ring_attention, the CPU
+           split head-tail                      kernel, all-to-all rotation, head-tail split)
     fp16   DDP with k30's fp16_hook + SGD      DDP with torch's fp16_compress_hook + SGD
     powersgd DDP with k30's powersgd_hook      DDP with torch's powerSGD_hook (rank 1, after
            (rank 1, after 2 plain steps)        2 plain steps; each all-reduce waited for before
@@ -68,6 +71,7 @@ KATAS = {
     "tp": ("k20_tensor_parallel", "ParallelMLP", "parallelize_module"),
     "pp": ("k21_pipeline", "1F1B schedule", "pipelining Schedule1F1B"),
     "sp": ("k25_sequence_parallel", "SequenceParallelBlock", "parallelize_module SP"),
+    "cp": ("k26_ring_attention", "ring_attention", "context parallel's ring"),
     "fp16": ("k30_compressed_gradients", "fp16_hook", "fp16_compress_hook"),
     "powersgd": ("k30_compressed_gradients", "powersgd_hook", "powerSGD_hook"),
 }
@@ -347,6 +351,61 @@ def _sp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return step_yours, step_theirs, same
 
 
+CP_LENGTH = 2048  # tokens of the whole sequence (each rank holds LENGTH / world_size)
+
+
+def _cp(kata, args: argparse.Namespace) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError as error:
+        raise Skip(f"this torch has no context-parallel ring ({error})") from None
+    if not all(
+        hasattr(cp, name)
+        for name in ("_templated_ring_attention", "_templated_ring_attention_backward")
+    ) or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        raise Skip("this torch's context-parallel ring or CPU attention kernel has moved")
+    rank, size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    if device.type != "cpu":
+        raise Skip("the row runs torch's ring with its CPU kernel: run it on the CPU")
+    cp.set_rotate_method("alltoall")  # the ring (context_parallel's default is an all-gather)
+    cp._cp_options.enable_load_balance = True  # head-tail: chunks r and 2N - 1 - r
+    heads = 4
+    generator = torch.Generator().manual_seed(args.seed)
+    whole = [
+        torch.randn(1, heads, CP_LENGTH, args.dim // heads, generator=generator) for _ in range(4)
+    ]
+    layout = kata.chunk_layout(size, balanced=True)
+    q, k, v, grad = (kata.shard_sequence(t, layout, rank).to(device) for t in whole)
+    results: dict[str, list[torch.Tensor]] = {}
+    aten = torch.ops.aten
+
+    def step_yours(number: int) -> None:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = kata.ring_attention(*leaves, layout, True)
+        out.backward(grad)
+        results["yours"] = [out.detach(), *(t.grad for t in leaves)]
+
+    def step_theirs(number: int) -> None:
+        group = dist.group.WORLD
+        out, lse = cp._templated_ring_attention(
+            group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
+            is_causal=True, dropout_p=0.0,
+        )  # fmt: skip
+        dq, dk, dv = cp._templated_ring_attention_backward(
+            group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad,
+            "grad_out", q, k, v, out, lse, is_causal=True, dropout_p=0.0,
+        )[:3]  # fmt: skip
+        results["theirs"] = [out, dq, dk, dv]
+
+    def same() -> bool:
+        return all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+            for a, b in zip(results["yours"], results["theirs"])
+        )
+
+    return step_yours, step_theirs, same
+
+
 @contextlib.contextmanager
 def _finished():
     """Each async all-reduce waits before it returns (torch's powerSGD_hook on gloo CPU)."""
@@ -446,6 +505,7 @@ COMPARISONS = {
     "tp": _tp,
     "pp": _pp,
     "sp": _sp,
+    "cp": _cp,
     "fp16": _fp16,
     "powersgd": _powersgd,
 }
@@ -565,6 +625,10 @@ def main(argv=None) -> int:
             parser.error(f"{option} must be at least {least}")
     if "pp" in names and args.blocks < args.world_size:
         parser.error(f"--blocks {args.blocks}: the pp row needs a block per rank at least")
+    if "cp" in names and CP_LENGTH % (2 * args.world_size):
+        parser.error(
+            f"the cp row cuts {CP_LENGTH} tokens into 2 chunks a rank: --world-size must divide {CP_LENGTH // 2}"
+        )
     if "sp" in names and SP_LENGTH % args.world_size:
         parser.error(f"the sp row splits {SP_LENGTH} positions: --world-size must divide it")
     if args.dim % (4 * args.world_size):
@@ -573,7 +637,7 @@ def main(argv=None) -> int:
         None,
         f"one training step, Part IV and VI katas from {args.impl}/ against torch's own, "
         f"{args.world_size} ranks, gloo on cpu; a TinyTransformer of {args.blocks} blocks of width "
-        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches; sp: one block, {SP_LENGTH} positions), {args.batch} sequences per rank; each time the median "
+        f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches; sp: one block, {SP_LENGTH} positions; cp: attention over {CP_LENGTH} tokens), {args.batch} sequences per rank; each time the median "
         f"of {args.steps} steps (x: torch's time / yours), collectives per step counted",
     )
     say(None, f"{'':<58} {'':>11} {'':>11} {'':>7} {'collectives':>11}")

@@ -27,6 +27,11 @@ TIMELINES = (
         "k21_pipeline",
         ["--world-size", "4", "--schedule", "1f1b", "--micro-batches", "8"],
     ),  # fmt: skip
+    (
+        "k26_ring_attention.png",
+        "k26_ring_attention",
+        "--world-size 4 --split balanced --length 2048 --heads 4 --dim 32".split(),
+    ),
 )
 
 
