@@ -376,7 +376,8 @@ def _why_not_mismatch(rank: int, world_size: int, message: str) -> str:
             f"rank {rank} tried to open the store on MASTER_PORT as well: only rank 0 opens the "
             "store (is_master=(rank == 0)); the others connect to it"
         )
-    if "timed out" in text or "timeout" in text:
+    # a store client that cannot connect: timed out, or (on a busy machine) its wait cut short
+    if any(word in text for word in ("timed out", "timeout", "distnetworkerror", "interrupted")):
         return (
             "something waited for ranks that never came: count who joined (wait_for_world) "
             "before init_process_group, and turn a store that cannot be reached into "

@@ -607,9 +607,16 @@ def _one_way(kata, way, rank):
         wrapped = kata.BucketedDDP(model, bucket_cap_mb=SPLIT_MB)
         synchronize = wrapped.finish_gradient_synchronization
     expected = len(wrapped.buckets) if way == "k13" else len(list(model.parameters()))
+    synchronized = []
+
+    def counted_synchronize():  # whether it was called at all, whatever the timing shows
+        synchronized.append(time.perf_counter())
+        return synchronize()
+
     with recording(("all_reduce",)) as calls:
-        record = kata.record_step(wrapped, batch, synchronize)
+        record = kata.record_step(wrapped, batch, counted_synchronize)
     return {
+        "synchronized": len(synchronized),
         "began": record.began,
         "backward": tuple(record.backward),
         "ended": record.ended,
@@ -695,6 +702,11 @@ def test_hooks_launch_the_first_all_reduce_before_backward_returns(kata, way, wh
     for rank, result in enumerate(_stepped()):
         got = result[way]
         _check_counts(rank, way, got, what)
+        assert got["synchronized"], (
+            f"rank {rank}, {way}: record_step never called synchronize(): it must call "
+            "synchronize() after loss.backward() (it waits for every all-reduce the hooks "
+            "launched), and return after it"
+        )
         first = min(launched for launched, _ in got["comms"])
         assert first < got["backward"][1], (
             f"rank {rank}, {way}: the first all-reduce was launched after the recorded backward "
