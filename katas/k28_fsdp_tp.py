@@ -263,7 +263,13 @@ class TensorParallelBlock(nn.Module):
             if style == "row":
                 layer = RowParallelLinear(weight, bias, mesh)
             else:
-                layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+                layer = nn.Linear(
+                    weight.shape[1],
+                    weight.shape[0],
+                    bias=bias is not None,
+                    device=weight.device,
+                    dtype=weight.dtype,
+                )
                 with torch.no_grad():
                     layer.weight.copy_(weight)
                     if bias is not None:

@@ -559,6 +559,25 @@ def test_training_equals_one_process(kata, dp, tp):
 
 
 @pytest.mark.step(4)
+def test_a_batch_that_does_not_split_over_the_rows_is_refused(kata):
+    mesh = kata.Mesh(dp=3, tp=1, dp_index=0, tp_index=0)
+    tokens, targets = make_tokens(8, 1)
+    try:
+        kata.train_step(None, None, tokens, targets, mesh)
+    except ValueError:
+        return
+    except KataTodo:
+        raise
+    except Exception as error:
+        raise AssertionError(
+            f"train_step with a batch of 8 on dp = 3 rows raised {type(error).__name__}: "
+            f"{str(error)[:200]}; check the batch first and raise ValueError (8 rows do not "
+            "split over 3)"
+        ) from None
+    raise AssertionError("train_step with a batch of 8 on dp = 3 rows returned: raise ValueError")
+
+
+@pytest.mark.step(4)
 def test_one_step_s_collectives_per_group_in_order(kata):
     for rank, result in enumerate(_train_world(2, 2)):
         calls = result["calls"]
