@@ -80,8 +80,9 @@ STEPS
        ``parallelize_module`` trained on the same 4 ranks.
 
 WHAT THE TESTS CHECK
-    The groups of 2x2, 1x4, 4x1 and 2x1 meshes (members, sizes, this rank's indices) and a
-    ``ValueError`` for a mesh that does not fit; each linear's slice, taken by the rank in the
+    The groups of 2x2, 1x4 and 4x1 meshes on 4 ranks (members, sizes, this rank's indices,
+    an all-reduce over each) and a ``ValueError`` naming the world size for meshes that do not
+    fit (3x2, 2x1, 0x4, 4x0); each linear's slice, taken by the rank in the
     row; a TP block's output and gradients equal to the dense block's slices, with one
     all-reduce forward and one backward per half on the tp group and none elsewhere; shards
     padded and picked by the rank in the column; the gather and its reduce-scatter (a mean) on
@@ -477,7 +478,8 @@ def train_on_mesh(rank: int, world_size: int, dp: int, tp: int, steps: int, seed
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description="FSDP x TP: a tiny transformer trained on a dp x tp mesh of ranks."
+        description="FSDP x TP: a tiny transformer trained on a dp x tp mesh of ranks (the "
+        "world is dp x tp ranks: --world-size is not used)."
     )
     add_launch_arguments(parser, world_size=4)
     parser.add_argument("--dp", type=int, default=2, help="rows: sharded data parallel")
