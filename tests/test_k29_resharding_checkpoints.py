@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dojo.impl import load_kata
-from dojo.testing import run_program, shared_run
+from dojo.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.world import run_world
 
@@ -599,6 +599,31 @@ def test_resuming_on_another_world_equals_never_stopping(kata, old, new):
         f"{STEPS} steps on {old} ranks, saved, then {STEPS} on {new} ranks differ from "
         f"{2 * STEPS} steps in one process in {different}"
     )
+
+
+def _save_from_the_gpu(rank, world_size, folder):
+    kata = load_kata(KATA)
+    slices = {name: value.to("cuda:0") for name, value in _slices_of(rank, world_size).items()}
+    kata.save_shards(folder, slices, kata.make_metadata(TENSORS, world_size, 5))
+
+
+@pytest.mark.step(5)
+@pytest.mark.cuda
+def test_slices_saved_from_a_gpu_load_on_a_machine_without_one(kata, tmp_path):
+    require_gpus(1)
+    run_world(_save_from_the_gpu, 2, str(tmp_path), deadline=DEADLINE)  # gloo: a barrier only
+    for rank in range(3):
+        shards, step = kata.load_shards(tmp_path, TENSORS, rank, 3)
+        for name, (shape, _) in TENSORS.items():
+            offset, length = _expected_range(math.prod(shape), rank, 3)
+            want = _values(name, shape)[offset : offset + length]
+            got = shards[name]
+            assert got.device.type == "cpu" and torch.equal(got, want), (
+                f"2 -> 3 ranks, slices saved from cuda:0: new rank {rank}'s {name} is "
+                f"{got.tolist()} on {got.device}, expected {want.tolist()} on the CPU (read the "
+                f"shards with map_location='cpu': a checkpoint must load where there is no GPU)"
+            )
+    assert step == 5
 
 
 @pytest.mark.step(5)
