@@ -32,9 +32,9 @@ THE IDEA
     and ``torch.load(path, mmap=True, weights_only=True)`` maps it instead of reading it, so
     slicing a tensor touches only the pages of that slice, read once when it is copied into
     the new slice. (Save each slice as its own tensor, a clone: ``torch.save`` of a view
-    writes the WHOLE storage it views.) Measured once on 2 CPU cores, 64 MiB on 4 ranks, then
-    loaded into 2: the save takes about dcp.save's time, the load about a third of dcp.load's
-    (no planner, no per-item reader: one mapped file per overlap).
+    writes the WHOLE storage it views.) Measured on a busy 2-core machine, 64 and 256 MiB
+    saved on 4 ranks and loaded into 2: within about 1.5x of dcp.save and dcp.load either
+    way, often faster (DCP writes each tensor with torch.save too; it adds a planner).
 
     The state here is the model's (its state_dict, flattened) and Adam's (exp_avg and
     exp_avg_sq of every parameter), each split over the ranks; Adam's step count and the
@@ -213,7 +213,10 @@ def save_shards(folder: str | os.PathLike, shards: dict[str, torch.Tensor], meta
                         f"{'none' if tensor is None else tensor.numel()}: build both from the "
                         f"same layout"
                     )
-                pieces[name] = tensor.detach().reshape(-1).cpu().clone()  # its own storage
+                flat = tensor.detach().reshape(-1).cpu()
+                if flat.untyped_storage().nbytes() != flat.numel() * flat.element_size():
+                    flat = flat.clone()  # a view: torch.save would write the whole storage
+                pieces[name] = flat
     temporary = folder / f".{mine}.tmp"
     torch.save(pieces, temporary)
     os.replace(temporary, folder / mine)  # a reader sees the whole file or none, never half
