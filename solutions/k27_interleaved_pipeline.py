@@ -205,41 +205,6 @@ def _check(stages: int, chunks: int, micro_batches: int, rank: int) -> None:
         )
 
 
-def _one_f_one_b(
-    stages: int, chunks: int, micro_batches: int, rank: int, warm_up: int, zero_bubble: bool
-) -> list[Action]:
-    """Torch's (Megatron's) interleaved 1F1B order, and with W's, its zero-bubble one."""
-    total = chunks * micro_batches  # each chunk runs every micro-batch
-    warm_up = min(warm_up, total)
-    forwards, backwards = [0] * chunks, [0] * chunks
-    actions: list[Action] = []
-    pending: list[tuple[int, int]] = []  # B's whose W has not run yet, oldest first
-
-    def forward(k: int) -> None:
-        chunk = (k // stages) % chunks  # rounds of p micro-batches, chunk after chunk
-        actions.append(("F", chunk, forwards[chunk]))
-        forwards[chunk] += 1
-
-    def backward(k: int) -> None:
-        chunk = chunks - 1 - (k // stages) % chunks  # the chunks in reverse
-        actions.append(("B", chunk, backwards[chunk]))
-        pending.append((chunk, backwards[chunk]))
-        backwards[chunk] += 1
-        if zero_bubble and k >= rank:  # rank r puts its first r W's off to the end
-            actions.append(("W", *pending.pop(0)))
-
-    for k in range(warm_up):
-        forward(k)
-    for k in range(total - warm_up):  # steady state: one forward, one backward
-        forward(warm_up + k)
-        backward(k)
-    for k in range(total - warm_up, total):  # cool-down
-        backward(k)
-    while zero_bubble and pending:
-        actions.append(("W", *pending.pop(0)))
-    return actions
-
-
 def interleaved_actions(stages: int, chunks: int, micro_batches: int, rank: int) -> list[Action]:
     """Interleaved 1F1B: rank ``rank``'s ("F", chunk, i) and ("B", chunk, i) in order."""
     _check(stages, chunks, micro_batches, rank)
@@ -248,8 +213,20 @@ def interleaved_actions(stages: int, chunks: int, micro_batches: int, rank: int)
             f"interleaving needs at least 2 chunks per rank, got {chunks}: one chunk is k21's "
             "1F1B (one_f_one_b_actions there)"
         )
-    warm_up = (chunks - 1) * stages + 2 * (stages - 1 - rank)
-    return _one_f_one_b(stages, chunks, micro_batches, rank, warm_up, zero_bubble=False)
+    total = chunks * micro_batches  # each chunk runs every micro-batch
+    warm_up = min((chunks - 1) * stages + 2 * (stages - 1 - rank), total)
+    forwards, backwards = [0] * chunks, [0] * chunks
+    actions: list[Action] = []
+    for k in range(total + warm_up):
+        if k < total:  # the k-th forward: rounds of p micro-batches, chunk after chunk
+            chunk = (k // stages) % chunks
+            actions.append(("F", chunk, forwards[chunk]))
+            forwards[chunk] += 1
+        if k >= warm_up:  # after the warm-up, a backward after each forward; then the rest
+            chunk = chunks - 1 - ((k - warm_up) // stages) % chunks  # the chunks in reverse
+            actions.append(("B", chunk, backwards[chunk]))
+            backwards[chunk] += 1
+    return actions
 
 
 # --------------------------------------------------------------------------- step 3
@@ -468,8 +445,25 @@ def backward_weight(work: WeightWork) -> None:
 def zero_bubble_actions(stages: int, chunks: int, micro_batches: int, rank: int) -> list[Action]:
     """ZB-H1 (chunks = 1) and its interleaved form: ("F", c, i), ("B", c, i), ("W", c, i)."""
     _check(stages, chunks, micro_batches, rank)
-    warm_up = (chunks - 1) * stages + (stages - 1 - rank)
-    return _one_f_one_b(stages, chunks, micro_batches, rank, warm_up, zero_bubble=True)
+    total = chunks * micro_batches
+    warm_up = min((chunks - 1) * stages + (stages - 1 - rank), total)
+    forwards, backwards = [0] * chunks, [0] * chunks
+    actions: list[Action] = []
+    pending: list[tuple[int, int]] = []  # B's whose W has not run yet, oldest first
+    for k in range(total + warm_up):
+        if k < total:
+            chunk = (k // stages) % chunks
+            actions.append(("F", chunk, forwards[chunk]))
+            forwards[chunk] += 1
+        if k >= warm_up:
+            chunk = chunks - 1 - ((k - warm_up) // stages) % chunks
+            actions.append(("B", chunk, backwards[chunk]))
+            pending.append((chunk, backwards[chunk]))
+            backwards[chunk] += 1
+            if k - warm_up >= rank:  # rank r puts its first r W's off to the end
+                actions.append(("W", *pending.pop(0)))
+    actions += [("W", chunk, i) for chunk, i in pending]
+    return actions
 
 
 SCHEDULES = {"interleaved": interleaved_actions, "zero-bubble": zero_bubble_actions}

@@ -304,15 +304,24 @@ PICTURES = {
         27,
     ),
     "zb": ([[0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], 13),
+    # one micro-batch round 2 ranks and back: rank 0's chunk 1 waits for rank 1's chunk 0
+    "round-trip": ([[0, 2, 6, 10], [1, 3, 4, 8]], 12),
 }
+ROUND_TRIP = [("F", 0, 0), ("F", 1, 0), ("B", 1, 0), ("B", 0, 0)]
 SCHEDULE_OF = {
     "interleaved": lambda r: interleaved(2, 2, 4, r),
     "zb": lambda r: zero_bubble(2, 1, 4, r),
+    "round-trip": lambda r: ROUND_TRIP,
+}
+NAMED = {
+    "interleaved": "interleaved, p=2, v=2, m=4",
+    "zb": "ZB-H1, p=2, m=4",
+    "round-trip": "one micro-batch on p=2, v=2",
 }
 
 
 @pytest.mark.step(3)
-@pytest.mark.parametrize("kind", ["interleaved", "zb"])
+@pytest.mark.parametrize("kind", ["interleaved", "zb", "round-trip"])
 def test_simulate_places_each_action_on_the_clock(kata, kind):
     schedules = [SCHEDULE_OF[kind](r) for r in range(2)]
     timeline = kata.simulate(schedules)
@@ -320,8 +329,7 @@ def test_simulate_places_each_action_on_the_clock(kata, kind):
     got = [list(t) for t in timeline.ticks]
     if got != ticks:
         raise AssertionError(
-            f"simulate({'interleaved, p=2, v=2' if kind == 'interleaved' else 'ZB-H1, p=2'}, m=4) "
-            f"put the actions at ticks {got}, expected {ticks} (the lesson's picture). Chunk c of "
+            f"simulate({NAMED[kind]}) put the actions at ticks {got}, expected {ticks}. Chunk c of "
             "rank r is virtual stage s = c * p + r: an F of i waits for stage s - 1's F of i (rank "
             "0's chunk c waits for rank p - 1's chunk c - 1), a B for stage s + 1's B (the last "
             "stage's for its own F), a W for its own B. F and W take one tick, B one when its W "
@@ -470,6 +478,13 @@ def _run(kind, p, v, m, group_ranks=None, world_size=None):
             raise AssertionError(
                 f"{where}: a rank sent None back: the received activations have no gradient. "
                 "requires_grad_() on the tensor you recv before the chunk runs on it.\n" + text
+            ) from None
+        # torch refuses a peer outside the group, or gloo finds no connection to it
+        if "is not part of group" in text or "Pair is not connected" in text:
+            raise AssertionError(
+                f"{where}: a rank named a peer outside its group: send and recv take global "
+                "ranks, so the rank of virtual stage s is dist.get_global_rank(group, s % p) "
+                "(group: process_group, or dist.group.WORLD for None).\n" + text
             ) from None
         raise
     members = group_ranks or list(range(p))
