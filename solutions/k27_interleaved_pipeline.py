@@ -22,18 +22,27 @@ THE IDEA
     (kind, chunk, i). Between two ranks, messages of several chunks and kinds share the pair:
     each one carries its own tag, so a recv takes exactly the message it waits for.
 
+        interleaved 1F1B, p = 2, v = 2, m = 4 (F one tick, B two: ---- is its second; . = idle),
+        bubble 3 idle ticks / 24 busy = (p-1)/(v*m) = 1/8 (k21's 1F1B: 1/4):
+            ticks 0-13:
+            rank 0: F0.0 F0.1 F1.0 F1.1 F0.2   .  B1.0 ---- F0.3 B1.1 ---- F1.2 B0.0 ----
+            rank 1:   .  F0.0 F0.1 F1.0 B1.0 ---- F1.1 B1.1 ---- F0.2 B0.0 ---- F0.3 B0.1
+            ticks 14-26:
+            rank 0: F1.3 B0.1 ----   .  B1.2 ----   .  B1.3 ---- B0.2 ---- B0.3 ----
+            rank 1: ---- F1.2 B1.2 ---- F1.3 B1.3 ---- B0.2 ---- B0.3 ----   .    .
+
     Zero bubble (Qi et al. 2023). A backward does two jobs: the gradient of the stage's INPUT
     (the previous stage waits for it) and the gradients of its WEIGHTS (nobody waits for them).
     Split it: B computes only the input's gradient, keeping the graph; W, later, only the
-    weights'. With F, B and W one tick each, ZB-H1 (1F1B's order, each rank's last r W's put off
-    to the end) fills the drain with W's: the bubble falls to a third, (p-1)/(3m), for the same
-    activations held as 1F1B on rank 0. To keep W cheap, B keeps the gradient at the output of
+    weights'. With F, B and W one tick each, ZB-H1 (1F1B's order, a W after each B, but rank r
+    runs its first r B's without one and catches up at the end) fills the drain with W's: the
+    bubble falls to a third, (p-1)/(3m), holding at most p micro-batches, as 1F1B's rank 0. To keep W cheap, B keeps the gradient at the output of
     every layer that has weights; W turns each into that layer's weight gradients (one matrix
     product per linear, as a whole backward would), nothing recomputed.
 
         ZB-H1, p = 2, m = 4 (one tick each; . = idle):
-            rank 0: F0.0 F0.1  .   B0.0 W0.0 F0.2 B0.1 W0.1 F0.3 B0.2 W0.2 B0.3 W0.3
-            rank 1:  .   F0.0 B0.0 F0.1 B0.1 W0.0 F0.2 B0.2 W0.1 F0.3 B0.3 W0.2 W0.3
+            rank 0: F0.0 F0.1   .  B0.0 W0.0 F0.2 B0.1 W0.1 F0.3 B0.2 W0.2 B0.3 W0.3
+            rank 1:   .  F0.0 B0.0 F0.1 B0.1 W0.0 F0.2 B0.2 W0.1 F0.3 B0.3 W0.2 W0.3
 
     The clock: F one tick, B one, W one; a B whose W is not scheduled does both, two ticks. The
     bubble is a rank's idle ticks over its busy ticks (Megatron's bubble fraction).
@@ -43,7 +52,7 @@ THE IDEA
         1F1B (k21)       (p-1)/m           p                                        the default
         interleaved 1F1B (p-1)/(v*m)       p + (p-1)/v, v times the messages        m small, fast links
         ZB-H1            (p-1)/(3m)        p; W holds its inputs a while longer     compute-bound stages
-        interleaved ZB   (p-1)/(3*v*m)     more again                               both
+        interleaved ZB   (p-1)/(3*v*m)     p (v * p chunks of 1/v), v times the msgs both
 
     What torch offers: ``torch.distributed.pipelining``: ``PipelineStage`` per chunk and the
     schedules ``ScheduleInterleaved1F1B`` (this kata's step 2), ``ScheduleLoopedBFS`` (GPipe per
