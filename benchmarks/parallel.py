@@ -13,6 +13,9 @@ same data and the same seeds:
     tp     k20's ParallelMLP + SGD             parallelize_module(Colwise up, Rowwise down) + SGD
     pp     k21's 1F1B schedule + SGD           torch.distributed.pipelining's Schedule1F1B + SGD
            (at the toy model's own width: k21's stages send activations of that width)
+    ipp    k27's interleaved 1F1B, 2 chunks    pipelining's ScheduleInterleaved1F1B + SGD
+           a rank + SGD (the toy width)
+    zbpp   k27's zero-bubble schedule + SGD    pipelining's ScheduleInterleavedZeroBubble + SGD
     sp     k25's SequenceParallelBlock + SGD   parallelize_module(SequenceParallel norms,
            (one block, 64 positions split       Colwise q, k, v and up, Rowwise out and down
            along the sequence)                  on Shard(1)) + SGD
@@ -70,6 +73,8 @@ KATAS = {
     "fsdp": ("k19_fsdp", "FullyShardedModule", "fully_shard"),
     "tp": ("k20_tensor_parallel", "ParallelMLP", "parallelize_module"),
     "pp": ("k21_pipeline", "1F1B schedule", "pipelining Schedule1F1B"),
+    "ipp": ("k27_interleaved_pipeline", "interleaved 1F1B", "ScheduleInterleaved1F1B"),
+    "zbpp": ("k27_interleaved_pipeline", "zero bubble", "ScheduleInterleavedZeroBubble"),
     "sp": ("k25_sequence_parallel", "SequenceParallelBlock", "parallelize_module SP"),
     "cp": ("k26_ring_attention", "ring_attention", "context parallel's ring"),
     "fp16": ("k30_compressed_gradients", "fp16_hook", "fp16_compress_hook"),
@@ -273,6 +278,70 @@ def _pp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
         )
 
     return step_yours, step_theirs, same
+
+
+PP_CHUNKS = 2  # model chunks per rank in both rows
+
+
+def _k27(kata, args, schedule_name: str, actions_name: str):
+    try:
+        from torch.distributed import pipelining
+    except ImportError as error:
+        raise Skip(f"this torch has no torch.distributed.pipelining ({error})") from None
+    rank, size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    # two copies of the same model, each cut into size * PP_CHUNKS virtual stages, this rank's PP_CHUNKS
+    chunks = [kata.split_chunks(_model(args, MODEL_DIM), size, PP_CHUNKS, rank) for _ in range(2)]
+    actions = getattr(kata, actions_name)(size, PP_CHUNKS, args.micro_batches, rank)
+    stages = [
+        pipelining.PipelineStage(chunk, c * size + rank, size * PP_CHUNKS, device)
+        for c, chunk in enumerate(chunks[1])
+    ]
+    schedule = getattr(pipelining, schedule_name)(
+        stages, args.micro_batches, loss_fn=transformer_loss
+    )
+    optimizers = [
+        torch.optim.SGD([q for chunk in mine for q in chunk.parameters()], lr=LR) for mine in chunks
+    ]
+
+    def micro_batches(number: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size_each = max(1, args.batch // args.micro_batches)
+        return [
+            tuple(t.to(device) for t in make_tokens(size_each, seed=1000 * number + i))
+            for i in range(args.micro_batches)
+        ]
+
+    def step_yours(number: int) -> None:
+        optimizers[0].zero_grad()
+        kata.run_schedule(chunks[0], actions, micro_batches(number))
+        optimizers[0].step()
+
+    def step_theirs(number: int) -> None:
+        optimizers[1].zero_grad()
+        batches = micro_batches(number)
+        if rank == 0:  # virtual stage 0 (tokens) is rank 0's; the last (targets) rank size - 1's
+            schedule.step(torch.cat([tokens for tokens, _ in batches]))
+        elif rank == size - 1:
+            schedule.step(target=torch.cat([targets for _, targets in batches]))
+        else:
+            schedule.step()
+        optimizers[1].step()
+
+    def same() -> bool:
+        return all(
+            torch.allclose(a, b, **TOLERANCE)
+            for mine, theirs in zip(chunks[0], chunks[1])
+            for a, b in zip(mine.parameters(), theirs.parameters())
+        )
+
+    return step_yours, step_theirs, same
+
+
+def _ipp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    return _k27(kata, args, "ScheduleInterleaved1F1B", "interleaved_actions")
+
+
+def _zbpp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    return _k27(kata, args, "ScheduleInterleavedZeroBubble", "zero_bubble_actions")
 
 
 SP_LENGTH = 64  # positions per sequence: 32 per rank on 2 ranks
@@ -504,6 +573,8 @@ COMPARISONS = {
     "fsdp": _fsdp,
     "tp": _tp,
     "pp": _pp,
+    "ipp": _ipp,
+    "zbpp": _zbpp,
     "sp": _sp,
     "cp": _cp,
     "fp16": _fp16,
@@ -625,6 +696,14 @@ def main(argv=None) -> int:
             parser.error(f"{option} must be at least {least}")
     if "pp" in names and args.blocks < args.world_size:
         parser.error(f"--blocks {args.blocks}: the pp row needs a block per rank at least")
+    if {"ipp", "zbpp"} & set(names) and (
+        args.blocks % (PP_CHUNKS * args.world_size) or args.micro_batches % args.world_size
+    ):
+        parser.error(
+            f"the ipp and zbpp rows put {PP_CHUNKS} chunks on each rank, micro-batches in rounds "
+            f"of the ranks: --blocks must divide by {PP_CHUNKS * args.world_size} and "
+            f"--micro-batches by {args.world_size}"
+        )
     if "cp" in names and CP_LENGTH % (2 * args.world_size):
         parser.error(
             f"the cp row cuts {CP_LENGTH} tokens into 2 chunks a rank: --world-size must divide {CP_LENGTH // 2}"

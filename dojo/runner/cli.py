@@ -213,7 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     dev_command(
         "timelines",
-        "regenerate docs/timelines/*.png (the k09, k21 and k26 lessons' timelines) from solutions/",
+        "regenerate docs/timelines/*.png (the k09, k21, k26 and k27 lessons' timelines) from solutions/",
     )
     dev_command("readme", "rewrite README.md's kata table from dojo/curriculum/")
     dev_command(

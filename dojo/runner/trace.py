@@ -28,6 +28,16 @@ TIMELINES = (
         ["--world-size", "4", "--schedule", "1f1b", "--micro-batches", "8"],
     ),  # fmt: skip
     (
+        "k27_interleaved.png",
+        "k27_interleaved_pipeline",
+        "--world-size 4 --chunks 2 --schedule interleaved --micro-batches 8".split(),
+    ),
+    (
+        "k27_zero_bubble.png",
+        "k27_interleaved_pipeline",
+        "--world-size 4 --chunks 1 --schedule zero-bubble --micro-batches 8".split(),
+    ),
+    (
         "k26_ring_attention.png",
         "k26_ring_attention",
         "--world-size 4 --split balanced --length 2048 --heads 4 --dim 32".split(),

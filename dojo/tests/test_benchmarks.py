@@ -259,9 +259,8 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 8, (
-        f"expected the zero, fsdp, tp, pp, sp, cp, fp16 and powersgd rows in:\n{out}"
-    )
+    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16 and powersgd"
+    assert len(rows) == 10, f"expected the {names} rows in:\n{out}"
     fsdp = next(row for row in rows if row.startswith("[main] k19"))
     if "not implemented yet" not in fsdp:  # beside the times: each way's collectives per step
         assert re.search(r"\d\.\d\dx +\d+ +\d+ ", fsdp), fsdp
