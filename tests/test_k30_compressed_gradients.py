@@ -20,7 +20,7 @@ from dojo.toy_models import (
     make_transformer,
     transformer_loss,
 )
-from dojo.world import WorldDeadlock, run_world
+from dojo.world import RankCrashed, WorldDeadlock, run_world
 
 KATA = "k30_compressed_gradients"
 MIB = 1 << 20
@@ -815,6 +815,20 @@ def check_powersgd(case, results):
 def test_powersgd_hook_trains_bitwise_like_torchs(kata, case):
     try:
         results = run_world(_against_torch_powersgd, 2, case, deadline=15)
+    except RankCrashed as crash:
+        if "Received data size" not in str(crash) or "wait()" not in str(crash):
+            raise
+        # the same callback wait, met as gloo's thread takes the next message out of turn
+        raise AssertionError(
+            f"powersgd_hook ({case}) on 2 ranks under torch's DDP: a rank crashed inside "
+            "backward, in your hook, waiting for an all-reduce: gloo received a message of "
+            "another size than the one it waited for. If your hook waits inside a future's "
+            "callback (as torch's own hook does: .then(...) callbacks that call .wait()), that "
+            "is why: the callback runs on the process group's own thread. Make the all-reduces "
+            "synchronous (dist.all_reduce(t, group=group)) and return a Future that is already "
+            "done (fut = torch.futures.Future(); fut.set_result(buffer)); else your ranks' "
+            "all-reduces in the hook differ in order or size\n" + str(crash)
+        ) from None
     except WorldDeadlock as deadlock:
         raise AssertionError(
             f"powersgd_hook ({case}) on 2 ranks under torch's DDP: both ranks stopped inside "

@@ -738,7 +738,8 @@ MISTAKES = [
         "powersgd_chained_like_torchs",
         replaces="powersgd_hook",
         fails=[f"{_POWERSGD}[cold]"],
-        says=["both ranks stopped inside backward", "return a Future that is already done"],
+        # deadlocks in the callback's wait, or gloo aborts there on a message out of turn
+        says=["inside backward, in your hook", "return a Future that is already done"],
     ),
     Mistake(
         "powersgd_batched_accepted",
