@@ -23,6 +23,9 @@ JOIN_TIMEOUT_S = 2.0
 # and room for a loaded machine); a rank still waiting this long after it started never would.
 GIVE_UP_WITHIN_S = JOIN_TIMEOUT_S + 8
 STILL_WAITING_S = GIVE_UP_WITHIN_S + 2
+# Once some ranks have returned (refused, or given up), the others may still be waiting out their
+# own timeouts (join_timeout_s, timeout_s=4): the harness waits that long before it calls them stuck.
+STRAGGLER_S = 15.0
 # Harness deadline: the backstop behind the ranks' own watchdog, far below gloo's 30 minutes.
 DEADLINE_S = 30.0
 
@@ -236,7 +239,7 @@ def test_wait_for_world_returns_once_every_rank_has_joined(kata):
     """Checked first: a wait that never returns (or waits out the timeout) is named here."""
     results = with_free_port(
         lambda port: run_world(
-            _right_size_join, 3, port, init_group=False, deadline=DEADLINE_S, straggler=15
+            _right_size_join, 3, port, init_group=False, deadline=DEADLINE_S, straggler=STRAGGLER_S
         )
     )
     last_joined = max(r["started"] for r in results)
@@ -441,7 +444,9 @@ def _check_joined(world_size: int, results: dict) -> None:
 def test_too_many_processes_the_tutorials_failure(kata):
     """4 processes, world size 2: ranks 0 and 1 form the world; ranks 2 and 3 are refused."""
     results = with_free_port(
-        lambda port: run_world(_join, 4, 2, port, init_group=False, deadline=DEADLINE_S)
+        lambda port: run_world(
+            _join, 4, 2, port, init_group=False, deadline=DEADLINE_S, straggler=STRAGGLER_S
+        )
     )
     for rank in (2, 3):
         _check_mismatch(rank, 2, results[rank], [rf"\brank {rank}\b", r"\b2\b"])
@@ -453,7 +458,7 @@ def test_too_few_processes_fails_fast_instead_of_hanging(kata):
     """World size 4 but 2 processes: both ranks give up within seconds, saying 2 of 4 joined."""
     results = with_free_port(
         lambda port: run_world(
-            _join, 2, 4, port, init_group=False, deadline=DEADLINE_S, straggler=15
+            _join, 2, 4, port, init_group=False, deadline=DEADLINE_S, straggler=STRAGGLER_S
         )
     )
     for rank in (0, 1):
@@ -464,7 +469,7 @@ def test_too_few_processes_fails_fast_instead_of_hanging(kata):
 def test_the_right_world_size_still_forms(kata):
     results = with_free_port(
         lambda port: run_world(
-            _join, 3, 3, port, init_group=False, deadline=DEADLINE_S, straggler=15
+            _join, 3, 3, port, init_group=False, deadline=DEADLINE_S, straggler=STRAGGLER_S
         )
     )
     _check_joined(3, dict(enumerate(results)))

@@ -14,7 +14,7 @@ from dojo.calls import recording
 from dojo.impl import load_kata
 from dojo.testing import refusal, require_gpus, run_program
 from dojo.todo import KataTodo
-from dojo.world import WorldDeadlock, run_world
+from dojo.world import MAX_STRETCH, WorldDeadlock, WorldFailure, run_world
 
 KATA = "k23_hangs"
 TIMEOUT_S = 1.5  # every barrier and group here gives up after this: a hang costs seconds
@@ -33,21 +33,38 @@ def _store():
 
 def _stay(tag: str, world_size: int, missing) -> None:
     """A rank that skips the barrier stays alive (as a real straggler does) until the ranks
-    that called it have each set ``tag/<rank>``; it gives up after 30 s, past the deadline."""
+    that called it have each set ``tag/<rank>``; it gives up only past the harness's deadline,
+    stretched as far as it goes (ranks that poll the store look busy), so that a barrier that
+    never gives up ends as the harness's report, not as this wait's timeout."""
     keys = [f"{tag}/{r}" for r in range(world_size) if r not in missing]
-    _store().wait(keys, timedelta(seconds=30))
+    _store().wait(keys, timedelta(seconds=DEADLINE_S * MAX_STRETCH + 10))
 
 
 def _done(tag: str, rank: int) -> None:
     _store().set(f"{tag}/{rank}", "done")
 
 
-def _world(fn, world_size, *args, what: str):
-    """run_world, where a deadlock becomes a message about ``what`` hung."""
+# What torch's store and sockets print when a wait gives up (in the rank's error or its log).
+_GAVE_UP_AFTER_MS = re.compile(r"(?:timed out after|wait timeout after) (\d+) ?ms")
+
+
+def _world(fn, world_size, *args, what: str, group_timeout_s: float | None = None):
+    """run_world, where a deadlock becomes a message about ``what`` hung, and a world that broke
+    down after torch's waits gave up far sooner than the group's ``group_timeout_s`` says so."""
     try:
         return run_world(fn, world_size, *args, deadline=DEADLINE_S, straggler=STRAGGLER_S)
-    except WorldDeadlock as deadlock:
-        raise AssertionError(f"{what}\n\nThe harness's report:\n{deadlock}") from None
+    except WorldFailure as failure:
+        waits = [int(ms) for ms in _GAVE_UP_AFTER_MS.findall(str(failure))]
+        if group_timeout_s is not None and waits and min(waits) < 500 * group_timeout_s:
+            raise AssertionError(
+                f"torch's waits gave up after {min(waits)} ms, though the group was given "
+                f"{group_timeout_s:g} s: the timeout is in seconds where you gave another unit: "
+                "dist.new_group(timeout=timedelta(seconds=timeout_s))\n\nThe harness's report:\n"
+                f"{failure}"
+            ) from None
+        if isinstance(failure, WorldDeadlock):
+            raise AssertionError(f"{what}\n\nThe harness's report:\n{failure}") from None
+        raise
 
 
 # --------------------------------------------------------------------------- step 1: StoreBarrier
@@ -602,6 +619,9 @@ def test_checked_blames_the_rank_that_torchs_detail_mode_blames(kata):
 # --------------------------------------------------------------------------- step 4: torch's own
 
 
+_TIMEOUT_SIGNS = ("timeout", "timed out", "monitoredbarrier")
+
+
 def _torch_group_mismatch(rank, world_size):
     kata = load_kata(KATA)
     before = dist.get_debug_level()
@@ -631,30 +651,36 @@ def test_torch_checked_group_catches_a_shape_mismatch(kata):
     results = _world(
         _torch_group_mismatch,
         4,
+        group_timeout_s=3.0,
         what=(
             f"{where}: the ranks waited for ever: torch checked nothing. Set the debug level to "
             "DETAIL (dist.set_debug_level) before dist.new_group, and give the group its timeout: "
             "the environment variable TORCH_DISTRIBUTED_DEBUG is read only when torch starts"
         ),
     )
+    gave_up = [rank for rank, result in enumerate(results) if result[0] == "gave up"]
+    # The rank whose own error says why: one that timed out, not a peer it left (on a busy
+    # machine a peer can see "Connection closed by peer" first).
+    timed_out = [
+        rank for rank in gave_up if any(sign in results[rank][1].lower() for sign in _TIMEOUT_SIGNS)
+    ]
+    if gave_up:
+        rank = (timed_out or gave_up)[0]
+        text, seconds = results[rank][1], results[rank][2]
+        early = seconds < 3.0 and rank in timed_out
+        raise AssertionError(
+            f"{where}: on rank {rank} making the group or its first all_reduce (every rank "
+            f"alike) raised {text} after {1000 * seconds:.0f} ms"
+            + (
+                ": the group timed out long before its 3 s, so the timeout is in seconds "
+                "where you gave another unit: dist.new_group(timeout=timedelta(seconds="
+                "timeout_s))"
+                if early
+                else ": torch_checked_group(timeout_s) makes a group of every rank with "
+                "dist.new_group(timeout=timedelta(seconds=timeout_s))"
+            )
+        )
     for rank, (before, after, agreed, said) in enumerate(results):
-        if before == "gave up":
-            text, seconds = after, agreed
-            early = seconds < 3.0 and any(
-                sign in text.lower() for sign in ("timeout", "timed out", "monitoredbarrier")
-            )
-            raise AssertionError(
-                f"{where}: on rank {rank} making the group or its first all_reduce (every rank "
-                f"alike) raised {text} after {1000 * seconds:.0f} ms"
-                + (
-                    ": the group timed out long before its 3 s, so the timeout is in seconds "
-                    "where you gave another unit: dist.new_group(timeout=timedelta(seconds="
-                    "timeout_s))"
-                    if early
-                    else ": torch_checked_group(timeout_s) makes a group of every rank with "
-                    "dist.new_group(timeout=timedelta(seconds=timeout_s))"
-                )
-            )
         assert after == before, (
             f"rank {rank}: torch_checked_group left the debug level at {after} (it was "
             f"{before}): every group made afterwards would pay for the checks. Set DETAIL only "
@@ -701,6 +727,7 @@ def test_torch_checked_group_gives_up_after_its_timeout(kata):
     results = _world(
         _torch_group_skip,
         4,
+        group_timeout_s=TIMEOUT_S,
         what=(
             f"{where}: ranks 0, 1, 2 waited for ever. Give the group its own timeout: "
             "dist.new_group(timeout=timedelta(seconds=timeout_s))"
