@@ -23,6 +23,9 @@ same data and the same seeds:
            backward, causal, 2048 tokens        private _templated_ring_attention, the CPU
            split head-tail                      kernel, all-to-all rotation, head-tail split)
     fp16   DDP with k30's fp16_hook + SGD      DDP with torch's fp16_compress_hook + SGD
+    fsdptp k28's FsdpTpTransformer on a        fully_shard(mesh["dp"]) over parallelize_module
+           (world / 2) x 2 mesh + SGD           (mesh["tp"]) of one init_device_mesh + SGD
+           (4 ranks or more: --world-size 4)
     powersgd DDP with k30's powersgd_hook      DDP with torch's powerSGD_hook (rank 1, after
            (rank 1, after 2 plain steps)        2 plain steps; each all-reduce waited for before
                                                 it chains: on gloo's CPU thread it deadlocks)
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 import statistics
 import warnings
 from collections.abc import Callable
@@ -79,6 +83,7 @@ KATAS = {
     "cp": ("k26_ring_attention", "ring_attention", "context parallel's ring"),
     "fp16": ("k30_compressed_gradients", "fp16_hook", "fp16_compress_hook"),
     "powersgd": ("k30_compressed_gradients", "powersgd_hook", "powerSGD_hook"),
+    "fsdptp": ("k28_fsdp_tp", "FsdpTpTransformer", "fully_shard x parallelize"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -568,6 +573,64 @@ def _fp16(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return way(0), way(1), same
 
 
+def _fsdptp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    size = dist.get_world_size()
+    if size < 4 or size % 2:
+        raise Skip(
+            f"a 2-D mesh needs rows of 2 ranks, 2 rows at least: --world-size 4 (not {size})"
+        )
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+    except ImportError as error:
+        raise Skip(f"this torch has no fully_shard or parallelize_module ({error})") from None
+    dp, tp = size // 2, 2
+    mesh = kata.make_mesh(dp, tp)
+    yours = kata.FsdpTpTransformer(_model(args), mesh)  # it copies the model
+    theirs = _model(args)
+    device_mesh = init_device_mesh(rank_device().type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {
+        name: ColwiseParallel() if style == "column" else RowwiseParallel()
+        for name, style in kata.TP_PLAN.items()
+    }
+    for block in theirs.blocks:
+        parallelize_module(block, device_mesh["tp"], plan)
+        fully_shard(block, mesh=device_mesh["dp"])
+    fully_shard(theirs, mesh=device_mesh["dp"])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (yours, theirs)]
+
+    def tokens_of(number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the global batch, the same on every rank: a row of the mesh reads its part of it
+        tokens, targets = make_tokens(args.batch * dp, seed=10_000 * number)
+        return tokens.to(rank_device()), targets.to(rank_device())
+
+    def step_yours(number: int) -> None:
+        kata.train_step(yours, optimizers[0], *tokens_of(number), mesh)
+
+    def step_theirs(number: int) -> None:
+        tokens, targets = tokens_of(number)
+        part = slice(mesh.dp_index * args.batch, (mesh.dp_index + 1) * args.batch)
+        optimizers[1].zero_grad()
+        transformer_loss(theirs(tokens[part]), targets[part]).backward()
+        optimizers[1].step()
+
+    def same() -> bool:
+        full = kata.full_state(yours, mesh)
+        # full_tensor() of a 2-D sharding warns that it gathers twice: it is what a check needs
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        return all(
+            torch.allclose(full[name], param.full_tensor(), **TOLERANCE)
+            for name, param in theirs.named_parameters()
+        )
+
+    return step_yours, step_theirs, same
+
+
 COMPARISONS = {
     "zero": _zero,
     "fsdp": _fsdp,
@@ -579,6 +642,7 @@ COMPARISONS = {
     "cp": _cp,
     "fp16": _fp16,
     "powersgd": _powersgd,
+    "fsdptp": _fsdptp,
 }
 
 
