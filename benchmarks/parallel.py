@@ -23,12 +23,12 @@ same data and the same seeds:
            backward, causal, 2048 tokens        private _templated_ring_attention, the CPU
            split head-tail                      kernel, all-to-all rotation, head-tail split)
     fp16   DDP with k30's fp16_hook + SGD      DDP with torch's fp16_compress_hook + SGD
-    fsdptp k28's FsdpTpTransformer on a        fully_shard(mesh["dp"]) over parallelize_module
-           (world / 2) x 2 mesh + SGD           (mesh["tp"]) of one init_device_mesh + SGD
-           (4 ranks or more: --world-size 4)
     powersgd DDP with k30's powersgd_hook      DDP with torch's powerSGD_hook (rank 1, after
            (rank 1, after 2 plain steps)        2 plain steps; each all-reduce waited for before
                                                 it chains: on gloo's CPU thread it deadlocks)
+    fsdptp k28's FsdpTpTransformer on a        fully_shard(mesh["dp"]) over parallelize_module
+           (world / 2) x 2 mesh + SGD           (mesh["tp"]) of one init_device_mesh + SGD
+           (4 ranks or more: --world-size 4)
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
