@@ -1,4 +1,5 @@
-"""What one multi-process test costs: the dojo harness (cold and warm) beside mp.spawn per test.
+"""What one multi-process test costs: the dojo harness (cold, fresh ranks forked from its warm
+forkserver, ranks reused from the last world) beside mp.spawn per test.
 
     python benchmarks/harness.py [--world-size 4] [--repeat 5]
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dojo.world import run_world
+from dojo.world import FRESH_VAR, run_world
 
 
 def _all_reduce(rank: int, world_size: int) -> int:
@@ -58,6 +59,13 @@ def main(argv=None) -> int:
     warm = statistics.median(
         _seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat)
     )
+    os.environ[FRESH_VAR] = "1"  # every rank forked anew, as before ranks were reused
+    try:
+        fresh = statistics.median(
+            _seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat)
+        )
+    finally:
+        del os.environ[FRESH_VAR]
     spawned = []
     for _ in range(args.repeat):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -72,11 +80,15 @@ def main(argv=None) -> int:
     print(f"  {'way':<34}{'seconds':>9}{'x warm harness':>16}")
     for name, seconds in (
         ("dojo harness, warm", warm),
+        ("dojo harness, fresh ranks", fresh),
         ("dojo harness, cold (first world)", cold),
         ("torch.multiprocessing.spawn", spawn),
     ):
         print(f"  {name:<34}{seconds:>9.3f}{seconds / warm:>16.1f}")
-    print(f"spawn per test costs {spawn / warm:.0f}x a warm harness world")
+    print(
+        f"spawn per test costs {spawn / warm:.0f}x a warm harness world; forking the ranks "
+        f"afresh {fresh / warm:.1f}x"
+    )
     return 0
 
 

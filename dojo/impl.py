@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 ENV_VAR = "DOJO_IMPL"
 SUBSTITUTE_VAR = (
@@ -62,12 +63,30 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), attribute)
 
 
+# What the swaps replaced: (id of the namespace, attribute) -> (namespace, the original), so that a
+# rank serving another world (dojo.rank) can put every kata back as it was.
+_originals: dict[tuple[int, str], tuple[dict, Any]] = {}
+
+
+def _swap(namespace: dict, attribute: str, target: str) -> None:
+    if attribute in namespace:
+        _originals.setdefault((id(namespace), attribute), (namespace, namespace[attribute]))
+    namespace[attribute] = resolve(target)
+
+
+def restore_substitutions() -> None:
+    """Undo every swap made in this process."""
+    for (_, attribute), (namespace, original) in _originals.items():
+        namespace[attribute] = original
+    _originals.clear()
+
+
 def apply_substitutions(module: ModuleType | None = None) -> None:
     """Swap the functions ``DOJO_SUBSTITUTE`` names in ``module`` (default: the running program)."""
     module = module if module is not None else sys.modules.get("__main__")
     table = substitutions().get(kata_name_of(module) or "", {})
     for attribute, target in table.items():
-        setattr(module, attribute, resolve(target))
+        _swap(vars(module), attribute, target)
 
 
 def apply_substitutions_for(fn) -> None:
@@ -81,4 +100,4 @@ def apply_substitutions_for(fn) -> None:
     package, _, name = (spec.name if spec else "").rpartition(".")
     if package in IMPLEMENTATIONS:
         for attribute, target in substitutions().get(name, {}).items():
-            namespace[attribute] = resolve(target)
+            _swap(namespace, attribute, target)

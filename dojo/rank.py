@@ -3,6 +3,15 @@
 A rank runs its function, sends its result (or its error) to the parent, then waits until the
 parent releases the whole world before it tears down: a rank that returned early must not
 destroy the group under a peer that is still inside a collective with it.
+
+A rank whose world ended cleanly may serve the next world of the same parent instead of exiting
+(``dojo.world`` asks): forking a process with torch loaded and ending it again costs ~0.1 s of
+CPU per rank, often more than the test itself. It does so only as it was when it was forked:
+after its teardown it puts back the environment, the working directory and the random states,
+drops the kata's, the catalogue's and the tests' modules (the next world imports them afresh),
+and it serves again only when nothing else the world could have changed shows (a thread or a
+process left running, DTensor plans cached under the world's meshes, torch's global modes,
+hooks or patched ``torch.distributed`` functions); otherwise it exits as a one-use rank does.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ import faulthandler
 import gc
 import os
 import pickle
+import queue
+import random
 import signal
 import sys
 import threading
@@ -42,6 +53,8 @@ class RankSpec:
     env: dict = field(default_factory=dict)
     capture_output: bool = True  # False: print straight to the parent's terminal (programs)
     threads: int = 1  # torch threads; ranks share few cores, more threads only contend
+    reusable: bool = False  # the parent may ask this rank to serve further worlds
+    close_fds: tuple = ()  # forked straight from the parent: its pipe ends, to close at once
 
 
 @dataclass
@@ -56,16 +69,42 @@ class RankError:
 
 
 def main(spec: RankSpec, results, lifeline) -> None:
-    """Entry point of a rank process (the ``target`` of its ``Process``)."""
+    """Entry point of a rank process (the ``target`` of its ``Process``): serve ``spec``, then
+    further worlds' specs for as long as the parent asks and the rank stays as it was forked."""
+    for fd in spec.close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     if hasattr(os, "setpgrp"):  # own group: the parent can kill this rank and all it started
         os.setpgrp()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_watch_parent, args=(lifeline, inbox), daemon=True).start()
+    fresh = _Fresh() if spec.reusable else None
+    while True:
+        keep = _serve(spec, results, inbox, fresh)
+        # The world's function holds its modules, which the next world imports afresh: held
+        # here, they would outlive it (and be frozen for good, by _settle).
+        del spec
+        if not keep:
+            break
+        results.send(("idle", None))
+        _settle()
+        message = inbox.get()
+        if message[0] != "task":
+            break
+        spec = message[1]
+        del message
+    _exit(0)
+
+
+def _serve(spec: RankSpec, results, inbox: queue.SimpleQueue, fresh: _Fresh | None) -> bool:
+    """Run one world's function and tear its group down; True when the rank may serve again."""
     if spec.capture_output:
         _redirect_output(spec.log_path)
     else:
         faulthandler.enable(all_threads=True)
     _answer_stack_requests(stack_path(spec.log_path))
-    released = threading.Event()
-    threading.Thread(target=_watch_parent, args=(lifeline, released), daemon=True).start()
     os.environ.update(spec.env)
     from dojo.impl import apply_substitutions_for
 
@@ -85,16 +124,23 @@ def main(spec: RankSpec, results, lifeline) -> None:
         del value
     except BaseException as error:
         message = ("error", _pickle_error(spec.rank, error))
+    del spec
     results.send(message)
-    released.wait()
-    _end(dist)
+    del message
+    stale = _caches_hold_groups(dist)  # read before the teardown forgets the world's groups
+    keep = inbox.get() == ("release", True)
+    if not _teardown(dist):
+        _exit(1)
+    return keep and not stale and fresh is not None and fresh.restore()
 
 
 def _redirect_output(log_path: str) -> None:
     """Send fds 1 and 2 to a log the parent reads: Python prints, C++ aborts and stack dumps."""
-    log = open(log_path, "a", buffering=1)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # a rank serving another world: the last world's lines go to its log
+    with open(log_path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults and aborts
@@ -113,15 +159,18 @@ def _answer_stack_requests(path: str) -> None:
     stack to ``path``, even while the rank is blocked inside gloo."""
     global _stack_file
     if hasattr(signal, "SIGUSR1"):
-        _stack_file = open(path, "a", buffering=1)
+        before, _stack_file = _stack_file, open(path, "a", buffering=1)
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+        if before is not None:  # the last world's (faulthandler writes to the new one now)
+            before.close()
 
 
-def _watch_parent(lifeline, released: threading.Event) -> None:
-    """Wait for the parent's release; if the parent dies instead, take this rank down with it."""
+def _watch_parent(lifeline, inbox: queue.SimpleQueue) -> None:
+    """Pass the parent's messages on (a release, the next world's task); if the parent dies
+    instead, take this rank down with it."""
     try:
-        lifeline.recv()
-        released.set()
+        while True:
+            inbox.put(lifeline.recv())
     except (EOFError, OSError):
         os.killpg(0, signal.SIGKILL) if hasattr(os, "killpg") else os._exit(EXIT_ORPHANED)
 
@@ -142,11 +191,24 @@ def _init_group(spec: RankSpec, dist) -> None:
         torch.cuda.set_device(gpu_of(spec.rank))  # cuda:LOCAL_RANK (all ranks on one node here)
     timeout = timedelta(seconds=spec.group_timeout_s)
     # The parent owns the store (bound to port 0, never closed): no port can collide.
-    store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)
+    store = _client(dist, spec.store_port, timeout)
     store = dist.PrefixStore(f"world-{spec.world_id}/", store)
     dist.init_process_group(
         spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
     )
+
+
+_clients: dict = {}  # port -> this process's connection to the parent's store
+
+
+def _client(dist, port: int, timeout: timedelta):
+    """One connection to the parent's store for every world this rank serves."""
+    client = _clients.get(port)
+    if client is None:
+        client = _clients[port] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    else:
+        client.set_timeout(timeout)
+    return client
 
 
 def _loopback_interface() -> str:
@@ -167,21 +229,166 @@ def _pickle_error(rank: int, error: BaseException) -> RankError:
     return RankError(rank, type(error).__name__, str(error), text, payload)
 
 
-def _end(dist) -> None:
-    """Free everything, then destroy the group and leave at once.
+def _teardown(dist) -> bool:
+    """Free everything, then destroy the group; False when that failed (said in the log).
 
     Destroying a gloo group while tensors that took part in collectives are still alive, then
     exiting normally, aborts a few percent of runs ("terminate called without an active
-    exception"); collecting first and leaving with os._exit avoids it.
+    exception"); collecting first, and leaving with os._exit, avoids it.
     """
-    code = EXIT_OK
     try:
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        return True
     except BaseException:
         traceback.print_exc()
-        code = 1
+        return False
+
+
+def _settle() -> None:
+    """Between worlds: what is still alive now lives on (modules a world imported, torch's
+    caches); freezing it keeps every later teardown's gc.collect() to that world's own objects,
+    instead of the whole heap, which grows with every world (a collection cost more than the
+    rest of a rank's work in a catalogue's run)."""
+    gc.collect()
+    gc.freeze()
+
+
+def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class _Fresh:
+    """What a rank was when it was forked, taken before its first world: ``restore()`` puts back
+    what a world may change and the next one must not see (the environment, the working
+    directory, the random states, the catalogue's swaps, the kata's and the test's modules) and
+    says whether the rank is as it was in everything else that can be seen cheaply."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.threads = {t.ident for t in threading.enumerate()}
+        self.torch_rng = torch.get_rng_state()
+        numpy = sys.modules.get("numpy")
+        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+        self.modes = _torch_modes()
+        self.dist_functions = _functions(dist)
+        self.signals = _signal_handlers()
+
+    def restore(self) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        from dojo.impl import restore_substitutions
+
+        restore_substitutions()
+        _forget_kata_modules()
+        os.environ.clear()
+        os.environ.update(self.environ)
+        torch.set_rng_state(self.torch_rng)
+        random.seed()  # as a fork does (the random module reseeds in every child)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+        try:
+            os.chdir(self.cwd)
+        except OSError:
+            return False
+        return (
+            not dist.is_initialized()
+            and {t.ident for t in threading.enumerate() if t.is_alive()} <= self.threads
+            and not _children()
+            and _torch_modes() == self.modes
+            and _functions(dist, self.dist_functions) == self.dist_functions
+            and _signal_handlers() == self.signals
+            and not _global_module_hooks()
+            and not _meshes_entered()
+        )
+
+
+# Modules a world's code lives in: the next world imports them afresh (~10 ms), so that nothing
+# a world kept in them (a global, a cache, a swap) reaches the next.
+_KATA_CODE = ("katas.", "solutions.", "dojo.pristine.", "dojo.mistakes.k", "tests.", "dojo.tests.")
+
+
+def _forget_kata_modules() -> None:
+    for name in [n for n in sys.modules if n.startswith(_KATA_CODE)]:
+        del sys.modules[name]
+
+
+def _caches_hold_groups(dist) -> bool:
+    """Whether torch may keep this world's groups where a later world would find them: DTensor
+    caches its sharding plans under device meshes, and a later world's mesh compares equal to
+    this one's while its groups differ (seen: "Could not resolve the process group")."""
+    try:
+        from torch.distributed.tensor import DTensor, _redistribute
+
+        caches = (
+            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache,
+            _redistribute._gen_transform_infos,
+        )
+        return any(cache.cache_info().currsize for cache in caches)
+    except (ImportError, AttributeError):  # another torch: a world of one group cannot be wrong
+        return len(getattr(dist.distributed_c10d._world, "pg_names", (0, 0))) > 1
+
+
+def _torch_modes() -> tuple:
+    import torch
+
+    return (
+        torch.get_default_dtype(),
+        str(torch.get_default_device()),
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_anomaly_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_interop_threads(),
+    )
+
+
+def _functions(module, names=None) -> dict[str, int]:
+    """The identities of a module's functions (of those ``names``): a patched one differs."""
+    found = vars(module)
+    return {
+        name: id(found.get(name))
+        for name in (names if names is not None else found)
+        if names is not None or callable(found[name])
+    }
+
+
+def _signal_handlers() -> dict:
+    names = ("SIGINT", "SIGTERM", "SIGCHLD", "SIGALRM", "SIGUSR2", "SIGPIPE", "SIGHUP")
+    return {n: signal.getsignal(getattr(signal, n)) for n in names if hasattr(signal, n)}
+
+
+def _children() -> bool:
+    """Whether this process still has a child (running, or ended and never waited for)."""
+    try:
+        for task in os.listdir("/proc/self/task"):  # a thread's children are listed under it
+            with open(f"/proc/self/task/{task}/children") as f:
+                if f.read().split():
+                    return True
+    except OSError:
+        return True  # cannot tell: do not serve again
+    return False
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return any(
+        getattr(module, name)
+        for name in dir(module)
+        if name.startswith("_global_") and name.endswith("hooks")
+    )
+
+
+def _meshes_entered() -> bool:
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    return bool(getattr(resources, "mesh_stack", None))

@@ -52,7 +52,11 @@ def _world(fn, world_size, *args, what: str, group_timeout_s: float | None = Non
     """run_world, where a deadlock becomes a message about ``what`` hung, and a world that broke
     down after torch's waits gave up far sooner than the group's ``group_timeout_s`` says so."""
     try:
-        return run_world(fn, world_size, *args, deadline=DEADLINE_S, straggler=STRAGGLER_S)
+        # stall=None: these ranks wait on purpose inside calls that time out by themselves
+        # (monitored_barrier, store waits, groups given a timeout): only the deadline ends them.
+        return run_world(
+            fn, world_size, *args, deadline=DEADLINE_S, straggler=STRAGGLER_S, stall=None
+        )
     except WorldFailure as failure:
         waits = [int(ms) for ms in _GAVE_UP_AFTER_MS.findall(str(failure))]
         if group_timeout_s is not None and waits and min(waits) < 500 * group_timeout_s:

@@ -1,6 +1,7 @@
 """The rank harness's own tests: what every kata test relies on."""
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dojo import impl, world
 from dojo.curriculum import ROOT
 from dojo.todo import KataTodo
 from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
@@ -44,7 +46,99 @@ def test_a_passing_world_returns_every_result_in_rank_order():
     assert all(r["size"] == 4 and r["sum"] == 6 and r["extra"] == "x" for r in results)
     assert [r["env"] for r in results] == [(str(i), "4", str(i)) for i in range(4)]
     assert len({r["pid"] for r in results}) == 4
-    _assert_gone([r["pid"] for r in results])
+    _assert_gone_or_waiting([r["pid"] for r in results])
+
+
+def _assert_gone_or_waiting(pids):
+    """The ranks of a world that passed end, or wait for this process's next world (and end
+    with it)."""
+    waiting = {r.process.pid for r in world._idle}
+    _assert_gone([p for p in pids if p not in waiting])
+    world.end_idle_ranks()
+    _assert_gone(pids)
+
+
+def _leave_traces(rank, world_size, how):
+    """A world that changes what the next world must not see; ``how`` adds one change that
+    cannot be put back, so that the rank must not serve again."""
+    global _LEFT_IN_THIS_MODULE
+    _LEFT_IN_THIS_MODULE = "yes"
+    os.environ["DOJO_TEST_LEFT"] = "yes"
+    os.chdir("/")
+    torch.manual_seed(rank + 123)
+    if how == "thread":
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    elif how == "dtype":
+        torch.set_default_dtype(torch.float64)
+    elif how == "patched":
+        dist.barrier = print
+    elif how == "child":
+        subprocess.Popen(["sleep", "60"])
+    elif how == "hook":
+        torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    elif how == "dtensor":  # its plans stay cached under a mesh equal to a later world's
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        (distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]) * 2).full_tensor()
+    return os.getpid()
+
+
+_LEFT_IN_THIS_MODULE = None
+
+
+def _look(rank, world_size):
+    """What a world sees of the process it runs in."""
+    return {
+        "left": os.environ.get("DOJO_TEST_LEFT"),
+        "module": _LEFT_IN_THIS_MODULE,
+        "cwd": os.getcwd(),
+        "torch": torch.rand(2).tolist(),
+        "dtype": str(torch.get_default_dtype()),
+        "barrier": dist.barrier.__name__,
+        "kata": impl.load_kata("k04_allreduce").average_gradients.__module__,
+        "pid": os.getpid(),
+    }
+
+
+def _fresh_look(monkeypatch):
+    monkeypatch.setenv(world.FRESH_VAR, "1")
+    looks = run_world(_look, 2)
+    monkeypatch.delenv(world.FRESH_VAR)
+    for look in looks:
+        del look["pid"]
+    return looks
+
+
+def test_a_rank_serves_the_next_world_as_it_was_forked(monkeypatch):
+    """Reused ranks save a fork and an exit per rank; the next world must not see the last."""
+    monkeypatch.setenv(impl.ENV_VAR, "solutions")
+    fresh = _fresh_look(monkeypatch)
+    world.end_idle_ranks()
+    monkeypatch.setenv(
+        impl.SUBSTITUTE_VAR,
+        json.dumps({"k04_allreduce": {"average_gradients": "dojo.mistakes.k04_allreduce:summed_not_divided"}}),
+    )  # fmt: skip
+    before = run_world(_leave_traces, 2, None)
+    assert run_world(_look, 2)[0]["kata"] == "dojo.mistakes.k04_allreduce"
+    monkeypatch.delenv(impl.SUBSTITUTE_VAR)
+    looks = run_world(_look, 2)
+    assert {look.pop("pid") for look in looks} == set(before), "the ranks were not reused"
+    assert looks == fresh
+
+
+@pytest.mark.parametrize("how", ["thread", "dtype", "patched", "child", "hook", "dtensor"])
+def test_a_rank_that_cannot_be_put_back_does_not_serve_again(monkeypatch, how):
+    monkeypatch.setenv(impl.ENV_VAR, "solutions")
+    fresh = _fresh_look(monkeypatch)
+    before = run_world(_leave_traces, 2, how)
+    looks = run_world(_look, 2)
+    assert not {look.pop("pid") for look in looks} & set(before), (
+        f"a rank left a {how} served again"
+    )
+    assert looks == fresh
+    _assert_gone(before)
 
 
 def test_a_world_of_one_works():
@@ -184,17 +278,53 @@ def test_a_wait_where_an_earlier_world_deadlocked_ends_at_once():
     assert "ranks 0, 1 wait in recv (dojo/tests/test_harness.py:" in message, message
 
 
-def _receive_from_the_previous(rank, world_size):
+# Each stall test waits at a line of its own: a line where an earlier world deadlocked ends the
+# next world there after KNOWN_STALL_S, whatever its stall says.
+def _receive_then_stall_2_s(rank, world_size):
     dist.recv(torch.zeros(1), src=(rank - 1) % world_size)
 
 
-def test_stall_ends_a_deadlock_seconds_after_the_ranks_stop():
+def _receive_then_stall_by_default(rank, world_size):
+    dist.recv(torch.zeros(1), src=(rank - 1) % world_size)
+
+
+def _receive_in_a_group_of_its_own(rank, world_size):
+    dist.recv(torch.zeros(1), src=(rank - 1) % world_size)
+
+
+@pytest.mark.parametrize(
+    "stall, fn",
+    [(2, _receive_then_stall_2_s), ("auto", _receive_then_stall_by_default)],
+    ids=["stall=2", "stall=auto"],
+)
+def test_stall_ends_a_deadlock_seconds_after_the_ranks_stop(stall, fn):
+    """By default a world in the harness's group is deadlocked once its ranks have waited idle
+    in torch.distributed for DEFAULT_STALL_S (3 s): only the group's timeout could move them."""
     _warm()
     start = time.monotonic()
     with pytest.raises(WorldDeadlock) as caught:
-        run_world(_receive_from_the_previous, 2, deadline=120, stall=2)
-    assert time.monotonic() - start < 30, "ranks idle in recv for 2 s are deadlocked"
+        run_world(fn, 2, deadline=120, stall=stall)
+    assert time.monotonic() - start < 30, "ranks idle in recv for seconds are deadlocked"
     assert "made no progress for" in str(caught.value), str(caught.value)
+
+
+def _receive_in_own_group(rank, world_size, path):
+    """A world that makes its own group (as katas 01-03 do), then waits in it for ever."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    _receive_in_a_group_of_its_own(rank, world_size)
+
+
+def test_worlds_in_a_group_of_their_own_wait_for_their_deadline(tmp_path):
+    """Their calls may time out by themselves (the group's timeout is theirs): no stall."""
+    _warm()
+    start = time.monotonic()
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(
+            _receive_in_own_group, 2, str(tmp_path / "rendezvous"), deadline=8, init_group=False
+        )
+    assert time.monotonic() - start >= 8, f"it ended before its deadline: {caught.value}"
+    assert "did not return within the 8 s deadline" in str(caught.value), str(caught.value)
 
 
 def _sleep_then_return(rank, world_size, seconds):
@@ -308,6 +438,23 @@ def test_a_kata_todo_inside_a_rank_comes_back_as_itself():
     assert str(caught.value) == "not implemented yet: k04 step 2 (divide by the world size)"
 
 
+def _todo_everywhere(rank, world_size):
+    os.environ["DOJO_TEST_LEFT"] = "yes"
+    raise KataTodo("k04", 3, f"average every gradient (rank {rank}, pid {os.getpid()})")
+
+
+def test_ranks_that_all_stop_at_a_todo_serve_the_next_world(monkeypatch):
+    """A stub's worlds (a learner's first runs, the gate's check of the stubs) end at a todo on
+    every rank: nothing is left half done, so the ranks serve again."""
+    monkeypatch.setenv(impl.ENV_VAR, "solutions")
+    with pytest.raises(KataTodo) as caught:
+        run_world(_todo_everywhere, 2)
+    pid = int(str(caught.value).rsplit("pid ", 1)[1].rstrip(")"))
+    looks = run_world(_look, 2)
+    assert pid in {look["pid"] for look in looks}, "the ranks were not reused"
+    assert all(look["left"] is None for look in looks)
+
+
 def test_a_function_that_ranks_cannot_import_is_refused_with_advice():
     with pytest.raises(TypeError, match="module level"):
         run_world(lambda rank, world_size: rank, 2)
@@ -396,6 +543,28 @@ def _start_hanging_world(tmp_path):
         assert time.monotonic() < end, "the world did not start within 240 s"
         time.sleep(0.1)
     return parent, _read_pids(tmp_path, 2)
+
+
+_RUN_A_WORLD_AND_LEAVE = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {root!r})
+    from dojo.world import run_world
+    from dojo.tests.test_harness import _identify
+    if __name__ == "__main__":
+        print(*[r["pid"] for r in run_world(_identify, 2, None)])
+    """
+)
+
+
+def test_ranks_waiting_for_another_world_end_with_their_parent(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(_RUN_A_WORLD_AND_LEAVE.format(root=str(ROOT)))
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    _assert_gone([int(pid) for pid in done.stdout.split()])
 
 
 def test_kill_9_of_the_parent_takes_every_rank_with_it(tmp_path):
