@@ -6,6 +6,7 @@ import re
 import signal
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 import pytest
@@ -353,6 +354,11 @@ def _join(rank, processes, world_size, port):
             "outcome": "other",
             "message": f"{type(error).__name__}: {str(error).splitlines()[0]}",
             "seconds": time.monotonic() - start,
+            # a store opened by init_process_group (env://) or by join_world's own code
+            "in_init": any(
+                frame.name == "init_process_group"
+                for frame in traceback.extract_tb(error.__traceback__)
+            ),
         }
     total = torch.tensor([1])
     dist.all_reduce(total)
@@ -361,15 +367,16 @@ def _join(rank, processes, world_size, port):
     return {"outcome": "joined", "sum": int(total.item()), "seconds": time.monotonic() - start}
 
 
-def _why_not_mismatch(rank: int, world_size: int, message: str) -> str:
-    """The likely mistake behind a raw failure where a WorldSizeMismatch was expected."""
+def _why_not_mismatch(rank: int, world_size: int, message: str, in_init: bool = False) -> str:
+    """The likely mistake behind a raw failure where a WorldSizeMismatch was expected
+    (``in_init``: it was raised inside init_process_group)."""
     text = message.lower()
     if rank >= world_size:
         return (
             f"rank {rank} has no place in a world of {world_size}: refuse it before touching the "
             "store (check_rank first)"
         )
-    if "address already in use" in text and rank == 0:
+    if "address already in use" in text and in_init:
         return (
             "rank 0's own store already holds MASTER_PORT, and init_process_group opened a "
             "second one there (env://): init_process_group must reuse it (store=store)"
@@ -393,7 +400,7 @@ def _check_mismatch(rank, world_size, result, must_mention):
     if result["outcome"] == "other":
         raise AssertionError(
             f"rank {rank} failed with {result['message']!r} instead of your WorldSizeMismatch: "
-            f"{_why_not_mismatch(rank, world_size, result['message'])}"
+            f"{_why_not_mismatch(rank, world_size, result['message'], result['in_init'])}"
         )
     assert result["outcome"] == "mismatch", (
         f"rank {rank} should have raised WorldSizeMismatch, but it {result['outcome']}"
@@ -423,7 +430,7 @@ def _check_joined(world_size: int, results: dict) -> None:
             telling or [r for r, res in failed.items() if res["outcome"] == "other"] or [*failed]
         )[0]
         message = failed[rank]["message"]
-        why = _why_not_mismatch(rank, world_size, message)
+        why = _why_not_mismatch(rank, world_size, message, failed[rank].get("in_init", False))
         if failed[rank]["outcome"] == "mismatch" and why.startswith("turn the raw"):
             why = (
                 f"all {world_size} ranks were started, so no rank may give up: does every rank "
