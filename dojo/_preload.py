@@ -1,5 +1,4 @@
-"""Imported once by the harness's forkserver (or by a program before it forks its ranks), so
-every rank forked from it starts warm.
+"""Imported once by the harness's forkserver, so every rank forked from it starts warm.
 
 Importing torch costs ~1.5 s per process, and the first ``torch.testing.assert_close`` imports
 sympy (~1 s more); paying both here makes a new 4-rank world cost a fraction of a second.

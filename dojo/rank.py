@@ -54,7 +54,6 @@ class RankSpec:
     capture_output: bool = True  # False: print straight to the parent's terminal (programs)
     threads: int = 1  # torch threads; ranks share few cores, more threads only contend
     reusable: bool = False  # the parent may ask this rank to serve further worlds
-    close_fds: tuple = ()  # forked straight from the parent: its pipe ends, to close at once
 
 
 @dataclass
@@ -71,11 +70,6 @@ class RankError:
 def main(spec: RankSpec, results, lifeline) -> None:
     """Entry point of a rank process (the ``target`` of its ``Process``): serve ``spec``, then
     further worlds' specs for as long as the parent asks and the rank stays as it was forked."""
-    for fd in spec.close_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
     if hasattr(os, "setpgrp"):  # own group: the parent can kill this rank and all it started
         os.setpgrp()
     inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -26,7 +26,6 @@ What it guarantees, whatever the function does:
 from __future__ import annotations
 
 import atexit
-import importlib
 import multiprocessing
 import os
 import pickle
@@ -157,12 +156,7 @@ def run_world(
     _check_importable(fn)
     if stall == "auto":
         stall = DEFAULT_STALL_S if init_group and deadline is not None else None
-    # A program's one world forks its ranks from the program itself, which has torch loaded:
-    # a forkserver would import it again (~4 s of CPU on a 2-core machine, per program run).
-    # Not for a device (CUDA does not survive a fork) nor for ranks with threads of their own
-    # (an OpenMP pool the program started does not either).
-    from_here = not capture_output and backend == "gloo" and threads == 1 and not _on_a_device(env)
-    context = _context(from_here)
+    context = _context()
     world_id = f"{os.getpid()}-{next(_world_numbers)}"
     if os.environ.get("DOJO_TRACE_DIR"):  # dojo.trace: every rank's calls, for a timeline
         from dojo.trace import TracedRank
@@ -231,26 +225,18 @@ _lock = threading.Lock()
 _store = None
 
 
-_PRELOAD = "dojo._preload"  # what a process that forks ranks imports first (by name, as
-# multiprocessing's forkserver does: it imports the harness itself)
+def _context():
+    """A forkserver context whose server has torch imported (spawn where there is no fork).
 
-
-def _on_a_device(env: dict[str, str] | None) -> bool:
-    """Whether a world's environment puts its ranks on a device (``DOJO_DEVICE=cuda``)."""
-    return (env or {}).get("DOJO_DEVICE", "cpu") != "cpu"
-
-
-def _context(from_here: bool = False):
-    """A forkserver context whose server has torch imported (spawn where there is no fork);
-    ``from_here``: where it is safe (Linux), ranks forked from this process, warmed first."""
+    Never ranks forked from this process itself, though it may have torch loaded already: by
+    then the harness's store serves from a thread of its own, and a fork taken while another
+    thread holds a lock leaves the child waiting on it for ever (seen: a program's rank 3 stuck
+    in its own fork)."""
     methods = multiprocessing.get_all_start_methods()
-    if from_here and sys.platform == "linux" and "fork" in methods:
-        importlib.import_module(_PRELOAD)  # what the forkserver would import: once, here
-        return multiprocessing.get_context("fork")
     if "forkserver" not in methods:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([_PRELOAD])
+    context.set_forkserver_preload(["dojo._preload"])
     return context
 
 
@@ -302,10 +288,6 @@ def _start_rank(
         )
     results_parent, results_child = context.Pipe(duplex=False)
     lifeline_child, lifeline_parent = context.Pipe(duplex=False)
-    if context.get_start_method() == "fork":
-        # A forked rank holds every pipe end this process had: those it must close, or the
-        # lifelines of this world's ranks (its own among them) never end when the parent dies.
-        spec.close_fds = tuple(_parent_ends) + (results_parent.fileno(), lifeline_parent.fileno())
     process = context.Process(
         # Not a daemon: a rank may start processes of its own (katas 01-03 do). The harness
         # kills every rank itself, and each rank dies with its parent.
@@ -316,12 +298,7 @@ def _start_rank(
     process.start()
     results_child.close()
     lifeline_child.close()
-    _parent_ends.update((results_parent.fileno(), lifeline_parent.fileno()))
     return _Rank(number, process, results_parent, lifeline_parent, log_path)
-
-
-# The fds of every rank's pipe ends in this process, while open (a forked rank closes them).
-_parent_ends: set[int] = set()
 
 
 # --------------------------------------------------------------------------- watching ranks
@@ -792,8 +769,6 @@ def _kill(ranks: list[_Rank]) -> None:
         if rank.process.pid is not None:
             rank.process.join(5.0)
         for pipe in (rank.results, rank.lifeline):
-            if not pipe.closed:
-                _parent_ends.discard(pipe.fileno())
             pipe.close()
 
 
