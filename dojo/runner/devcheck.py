@@ -37,8 +37,8 @@ from dojo.runner import classroom, consistency, imports, runs, steps
 
 PARTS = ("consistency", "solutions", "mistakes", "stubs")
 # pytest-timeout and the harness's deadlines fire long before this; it only ends a pytest that
-# hangs past them. Not a time budget: the catalogues' pass takes 20 minutes on one 2-core machine
-# and more than 30 on another, about twice as slow (both seen on 1 December 2026).
+# hangs past them. Not a time budget: the catalogues' pass took 13 minutes on a slow 2-core
+# machine (2 December 2026), and a busier machine may take several times that.
 PYTEST_BACKSTOP_S = 3 * 3600
 STUB_TEST_TIMEOUT_S = 60  # a shipped stub fails at once; one that takes this long hangs
 
