@@ -454,10 +454,7 @@ def _release(ranks: list[_Rank], keep: bool = False) -> None:
             signs = [rank.process.sentinel] + ([rank.results] if keep else [])
             wait(signs, max(0.0, min(end - time.monotonic(), 1.0)))
             if keep and rank.results.poll():
-                try:
-                    rank.idle = rank.results.recv() == ("idle", None)
-                except (EOFError, OSError):
-                    pass
+                _read_idle(rank)
             if rank.idle or not rank.process.is_alive() or time.monotonic() >= hard_end:
                 rank.process.join(0 if rank.idle else 1.0)
                 break
@@ -499,11 +496,16 @@ def _keep_after_todo(ranks: list[_Rank]) -> None:
     end = time.monotonic() + _TODO_WAIT_S
     for rank in ranks:
         if rank.results.poll(max(0.0, end - time.monotonic())):
-            try:
-                rank.idle = rank.results.recv() == ("idle", None)
-            except (EOFError, OSError):
-                pass
+            _read_idle(rank)
     _keep_idle(ranks)
+
+
+def _read_idle(rank: _Rank) -> None:
+    """Read a released rank's answer: it waits for another world, or it is ending."""
+    try:
+        rank.idle = rank.results.recv() == ("idle", None)
+    except (EOFError, OSError):
+        pass
 
 
 # Ranks that served a world of this process and wait for its next one (dojo.rank's loop).
