@@ -52,6 +52,7 @@ class RankSpec:
     group_timeout_s: float = 60.0
     env: dict = field(default_factory=dict)
     capture_output: bool = True  # False: print straight to the parent's terminal (programs)
+    output: Any = None  # with capture_output False: the parent's stdout and stderr (LauncherOutput)
     threads: int = 1  # torch threads; ranks share few cores, more threads only contend
     reusable: bool = False  # the parent may ask this rank to serve further worlds
 
@@ -97,6 +98,8 @@ def _serve(spec: RankSpec, results, inbox: queue.SimpleQueue, fresh: _Fresh | No
     if spec.capture_output:
         _redirect_output(spec.log_path)
     else:
+        if spec.output is not None:
+            spec.output.attach()
         faulthandler.enable(all_threads=True)
     _answer_stack_requests(stack_path(spec.log_path))
     os.environ.update(spec.env)
@@ -138,6 +141,36 @@ def _redirect_output(log_path: str) -> None:
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults and aborts
+
+
+class LauncherOutput:
+    """The launching process's stdout and stderr, handed to a rank as it starts (a program's
+    ranks print where the program prints, even when the forkserver that forked them was started
+    by another process with other output: a program under test, ``dojo.testing.run_program``)."""
+
+    def __init__(self, fds: tuple[int, int] = (1, 2)):
+        self.fds = fds
+
+    def __reduce__(self):
+        # Only while multiprocessing starts the rank: its DupFd sends the descriptors along.
+        from multiprocessing.reduction import DupFd
+
+        return (_received_output, tuple(DupFd(fd) for fd in self.fds))
+
+    def attach(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for mine, theirs in zip((1, 2), self.fds):
+            if mine != theirs:
+                os.dup2(theirs, mine)
+                os.close(theirs)
+        self.fds = (1, 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _received_output(*duplicates) -> LauncherOutput:
+    return LauncherOutput(tuple(d.detach() for d in duplicates))
 
 
 def stack_path(log_path: str) -> str:

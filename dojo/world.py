@@ -20,7 +20,8 @@ What it guarantees, whatever the function does:
   a fraction of a second instead of ~1.5 s of ``import torch`` per rank; and the ranks of a
   world that ended cleanly serve this process's next worlds (``dojo.rank`` says when a rank
   may), which saves the fork and the exit (~0.1 s of CPU per rank). ``DOJO_FRESH_RANKS=1``
-  forks every rank afresh.
+  forks every rank afresh. A program under test, forked from that forkserver
+  (``dojo.testing.run_program``), forks its ranks from it too (``use_parent_forkserver``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def run_world(
     _check_importable(fn)
     if stall == "auto":
         stall = DEFAULT_STALL_S if init_group and deadline is not None else None
-    context = _context()
+    context = rank_context()
     world_id = f"{os.getpid()}-{next(_world_numbers)}"
     if os.environ.get("DOJO_TRACE_DIR"):  # dojo.trace: every rank's calls, for a timeline
         from dojo.trace import TracedRank
@@ -191,8 +192,10 @@ def run_world(
                     backend=backend,
                     # The harness's deadline must fire before the group's own timeout does.
                     group_timeout_s=(deadline or 1800.0) * MAX_STRETCH + 30.0,
-                    env={**(env or {}), **_implementation_env()},
+                    env={**_program_env(capture_output), **(env or {}), **_implementation_env()},
                     capture_output=capture_output,
+                    # a program's ranks print where it prints (its forkserver may be another's)
+                    output=None if capture_output else _rank.LauncherOutput(),
                     threads=threads,
                     reusable=reusable,
                 )
@@ -225,7 +228,7 @@ _lock = threading.Lock()
 _store = None
 
 
-def _context():
+def rank_context():
     """A forkserver context whose server has torch imported (spawn where there is no fork).
 
     Never ranks forked from this process itself, though it may have torch loaded already: by
@@ -249,6 +252,32 @@ def _store_port() -> int:
 
             _store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         return _store.port
+
+
+def _program_env(capture_output: bool) -> dict[str, str]:
+    """A program's ranks see the program's whole environment, as processes it started would,
+    whichever process started the forkserver that forks them (``use_parent_forkserver``)."""
+    return {} if capture_output else dict(os.environ)
+
+
+def use_parent_forkserver() -> bool:
+    """In a process that the harness's forkserver forked (a program under test): start ranks
+    from that same forkserver, which has torch imported already, instead of a new one of this
+    process's own (a second ``import torch``, ~1.5 s). False where that cannot be done (a
+    Python whose forkserver works otherwise): ranks then come from a new forkserver, as usual."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    if (
+        sys.version_info >= (3, 14)  # its forkserver authenticates its clients (a key we lack)
+        or getattr(server, "_forkserver_address", None) is None
+        or getattr(server, "_forkserver_alive_fd", None) is None
+        or getattr(server, "_forkserver_pid", 0) is not None
+    ):
+        return False
+    # ensure_running would start a server of this process's own, since it did not start one
+    server.ensure_running = resource_tracker.ensure_running
+    return True
 
 
 def _implementation_env() -> dict[str, str]:

@@ -84,17 +84,27 @@ def _wait_for(token: str, count: int, seconds: float = 60) -> None:
         time.sleep(0.1)
 
 
-def test_a_hung_program_under_test_ends_within_seconds_saying_where_each_rank_waits():
+# A program under test is forked from the harness's forkserver, unless the test gives it an
+# environment of its own (or DOJO_FRESH_PROGRAMS=1): then it is a new interpreter. Both must end
+# a hang the same way.
+WAYS = ("forked", "fresh")
+
+
+def _run_hanging(way: str, monkeypatch, environment: dict, *args: str):
+    if way == "fresh":
+        return run_program("solutions.k04_allreduce", *args, env=environment)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    return run_program("solutions.k04_allreduce", *args)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_hung_program_under_test_ends_within_seconds_saying_where_each_rank_waits(
+    way, monkeypatch
+):
     with pytest.raises(AssertionError) as caught:
-        run_program(
-            "solutions.k04_allreduce",
-            "--world-size",
-            "4",
-            "--backend",
-            "gloo",
-            "--device",
-            "cpu",
-            env=HANG,
+        _run_hanging(
+            way, monkeypatch, HANG, "--world-size", "4", "--backend", "gloo", "--device", "cpu"
         )
     message = str(caught.value)
     # Ended by its seconds without progress, not by run_program's timeout (start-up on a loaded
@@ -108,11 +118,11 @@ def test_a_hung_program_under_test_ends_within_seconds_saying_where_each_rank_wa
     assert "ranks 1, 2, 3 wait in barrier (solutions/k04_allreduce.py:" in message, message
 
 
-def test_a_program_whose_ranks_both_send_first_is_told_about_sends_not_collectives():
+def test_a_program_whose_ranks_both_send_first_is_told_about_sends_not_collectives(monkeypatch):
     with pytest.raises(AssertionError) as caught:
-        run_program(
-            "solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu",
-            env=BOTH_SEND,
+        _run_hanging(
+            "forked", monkeypatch, BOTH_SEND,
+            "--world-size", "2", "--backend", "gloo", "--device", "cpu",
         )  # fmt: skip
     message = str(caught.value)
     assert "ranks 0, 1 wait in send (solutions/k04_allreduce.py:" in message, message
@@ -168,15 +178,16 @@ def test_a_learners_hung_program_says_where_ranks_wait_and_ctrl_c_says_it_again(
 
 
 TEST_FILE = """
-import json, os
+import dojo.testing
 from dojo.testing import run_program
 
-def test_hangs():
-    run_program("solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu", timeout=300,
-                env={"DOJO_HANG_REPORT_S": "600"})
+def test_hangs(monkeypatch):
+    monkeypatch.setattr(dojo.testing, "PROGRAM_HANG_S", 600.0)  # it hangs until pytest ends
+    run_program("solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu", timeout=300)
 """
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize(
     "how, ending",
     [
@@ -184,17 +195,19 @@ def test_hangs():
         ("kill -9", "a program outlived the pytest process that ran it"),
     ],
 )
-def test_a_program_under_test_ends_with_its_pytest_however_pytest_ends(tmp_path, how, ending):
+def test_a_program_under_test_ends_with_its_pytest_however_pytest_ends(tmp_path, how, ending, way):
     token = f"pytest-{os.getpid()}-{time.monotonic_ns()}"
     (tmp_path / "test_hanging_program.py").write_text(TEST_FILE)
+    fresh = {"DOJO_FRESH_PROGRAMS": "1" if way == "fresh" else "0"}
     pytest_run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
          "-c", str(ROOT / "pyproject.toml"), str(tmp_path / "test_hanging_program.py")],
-        cwd=ROOT, env={**os.environ, **HANG, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        env={**os.environ, **HANG, **fresh, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
-        _wait_for(token, 4)  # pytest, the program and its 2 ranks
+        _wait_for(token, 5)  # pytest, a forkserver, the program and its 2 ranks
         if how == "ctrl-c":
             time.sleep(1)
             os.killpg(
@@ -206,4 +219,4 @@ def test_a_program_under_test_ends_with_its_pytest_however_pytest_ends(tmp_path,
     finally:
         if pytest_run.poll() is None:
             os.killpg(pytest_run.pid, signal.SIGKILL)
-    assert _gone(token) == [], ending
+    assert _gone(token) == [], f"{ending} ({way})"

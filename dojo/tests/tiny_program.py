@@ -1,0 +1,28 @@
+"""A program for ``test_program_runs.py``: ``python -m dojo.tests.tiny_program ranks|raise|exit``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dojo.launch import launch_world
+
+
+def report(rank: int, world_size: int) -> int:
+    print(f"rank {rank} of {world_size} sees DOJO_TEST_MARK={os.environ.get('DOJO_TEST_MARK')}")
+    return rank
+
+
+def main() -> None:
+    what = sys.argv[1]
+    if what == "ranks":
+        print("ranks returned", launch_world(report, 2, backend="gloo", device="cpu"))
+        print("a last line without its newline", end="")
+    elif what == "raise":
+        raise RuntimeError("the program failed")
+    elif what == "exit":
+        sys.exit("it exits with a message")
+
+
+if __name__ == "__main__":
+    main()
