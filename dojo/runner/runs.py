@@ -7,7 +7,9 @@ the steps not written yet, and the first failing step (``dojo.steps``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -200,11 +202,22 @@ def pytest_command(kata: curriculum.Kata, solutions: bool = False) -> list[str]:
     return [*args, spec_file(kata)]
 
 
+def _forget_bytecode(kata: curriculum.Kata) -> None:
+    """Drop Python's cached compile of the learner's kata file. Python reuses it while the
+    file's size and the second of its last change are unchanged, so a save within the second
+    after a run compiled the file (``VALUE = 2`` to ``VALUE = 1``: an editor's quick saves,
+    ``dojo watch`` starting a run on each) would run the code as it was before."""
+    cached = importlib.util.cache_from_source(str(kata.kata_file))
+    with contextlib.suppress(OSError):
+        os.unlink(cached)
+
+
 class Running:
     """A kata's tests running in the background (``dojo watch`` keeps listening meanwhile)."""
 
     def __init__(self, kata: curriculum.Kata, solutions: bool = False, capture: bool = False):
         self.kata, self.started = kata, time.monotonic()
+        _forget_bytecode(kata)
         handle, self.log = tempfile.mkstemp(prefix="dojo-run-", suffix=".jsonl")
         os.close(handle)
         env = {k: v for k, v in os.environ.items() if k != impl.ENV_VAR}  # the learner's katas/

@@ -296,6 +296,28 @@ def test_dojo_shows_the_current_kata_and_next_moves_on_only_once_it_passes(tmp_p
     assert missing.returncode == 2 and "not written yet" in missing.stderr, missing.stderr
 
 
+def test_a_kata_saved_again_within_the_second_runs_as_saved(tmp_path):
+    """Python reuses its cached compile of a file whose size and second of change are the same:
+    a quick second save (``VALUE = 0`` to ``VALUE = 1``, as ``dojo watch`` invites) must not run
+    the code as it was."""
+    root = learner_copy(tmp_path)
+    second, module = add_stand_in_kata(root)
+    assert dojo(root, "goto", second).returncode == 0
+    env = learner_env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # a learner's Python caches what it compiles
+    kata = root / "katas" / f"{module}.py"
+    saved = kata.stat()
+    failing = dojo(root, "check", second, env=env)
+    assert failing.returncode != 0 and "VALUE is 0, expected 1" in failing.stdout, failing.stdout
+    set_value(root, module, 1)
+    os.utime(kata, ns=(saved.st_atime_ns, saved.st_mtime_ns))  # saved within the same second
+    passing = dojo(root, "check", second, env=env)
+    assert passing.returncode == 0 and f"{second} passes" in passing.stdout, (
+        f"the run used the compile Python had cached of the kata before it was saved:\n"
+        f"{passing.stdout}"
+    )
+
+
 DEADLOCKING_TEST = """
 from dojo.world import WorldDeadlock
 
