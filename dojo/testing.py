@@ -385,10 +385,12 @@ class DidNotReturn(AssertionError):
     """A call that needs nothing outside itself ran past its short limit."""
 
 
-def returns_within(what: str, function, *args, limit: float = 10.0):
+def returns_within(what: str, function, *args, limit: float = 3.0):
     """``function(*args)``, given a short limit of its own: it needs no other rank and no I/O,
-    so one that has not returned by then never will. The AssertionError names the call instead
-    of a harness timeout minutes later; the call is stopped (an exception raised inside it)."""
+    so one that has not returned by then never will (the specs' calls take microseconds: a
+    machine a thousand times slower still returns well within it). The AssertionError names the
+    call instead of a harness timeout minutes later; the call is stopped (an exception raised
+    inside it)."""
     box: dict = {}
 
     def run():

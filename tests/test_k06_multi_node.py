@@ -688,6 +688,12 @@ def _children() -> dict[int, str]:
     return found
 
 
+# Stand-ins start in milliseconds (no torch) and end at once or at launch_node's 2 s timeout: a
+# launch_node still waiting this long after never returns (the harness stretches it while they
+# still use the CPU).
+LAUNCH_DEADLINE_S = 8.0
+
+
 def _launch_stand_ins(_rank, _world_size, folder, mode, nproc, timeout):
     """launch_node on stand-ins as node 1 of 2; right after it returns or raises, before anyone
     tears anything down, which of the processes it started are still running (then stopped)."""
@@ -793,13 +799,15 @@ def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
 def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
     try:
         [(outcome, _, leftovers)] = run_world(
-            _launch_stand_ins, 1, str(tmp_path), "fail", 2, None, init_group=False, deadline=15
-        )
+            _launch_stand_ins, 1, str(tmp_path), "fail", 2, None, init_group=False,
+            deadline=LAUNCH_DEADLINE_S,
+        )  # fmt: skip
     except WorldDeadlock as failure:
         raise AssertionError(
             "rank 3 exited with status 7 as soon as rank 2 was up, but launch_node was still waiting "
-            "15 s later (for rank 2, which runs for a minute): watch every process at once (poll() "
-            f"them in a loop) and stop the rest at the first failure\n\n{failure}"
+            f"{LAUNCH_DEADLINE_S:g} s later (for rank 2, which runs for a minute): watch every "
+            "process at once (poll() them in a loop) and stop the rest at the first failure"
+            f"\n\n{failure}"
         ) from None
     assert outcome[0] == "raised", (
         "rank 3 exited with status 7, but launch_node returned: it must raise NodeFailed"
@@ -822,12 +830,14 @@ def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
     # Rank 3 (local rank 0) ends at once with status 0; ranks 4 and 5 would run for a minute.
     try:
         [(outcome, _, leftovers)] = run_world(
-            _launch_stand_ins, 1, str(tmp_path), "first-ends", 3, 2.0, init_group=False, deadline=15
-        )
+            _launch_stand_ins, 1, str(tmp_path), "first-ends", 3, 2.0, init_group=False,
+            deadline=LAUNCH_DEADLINE_S,
+        )  # fmt: skip
     except WorldDeadlock as failure:
         raise AssertionError(
-            "launch_node(timeout=2.0) was still waiting 15 s later: check the clock in the polling "
-            f"loop and raise NodeFailed once the timeout has passed\n\n{failure}"
+            f"launch_node(timeout=2.0) was still waiting {LAUNCH_DEADLINE_S:g} s later: check the "
+            "clock in the polling loop and raise NodeFailed once the timeout has passed"
+            f"\n\n{failure}"
         ) from None
     if outcome[0] == "returned":
         raise AssertionError(

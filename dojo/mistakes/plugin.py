@@ -9,7 +9,8 @@ learner at that step has not written it), until the first failure; the slow test
 torchrun, real hosts) only where the entry names them. That first failure is what
 ``dojo check`` shows in full, so it must be one of the tests the entry names in ``fails`` and say
 every text in ``says``; the tests before it pass, as they would for the learner. The other
-tests in ``fails`` then run too, and must fail saying the same. A right answer's run passes when
+tests in ``fails`` then run too, and must fail saying the same: each once, in its first case
+(another case of a test that already failed would say it again). A right answer's run passes when
 the test passes. Every other test is deselected, GPU tests included. A catalogue that names a
 test the spec does not have stops the run.
 
@@ -221,8 +222,9 @@ def _check_every_entry_runs(items: list[pytest.Item], katas: set[curriculum.Kata
 
 
 # A mistake's first failure, per worker (its tests run there together, in order): variant id ->
-# the test that failed first.
+# the test that failed first; and the tests (without their cases) that ran since, failing.
 _first_failure: dict[str, str] = {}
+_failed_since: dict[str, set[str]] = {}
 
 
 @functools.cache
@@ -270,12 +272,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if variant is None or not variant.is_mistake:
         return None
     key = f"{variant.kata.id}-{variant.id}"
-    if key in _first_failure and not _named(variant.entry, _plain_name(item, variant)):
-        # the learner never gets here: nothing to run, nothing to report; but what the test
-        # before kept set up for this one must go, as pytest would after running it
+    plain = _plain_name(item, variant)
+    if key in _first_failure and (
+        not _named(variant.entry, plain) or _test_of(plain) in _failed_since[key]
+    ):
+        # the learner never gets here (or this test already said it, in another case): nothing
+        # to run, nothing to report; but what the test before kept set up for this one must go,
+        # as pytest would after running it
         item.session._setupstate.teardown_exact(nextitem)
         return True
     return None
+
+
+def _test_of(plain: str) -> str:
+    """``test_x`` for ``test_x[4]``: the test, whichever of its cases."""
+    return plain.split("[")[0]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: after the learner's compact report
@@ -299,6 +310,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return  # a test before the first failure passes, as it would for the learner
     if first:
         _first_failure[key] = test
+    _failed_since.setdefault(key, set()).add(_test_of(test))
     message = str(call.excinfo.value)
     missing = [text for text in entry.says if text not in message]
     if first and not named:
