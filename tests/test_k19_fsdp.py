@@ -919,6 +919,11 @@ def _where(units, prefetch=True, reshard=True, world=2):
     )
 
 
+# What autograd says when a gather launched ahead writes a unit's vector while the forward uses
+# it: a saved view found changed, or (landing while it is being saved) a pack hook's input.
+_LANDED_MID_FORWARD = ("modified inplace", "pack hook is modifying its input in place")
+
+
 @pytest.mark.step(6)
 @pytest.mark.parametrize("units", ["layers", "blocks"])
 def test_prefetch_launches_each_next_gather_ahead(kata, units):
@@ -927,7 +932,7 @@ def test_prefetch_launches_each_next_gather_ahead(kata, units):
     try:
         results = run_world(_probe, 2, None, None, True, units, True, True, 2)
     except RankFailed as failure:
-        if "modified inplace" not in str(failure):
+        if not any(sign in str(failure) for sign in _LANDED_MID_FORWARD):
             raise
         # the only in-place write to a unit's vector after its views exist: a gather landing
         raise AssertionError(

@@ -624,6 +624,8 @@ def test_checked_blames_the_rank_that_torchs_detail_mode_blames(kata):
 
 
 _TIMEOUT_SIGNS = ("timeout", "timed out", "monitoredbarrier")
+# What a rank raises when the group gave up on it, or a peer's group gave up and left it.
+_HASTY_SIGNS = (*_TIMEOUT_SIGNS, "connection reset", "connection closed")
 
 
 def _torch_group_mismatch(rank, world_size):
@@ -641,12 +643,13 @@ def _torch_group_mismatch(rank, world_size):
         lines = str(error).strip().splitlines()
         text = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
         return "gave up", text, time.monotonic() - start, None
+    start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(3 if rank == 2 else 4), group=group)
         said = "returned"
     except RuntimeError as error:
         said = str(error)
-    return str(before), str(after), agreed, said
+    return str(before), str(after), agreed, said, time.monotonic() - start
 
 
 @pytest.mark.step(4)
@@ -684,7 +687,23 @@ def test_torch_checked_group_catches_a_shape_mismatch(kata):
                 "dist.new_group(timeout=timedelta(seconds=timeout_s))"
             )
         )
-    for rank, (before, after, agreed, said) in enumerate(results):
+    # A group given 3 ms instead of 3 s can also be made in time on a quiet machine, and give up
+    # only in the mismatched all_reduce: a rank timed out there (its peers then see their
+    # connection reset) long before the 3 s.
+    hasty = [
+        rank
+        for rank, result in enumerate(results)
+        if result[4] < 3.0 and any(sign in result[3].lower() for sign in _HASTY_SIGNS)
+    ]
+    if hasty:
+        rank = hasty[0]
+        raise AssertionError(
+            f"{where}: rank {rank}'s all_reduce with the mismatched shape raised "
+            f"{results[rank][3][:200]!r} after {1000 * results[rank][4]:.0f} ms: the group timed "
+            "out long before its 3 s, so the timeout is in seconds where you gave another unit: "
+            "dist.new_group(timeout=timedelta(seconds=timeout_s))"
+        )
+    for rank, (before, after, agreed, said, _) in enumerate(results):
         assert after == before, (
             f"rank {rank}: torch_checked_group left the debug level at {after} (it was "
             f"{before}): every group made afterwards would pay for the checks. Set DETAIL only "
