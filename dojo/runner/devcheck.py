@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -157,12 +158,21 @@ def _pytest(
             cwd=curriculum.ROOT,
             env=env,
             timeout=PYTEST_BACKSTOP_S,
+            preexec_fn=None if os.name == "nt" else _hearing_ctrl_c,
         )
     except subprocess.TimeoutExpired:
         code = "timed out"
     verdict = "ok" if code == 0 else f"FAILED (pytest exit {code})"
     print(f"=== {title}: {verdict} in {time.monotonic() - start:.0f} s", flush=True)
     return code == 0
+
+
+def _hearing_ctrl_c() -> None:
+    """In the gate's pytest, before it starts: SIGINT as a terminal's Ctrl-C delivers it. A gate
+    started in the background by a script (``make test &``, a CI step's ``&``) inherits SIGINT
+    ignored, and the tests that press Ctrl-C on what they start (a rank's parent, ``dojo
+    check``, a program) would see nothing happen."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def resolve(names: list[str] | None) -> list[curriculum.Kata] | None:
