@@ -1,6 +1,6 @@
 # Two commands:
 #   make learn   set up (first time only) and start learning at the first unfinished kata
-#   make test    maintainers and CI: set up (first time only) and run the full check (about 27 min on a slow 2-core machine)
+#   make test    maintainers and CI: set up (first time only) and run the full check (about 16 min on a slow 2-core machine)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin

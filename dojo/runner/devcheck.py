@@ -38,8 +38,8 @@ from dojo.runner import classroom, consistency, imports, runs, steps
 
 PARTS = ("consistency", "solutions", "mistakes", "stubs")
 # pytest-timeout and the harness's deadlines fire long before this; it only ends a pytest that
-# hangs past them. Not a time budget: the catalogues' pass took 13 minutes on a slow 2-core
-# machine (2 December 2026), and a busier machine may take several times that.
+# hangs past them. Not a time budget: the catalogues' pass took 9 minutes on a slow 2-core
+# machine (4 December 2026), and a busier machine may take several times that.
 PYTEST_BACKSTOP_S = 3 * 3600
 STUB_TEST_TIMEOUT_S = 60  # a shipped stub fails at once; one that takes this long hangs
 
