@@ -209,6 +209,13 @@ def _check_nothing_left(session: int, shown: str) -> None:
         raise AssertionError(f"`{shown}` exited but left processes running: {leftovers}")
 
 
+def hears_ctrl_c() -> None:
+    """``preexec_fn`` for a process a test presses Ctrl-C on (SIGINT): it gets it as a terminal's
+    foreground process does, even where the test runs with SIGINT ignored (a script's background
+    job, ``make test &``, passes that on to every process it starts)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _die_with_parent() -> None:
     """In the program's process, before it runs: SIGTERM when its parent (pytest) dies (Linux)."""
     try:

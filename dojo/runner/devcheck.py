@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import time
 from dojo import curriculum, impl, reach
 from dojo.mistakes import plugin
 from dojo.runner import classroom, consistency, imports, runs, steps
+from dojo.testing import hears_ctrl_c
 
 PARTS = ("consistency", "solutions", "mistakes", "stubs")
 # pytest-timeout and the harness's deadlines fire long before this; it only ends a pytest that
@@ -158,21 +158,15 @@ def _pytest(
             cwd=curriculum.ROOT,
             env=env,
             timeout=PYTEST_BACKSTOP_S,
-            preexec_fn=None if os.name == "nt" else _hearing_ctrl_c,
+            # Ctrl-C as a terminal delivers it, though the gate may run as a script's background
+            # job, SIGINT ignored: the tests press Ctrl-C on what they start
+            preexec_fn=None if os.name == "nt" else hears_ctrl_c,
         )
     except subprocess.TimeoutExpired:
         code = "timed out"
     verdict = "ok" if code == 0 else f"FAILED (pytest exit {code})"
     print(f"=== {title}: {verdict} in {time.monotonic() - start:.0f} s", flush=True)
     return code == 0
-
-
-def _hearing_ctrl_c() -> None:
-    """In the gate's pytest, before it starts: SIGINT as a terminal's Ctrl-C delivers it. A gate
-    started in the background by a script (``make test &``, a CI step's ``&``) inherits SIGINT
-    ignored, and the tests that press Ctrl-C on what they start (a rank's parent, ``dojo
-    check``, a program) would see nothing happen."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def resolve(names: list[str] | None) -> list[curriculum.Kata] | None:

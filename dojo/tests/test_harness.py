@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dojo import impl, world
 from dojo.curriculum import ROOT
+from dojo.testing import hears_ctrl_c
 from dojo.todo import KataTodo
 from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 
@@ -535,7 +536,11 @@ def _start_hanging_world(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(_RUN_A_HANGING_WORLD.format(root=str(ROOT), pid_dir=str(tmp_path)))
     parent = subprocess.Popen(
-        [sys.executable, str(script)], cwd=ROOT, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=hears_ctrl_c,  # the tests press Ctrl-C on it
     )
     end = time.monotonic() + 240  # it imports torch twice: slow on a loaded machine, not stuck
     while len(_read_pids(tmp_path, 2)) < 2:

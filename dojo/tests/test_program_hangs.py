@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dojo.curriculum import ROOT
-from dojo.testing import run_program
+from dojo.testing import hears_ctrl_c, run_program
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc"), reason="needs /proc to see leftover processes"
@@ -153,6 +153,7 @@ def test_a_learners_hung_program_says_where_ranks_wait_and_ctrl_c_says_it_again(
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             start_new_session=True,
+            preexec_fn=hears_ctrl_c,
         )
     try:
         end = time.monotonic() + 60
@@ -205,6 +206,7 @@ def test_a_program_under_test_ends_with_its_pytest_however_pytest_ends(tmp_path,
         cwd=ROOT,
         env={**os.environ, **HANG, **fresh, "DOJO_TEST_TOKEN": token, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=hears_ctrl_c,
     )  # fmt: skip
     try:
         _wait_for(token, 5)  # pytest, a forkserver, the program and its 2 ranks

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from dojo.testing import hears_ctrl_c
 from dojo.tests.test_runner import (
     add_stand_in_kata,
     dojo,
@@ -214,6 +215,7 @@ def test_ctrl_c_during_check_stops_the_tests_and_everything_they_started(tmp_pat
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=hears_ctrl_c,
     )
     try:
         wait_for_hang(root)
