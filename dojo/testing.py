@@ -160,10 +160,12 @@ def _forked_main(target, args, environment, cwd, out_path, err_path, lifeline) -
     try:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
-        if not isinstance(exit_.code, (int, type(None))):
+    except SystemExit as exit_:  # sys.exit(None | status | message), as the interpreter reads it
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
             print(exit_.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
