@@ -5,4 +5,4 @@ from dojo.commands import require
 
 require("torch", "pytest_timeout")
 
-pytest_plugins = ["dojo.plugin"]
+pytest_plugins = ["dojo.spec.plugin"]

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._timing import timed
-from dojo import impl
 from dojo.console import run_program, say
 from dojo.devices import choose_for_this_machine, rank_device
+from dojo.harness import impl
 from dojo.launch import add_launch_arguments, launch_world
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"

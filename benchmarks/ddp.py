@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks._timing import timed
-from dojo import impl
 from dojo.console import run_program, say
 from dojo.devices import BACKENDS, DEVICES, choose_for_this_machine, rank_device
+from dojo.harness import impl
 from dojo.launch import launch_world
 
 WAYS = ("no overlap (k04)", "per-parameter (k12)", "bucketed (k13)", "torch DDP")

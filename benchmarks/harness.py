@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dojo.world import FRESH_VAR, run_world
+from dojo.harness.world import FRESH_VAR, run_world
 
 
 def _all_reduce(rank: int, world_size: int) -> int:

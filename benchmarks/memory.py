@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dojo import impl
 from dojo.console import run_program, say
+from dojo.harness import impl
 from dojo.launch import launch_world
 from dojo.toy_models import Block, TinyTransformer, make_tokens, transformer_loss
 

@@ -58,9 +58,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks._timing import timed
-from dojo import impl
 from dojo.console import run_program, say
 from dojo.devices import rank_device
+from dojo.harness import impl
 from dojo.launch import launch_world
 from dojo.todo import KataTodo
 from dojo.toy_models import (

@@ -1,6 +1,7 @@
-"""The dojo: the tooling a learner never edits. Two halves, and who may import what.
+"""The dojo: the tooling a learner never edits, one folder per audience (``dojo dev check``
+keeps the floors apart: ``dojo/dev/imports.py``).
 
-The kata API (``katas/`` and ``solutions/`` import only these; ``dojo dev check`` keeps it so):
+The kata API, at the top: what ``katas/`` and ``solutions/`` import, and nothing else of dojo
     todo       KataTodo, the "not implemented yet" a stub raises
     console    a kata program's output (``say``) and exit (``run_program``)
     launch     a program's ranks: ``launch_world`` and its command-line options
@@ -10,23 +11,37 @@ The kata API (``katas/`` and ``solutions/`` import only these; ``dojo dev check`
     toy_models small models with a frozen layer, tied weights or a buffer (Part III), and
                the TinyTransformer Part IV cuts up
 
-The test API (``tests/`` and the tooling use these too):
-    world      the rank harness: ``run_world`` (rank.py is what each rank process runs)
-    testing    running a kata's program, free ports, GPU skips, bad-input probes
+What every floor stands on
+    curriculum/ every kata's steps, hints and files (its data: ``curriculum/*.toml``)
+    lang       the learner's language (English, Chinese) and the sentences said in it
+    commands   how a learner types a command here; the packages a tool needs
+
+``harness/``: the rank harness, which runs a world of rank processes (for the specs and for a
+kata's own program)
+    world      ``run_world``; rank.py is what each rank process runs, preload.py what its
+               forkserver imports once
+    stall      a world whose ranks all wait is a deadlock; stacks: where each rank waits
     calls      what a rank asked of torch.distributed, recorded (to count and order calls)
-    trace      every rank's calls as a timeline (Chrome trace JSON, PNG); mismatched
+    timeline   every rank's calls as a timeline (Chrome trace JSON, PNG); mismatched
                collectives named early
+    impl       katas or solutions under test, and the seam through which the maintainers'
+               instruments reach every process
+
+``spec/``: the pytest side, what ``tests/`` imports besides the harness
+    plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)
+    report     what a learner sees of a failed test
+    testing    running a kata's program, shared runs, free ports, GPU skips, bad-input probes
     states     model and optimizer states moved to the CPU and compared
     hosts      fake hosts: network namespaces with their own addresses (root, Linux)
-    impl       katas or solutions under test (and a catalogue's swaps)
-    plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)
-    curriculum every kata's steps, hints and files (its data: ``curriculum/*.toml``)
 
-The runner (``dojo/runner/``: the ``dojo`` command; nothing outside it imports it but
-``__main__`` and the tooling's tests): cli, learn, watch, progress, runs, steps, hints, reset,
-solution, doctor, term, bench, trace, grade, testlog, and the maintainers' gate devcheck (with consistency
-and imports).
+``runner/``: the ``dojo`` command (learners and instructors); nothing outside it imports it but
+``__main__`` and the tooling's tests.
 
-Maintainers only: ``mistakes/`` (each kata's mistakes catalogue, run against its spec),
-``tests/`` (the tooling's own tests), ``pristine/`` (the shipped stubs, for ``dojo reset``).
+``dev/``: the maintainers' only; nothing a learner runs imports it (``dojo dev`` hands over to it)
+    check      the gate ``make test`` runs; consistency, imports, classroom: what it checks
+    mistakes/  each kata's mistakes catalogue, run against its spec (``mistakes/plugin.py``)
+    swaps      a catalogue's functions swapped in, in every process (an instrument)
+    reach      which reference functions each test reaches (an instrument)
+
+``tests/``: the tooling's own tests.
 """

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dojo.commands import dojo
-from dojo.impl import apply_substitutions
+from dojo.harness import impl
 from dojo.todo import KataTodo, find_todo
 
 EXIT_TODO = 3  # the program ran into a step the learner has not written yet
@@ -42,7 +42,7 @@ def run_program(
     each rank was, and stopped them).
     """
     module = sys.modules.get(main.__module__)
-    apply_substitutions(module)  # maintainers' mistakes catalogues only
+    impl.on_kata(module)  # the maintainers' instruments, when a run names them
     try:
         code = main(argv)
     except Exception as error:  # a todo may come back from a rank inside another error

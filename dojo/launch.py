@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dojo.devices import BACKENDS, DEVICES, choose_for_this_machine
-from dojo.world import WorldFailure, run_world
+from dojo.harness.world import WorldFailure, run_world
 
 # A program whose ranks make no progress for this long says which ranks wait where, and keeps
 # waiting. Tests of programs set DOJO_HANG_REPORT_S lower and DOJO_HANG_FAILS=1: a hung program
@@ -105,14 +105,14 @@ def _write_trace(folder: str) -> None:
     that is not written yet: the program says that, and a half-run world shows nothing)."""
     import sys
 
-    from dojo import trace
     from dojo.console import say
+    from dojo.harness import timeline
     from dojo.todo import find_todo
 
     error = sys.exc_info()[1]
     if error is not None and (find_todo(error) is not None or isinstance(error, KeyboardInterrupt)):
-        trace.discard_pending(folder, mine=True)
+        timeline.discard_pending(folder, mine=True)
         return
-    written = trace.write_pending(folder, mine=True)
+    written = timeline.write_pending(folder, mine=True)
     if written:
-        say(None, trace.how_to_open(written))
+        say(None, timeline.how_to_open(written))

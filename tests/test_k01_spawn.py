@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from dojo.impl import load_kata
-from dojo.testing import run_program
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import run_program
 from dojo.todo import KataTodo
-from dojo.world import run_world
 
 KATA = "k01_spawn"
 # Set in the launching process only. A spawned child starts a fresh interpreter and imports this

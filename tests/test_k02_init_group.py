@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import free_port, run_program, with_free_port
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import free_port, run_program, with_free_port
 from dojo.todo import KataTodo
-from dojo.world import run_world
 
 KATA = "k02_init_group"
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo.impl import load_kata
-from dojo.testing import run_program, with_free_port
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import run_program, with_free_port
 from dojo.todo import KataTodo
-from dojo.world import run_world
 
 KATA = "k03_world_size"
 JOIN_TIMEOUT_S = 2.0

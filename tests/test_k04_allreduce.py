@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from dojo.impl import load_kata
-from dojo.testing import ranks_phrase, require_gpus, run_program
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import ranks_phrase, require_gpus, run_program
 from dojo.todo import KataTodo
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k04_allreduce"
 

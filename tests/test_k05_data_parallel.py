@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import re
 import time
 from datetime import timedelta
@@ -13,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dojo import data, impl
-from dojo.calls import recording
-from dojo.impl import load_kata
+from dojo import data
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
 from dojo.models import ConvNet
-from dojo.testing import ranks_phrase, require_gpus, run_program
+from dojo.spec.testing import ranks_phrase, require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
-from dojo.world import run_world
 
 KATA = "k05_data_parallel"
 
@@ -582,14 +580,10 @@ def _train(rank, world_size):
     return result
 
 
-@functools.cache
-def _trained_with(implementation: str, swaps: str, world_size: int):
-    return run_world(_train, world_size, deadline=60)
-
-
+@shared_run
 def _trained(world_size: int = 2):
-    """One training run on 2 ranks, shared by the tests below (a raised todo is not cached)."""
-    return _trained_with(impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, ""), world_size)
+    """One training run on 2 ranks, shared by the tests below."""
+    return run_world(_train, world_size, deadline=60)
 
 
 def _returned(results) -> None:

@@ -18,11 +18,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dojo import impl
 from dojo.curriculum import ROOT
-from dojo.testing import fake_hosts_or_skip, free_port, is_port_clash, run_program
+from dojo.harness import impl
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import fake_hosts_or_skip, free_port, is_port_clash, run_program
 from dojo.todo import KataTodo, find_todo
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k06_multi_node"
 ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -438,7 +438,7 @@ def _init_problem(calls: list, port: int, complete: bool = True) -> str | None:
 def _join_and_report(rank, world_size, port, backend, device_type, folder):
     import torch.distributed as dist
 
-    from dojo.impl import load_kata
+    from dojo.harness.impl import load_kata
 
     for name in ENV_NAMES:  # join_world must use the info it is given, not the environment
         os.environ.pop(name, None)
@@ -514,7 +514,7 @@ def test_join_world_joins_at_the_given_address(kata):
 
 
 def _join_alone(rank, world_size, port, folder):
-    from dojo.impl import load_kata
+    from dojo.harness.impl import load_kata
 
     if rank != 0:
         return None  # the peer that never comes
@@ -597,7 +597,7 @@ def test_join_world_gloo_on_cuda_with_two_ranks(kata):
 
 
 def _sum_on_two_nodes_of_three(rank, world_size):
-    from dojo.impl import load_kata
+    from dojo.harness.impl import load_kata
 
     kata = load_kata(KATA)
     info = kata.RankInfo(rank, rank % 3, world_size, 3, "127.0.0.1", 1)
@@ -697,7 +697,7 @@ LAUNCH_DEADLINE_S = 8.0
 def _launch_stand_ins(_rank, _world_size, folder, mode, nproc, timeout):
     """launch_node on stand-ins as node 1 of 2; right after it returns or raises, before anyone
     tears anything down, which of the processes it started are still running (then stopped)."""
-    from dojo.impl import load_kata
+    from dojo.harness.impl import load_kata
 
     kata = load_kata(KATA)
     os.environ["K06_KEPT"] = "from the launcher"
@@ -1075,7 +1075,7 @@ def test_two_nodes_started_by_torchrun():
 #
 # Two fake hosts, host-a and host-b: network namespaces on this machine, each with its own lo and
 # an eth0 on a private 192.168.X.0/24 (a home network, whose addresses sort above 127.x as
-# gloo's pitfalls need), reaching each other and nothing else (dojo.hosts). Linux and root only;
+# gloo's pitfalls need), reaching each other and nothing else (dojo.spec.hosts). Linux and root only;
 # elsewhere these tests skip, saying what is missing. Port 29500 is free on every fake host.
 
 PORT = 29500
@@ -1298,7 +1298,7 @@ def test_gloo_on_the_loopback_interface_is_refused(two_hosts):
 def test_a_closed_rendezvous_port_is_named(two_hosts):
     """A firewall on host-a drops TCP to port 29500 from other hosts: host-b's ranks wait in
     silence, then, at their --timeout, name the address and the port."""
-    from dojo.hosts import nft_availability
+    from dojo.spec.hosts import nft_availability
 
     reason = nft_availability()
     if reason:

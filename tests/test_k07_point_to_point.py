@@ -1,6 +1,6 @@
 """k07 point-to-point: ping-pong, a token ring, a shift that cannot deadlock, irecv and wait, a halo.
 
-Every rank runs the kata's function inside a ``_Trace``: dojo.calls.recording() notes each
+Every rank runs the kata's function inside a ``_Trace``: dojo.harness.calls.recording() notes each
 torch.distributed call (with its peers, and whether it returned), and every request an isend or an
 irecv returns is watched for its wait(). The trace lands on disk as it happens, so when a world
 deadlocks, crashes or raises, the test still knows what each rank called and can say which rank
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import refusal, run_program
-from dojo.world import WorldDeadlock, WorldFailure, run_world
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, WorldFailure, run_world
+from dojo.spec.testing import refusal, run_program
 
 KATA = "k07_point_to_point"
 DEADLINE_S = 10.0  # correct code finishes in well under a second; a deadlock ends here

@@ -2,7 +2,7 @@
 
 Each test runs one world per world size and checks one step there: every rank returns what it
 got, and the test compares it with what that rank should hold, naming the rank and the call.
-Every rank also runs inside a ``_Trace``: dojo.calls.recording() notes each torch.distributed call
+Every rank also runs inside a ``_Trace``: dojo.harness.calls.recording() notes each torch.distributed call
 (which collective, src/dst, group), filed under the kata call that made it, and the trace lands on
 disk as it happens. So the test proves how the data moved ("rank 1 broadcast from src=1 while rank
 0 used src=0"), and a world that deadlocks or raises is explained from what each rank had called.
@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dojo.calls import CALLS, recording
-from dojo.impl import load_kata
-from dojo.testing import refusal, run_program
+from dojo.harness.calls import CALLS, recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldFailure, run_world
+from dojo.spec.testing import refusal, run_program
 from dojo.todo import KataTodo
-from dojo.world import WorldFailure, run_world
 
 KATA = "k08_collectives"
 DEADLINE_S = 10.0  # correct code finishes in well under a second; a deadlock ends here

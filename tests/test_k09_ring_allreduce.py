@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dojo import impl
-from dojo.impl import load_kata
-from dojo.testing import run_program
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import run_program, shared_run
 from dojo.todo import KataTodo
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k09_ring_allreduce"
 DEADLINE_S = 10.0  # a ring that deadlocks ends as a stuck-rank report, not a hang
@@ -407,17 +406,9 @@ def _cases():
     return cases + [(21, "int64", (3, 7)), (600_001, "int64", None)]
 
 
+@shared_run
 def world_outcomes(function_name, world_size):
     """Every case on one world (a world costs ~0.2 s); tests of the same ring share it."""
-    return _world_outcomes(
-        function_name, world_size, impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, "")
-    )
-
-
-@functools.cache
-def _world_outcomes(function_name, world_size, implementation, substitutions):
-    # Keyed on the implementation and the swaps too: a mistakes catalogue runs the same test
-    # against many swaps in one process. A failure is not cached: each test reports it.
     return run_ring_world(_run_cases, world_size, function_name, _cases())
 
 

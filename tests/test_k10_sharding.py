@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dojo.impl import load_kata
-from dojo.testing import run_program
+from dojo.harness.impl import load_kata
+from dojo.spec.testing import run_program
 from dojo.todo import KataTodo
 
 KATA = "k10_sharding"

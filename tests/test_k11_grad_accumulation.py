@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import re
 import time
 
 import pytest
 import torch
 
-from dojo import impl
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
-from dojo.world import run_world
 
 KATA = "k11_grad_accumulation"
 MICRO, STEPS, LR, WORLD = 3, 3, 0.1, 2  # samples per micro-batch and rank, steps, ranks
@@ -215,14 +212,10 @@ def _accumulate(rank, world_size, model_name, k):
     }
 
 
-@functools.cache
-def _accumulated_with(implementation: str, swaps: str, model_name: str, k: int):
-    return run_world(_accumulate, WORLD, model_name, k, deadline=40)
-
-
+@shared_run
 def _accumulated(model_name: str, k: int):
-    """STEPS accumulation steps on 2 ranks, shared by the step-2 tests (a todo is not cached)."""
-    return _accumulated_with(impl.current(), os.environ.get(impl.SUBSTITUTE_VAR, ""), model_name, k)
+    """STEPS accumulation steps on 2 ranks, shared by the step-2 tests."""
+    return run_world(_accumulate, WORLD, model_name, k, deadline=40)
 
 
 def _one_process(

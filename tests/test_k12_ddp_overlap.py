@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program, shared_run
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
-from dojo.world import run_world
 
 KATA = "k12_ddp_overlap"
 MODEL_NAMES = ("frozen", "tied", "buffer")

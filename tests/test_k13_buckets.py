@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import require_gpus, run_program
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_batch, make_model
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k13_buckets"
 MIB = 1 << 20

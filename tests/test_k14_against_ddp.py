@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dojo.calls import recording
-from dojo.impl import load_kata
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, run_world
 from dojo.models import ConvNet
-from dojo.testing import require_gpus, run_program
+from dojo.spec.testing import require_gpus, run_program
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_model
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k14_against_ddp"
 MIB = 1 << 20

@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.states import devices_of, largest_gap, same, to_cpu
-from dojo.testing import (
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.states import devices_of, largest_gap, same, to_cpu
+from dojo.spec.testing import (
     assert_refuses_missing_keys,
     ranks_phrase,
     require_gpus,
@@ -23,7 +24,6 @@ from dojo.testing import (
     shared_run,
 )
 from dojo.toy_models import loss, make_model
-from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k15_checkpoints"
 

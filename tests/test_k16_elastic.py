@@ -14,10 +14,11 @@ import tempfile
 import pytest
 import torch
 
-from dojo import impl
-from dojo.impl import load_kata
-from dojo.states import devices_of, largest_gap, same, to_cpu
-from dojo.testing import (
+from dojo.harness import impl
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
+from dojo.spec.states import devices_of, largest_gap, same, to_cpu
+from dojo.spec.testing import (
     assert_refuses_missing_keys,
     ranks_phrase,
     require_gpus,
@@ -25,7 +26,6 @@ from dojo.testing import (
     shared_run,
 )
 from dojo.toy_models import loss, make_model
-from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 
 KATA = "k16_elastic"
 
@@ -880,7 +880,7 @@ def test_restart_on_cuda(kata, backend, world_size):
 
 # --------------------------------------------------------------------------- a host lost and back
 #
-# Two fake hosts (dojo.hosts: network namespaces with their own addresses; Linux and root only,
+# Two fake hosts (dojo.spec.hosts: network namespaces with their own addresses; Linux and root only,
 # elsewhere this skips saying what is missing), one worker each, torchrun's c10d rendezvous on
 # host-a. The snapshot sits in a folder both hosts see, as a shared file system would be.
 
@@ -938,7 +938,7 @@ def test_a_host_killed_and_brought_back_resumes_from_the_snapshot(kata, tmp_path
     import time
 
     from dojo.curriculum import ROOT
-    from dojo.testing import fake_hosts_or_skip
+    from dojo.spec.testing import fake_hosts_or_skip
     from dojo.todo import find_todo
 
     snapshot, out = tmp_path / "snapshot.pt", tmp_path / "result.pt"

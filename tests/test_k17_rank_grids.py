@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import refusal, require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import refusal, require_gpus, run_program
 from dojo.todo import KataTodo
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k17_rank_grids"
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.states import to_cpu
-from dojo.testing import refusal, require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.states import to_cpu
+from dojo.spec.testing import refusal, require_gpus, run_program
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
-from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k18_zero"
 LR, WEIGHT_DECAY, BETAS = 0.01, 0.01, (0.9, 0.95)

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dojo.calls import clock, recording
-from dojo.impl import load_kata
-from dojo.testing import refusal, require_gpus, run_program
+from dojo.harness.calls import clock, recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.testing import refusal, require_gpus, run_program
 from dojo.toy_models import Block, TinyTransformer, make_tokens, make_transformer, transformer_loss
-from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k19_fsdp"
 LR = 0.05
@@ -221,7 +221,7 @@ def _watching(watch: _Watch, dtypes: list, phase: list):
             watch.measure(f"an all-gather in {phase[0]}")
             return result
 
-        functools.update_wrapper(watched, original)  # its signature: dojo.calls reads it
+        functools.update_wrapper(watched, original)  # its signature: dojo.harness.calls reads it
         for module in (c10d, dist):
             setattr(module, name, watched)
     return originals

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import DidNotReturn, require_gpus, returns_within, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
-from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k21_pipeline"
 BLOCKS = 4  # the pipeline's model: a TinyTransformer of 4 blocks
@@ -429,14 +428,7 @@ CASES = [
 ]
 
 
-@functools.cache
-def _cached(kind, p, m, implementation, substitute):
-    return _run(kind, p, m)
-
-
-def _cached_run(kind, p, m):
-    """Two tests look at one run: cached per implementation (and catalogue swap)."""
-    return _cached(kind, p, m, os.environ.get("DOJO_IMPL"), os.environ.get("DOJO_SUBSTITUTE"))
+_cached_run = shared_run(_run)  # two tests look at one run
 
 
 @pytest.mark.step(3)

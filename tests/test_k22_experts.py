@@ -6,18 +6,17 @@ import contextlib
 import functools
 import inspect
 import math
-import os
 import warnings
 
 import pytest
 import torch
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import MODEL_DIM
-from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 
 KATA = "k22_experts"
 TOKENS = 12  # tokens per rank
@@ -492,16 +491,10 @@ def _works_on_a_world(world_size) -> bool:
     return True
 
 
-@functools.cache
-def _cached(world_size, empty, implementation, substitute):
-    return _run_layer(world_size, empty)
-
-
+@shared_run
 def _layer(world_size, empty=None):
-    """Several tests look at one run: cached per implementation (and catalogue swap)."""
-    return _cached(
-        world_size, empty, os.environ.get("DOJO_IMPL"), os.environ.get("DOJO_SUBSTITUTE")
-    )
+    """Several tests look at one run."""
+    return _run_layer(world_size, empty)
 
 
 def check_layer(where, results, world_size, empty=None):

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import refusal, require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import MAX_STRETCH, WorldDeadlock, WorldFailure, run_world
+from dojo.spec.testing import refusal, require_gpus, run_program
 from dojo.todo import KataTodo
-from dojo.world import MAX_STRETCH, WorldDeadlock, WorldFailure, run_world
 
 KATA = "k23_hangs"
 TIMEOUT_S = 1.5  # every barrier and group here gives up after this: a hang costs seconds

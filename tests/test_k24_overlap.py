@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer
-from dojo.world import run_world
 
 KATA = "k24_overlap"
 PER_RANK = 4  # sequences per rank

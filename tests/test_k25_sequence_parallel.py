@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program, shared_run
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
-from dojo.world import run_world
 
 KATA = "k25_sequence_parallel"
 

@@ -1,7 +1,7 @@
 """k26 ring attention: the online-softmax merge, one block's attention, the ring, the balanced
 causal split and the backward, each held to ``F.scaled_dot_product_attention`` on one process.
 
-Inside each rank the learner's ring runs while its calls are recorded (``dojo.calls``: every
+Inside each rank the learner's ring runs while its calls are recorded (``dojo.harness.calls``: every
 send and receive, with its peer, bytes, and when it was posted and waited for) and while
 ``attend_block`` is watched: each call is matched, by its values, with the query chunk and key
 chunk of the whole sequence it was given, so a test can say which blocks a rank computed, with
@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from dojo.calls import clock, recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program, shared_run
+from dojo.harness.calls import clock, recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
-from dojo.world import WorldDeadlock, run_world
 
 KATA = "k26_ring_attention"
 DEADLINE_S = 20.0

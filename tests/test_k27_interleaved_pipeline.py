@@ -4,18 +4,17 @@ run_schedule with tagged messages, the backward split into B and W."""
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import DidNotReturn, require_gpus, returns_within, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
-from dojo.world import RankFailed, WorldDeadlock, run_world
 
 KATA = "k27_interleaved_pipeline"
 PER_MICRO_BATCH = 2  # sequences per micro-batch
@@ -580,13 +579,7 @@ CASES = [
 ]
 
 
-@functools.cache
-def _cached(kind, p, v, m, implementation, substitute):
-    return _run(kind, p, v, m)
-
-
-def _cached_run(kind, p, v, m):
-    return _cached(kind, p, v, m, os.environ.get("DOJO_IMPL"), os.environ.get("DOJO_SUBSTITUTE"))
+_cached_run = shared_run(_run)  # several tests look at one run
 
 
 @pytest.mark.step(4)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program, shared_run
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
-from dojo.world import run_world
 
 KATA = "k29_resharding_checkpoints"
 DEADLINE = 60

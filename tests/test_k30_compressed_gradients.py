@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from dojo.calls import recording
-from dojo.impl import load_kata
-from dojo.testing import require_gpus, run_program
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import RankCrashed, WorldDeadlock, run_world
+from dojo.spec.testing import require_gpus, run_program
 from dojo.todo import KataTodo
 from dojo.toy_models import (
     loss,
@@ -20,7 +21,6 @@ from dojo.toy_models import (
     make_transformer,
     transformer_loss,
 )
-from dojo.world import RankCrashed, WorldDeadlock, run_world
 
 KATA = "k30_compressed_gradients"
 MIB = 1 << 20

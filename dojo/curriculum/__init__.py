@@ -65,7 +65,7 @@ class Kata:
     @property
     def catalogue_file(self) -> Path:
         """The mistakes catalogue (maintainers only): real mistakes and right answers written another way."""
-        return DOJO / "mistakes" / f"{self.module}.py"
+        return DOJO / "dev" / "mistakes" / f"{self.module}.py"
 
     @property
     def curriculum_file(self) -> Path:

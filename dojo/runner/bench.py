@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import sys
 
-from dojo import curriculum, impl
+from dojo import curriculum
 from dojo.commands import dojo
+from dojo.harness import impl
 from dojo.runner.term import foreground
 
 KNOWN = {

@@ -318,7 +318,7 @@ class _Usage(Exception):
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from dojo.runner import bench, devcheck, doctor, hints, learn, reset, solution, watch
+    from dojo.runner import bench, doctor, hints, learn, reset, solution, watch
 
     try:
         match args.command:
@@ -388,26 +388,29 @@ def _dispatch(args: argparse.Namespace) -> int:
                 except KeyError as error:
                     raise _Usage(error.args[0]) from None
             case "dev":
-                return _dev(args, devcheck, reset)
+                return _dev(args, reset)
     except _Usage as problem:
         return fail(str(problem))
     return fail(f"unknown command {args.command}")
 
 
-def _dev(args: argparse.Namespace, devcheck, reset) -> int:
+def _dev(args: argparse.Namespace, reset) -> int:
+    """``dojo dev``: the maintainers' commands (the only place the runner hands over to dojo.dev)."""
     if args.dev_command is None:
         raise _Usage(
             f"say which: `{dojo()} dev check` (the gate `make test` runs), classroom, timelines, "
             f"readme or pristine (`{dojo()} dev --help`)"
         )
     if args.dev_command == "check":
+        from dojo.dev import check as devcheck
+
         try:
             katas = devcheck.resolve([*(args.kata or []), *args.named] or None)
         except KeyError as error:
             raise _Usage(error.args[0]) from None
         return devcheck.check(args.repeat, args.workers, katas, args.only, args.select)
     if args.dev_command == "classroom":
-        from dojo.runner import classroom
+        from dojo.dev import classroom
 
         classroom.write()
         print(f"wrote {curriculum.ROOT.name}/dojo/classroom/autograding.yml from dojo/curriculum/")
@@ -417,15 +420,17 @@ def _dev(args: argparse.Namespace, devcheck, reset) -> int:
 
         return trace.timelines()
     if args.dev_command == "readme":
-        from dojo.runner import consistency
+        from dojo.dev import consistency
 
         consistency.write_readme_tables()
         print(
-            "README.md's kata and catalogue tables rewritten from dojo/curriculum/ and dojo/mistakes/"
+            "README.md's kata and catalogue tables rewritten from dojo/curriculum/ and dojo/dev/mistakes/"
         )
         return 0
+    from dojo.dev import consistency
+
     katas = list(curriculum.katas())
-    written = reset.refresh_pristine(katas)
+    written = consistency.refresh_pristine(katas)
     if written:
         print("\n".join(f"wrote {path}" for path in written))
     elif all(reset.is_pristine(k) for k in katas if k.kata_file.exists()):

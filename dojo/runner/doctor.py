@@ -233,7 +233,7 @@ def _loopback() -> list[Finding]:
 
 def _multi_host() -> Finding:
     """Whether the tests across fake hosts (network namespaces) can run here, and why not."""
-    from dojo.hosts import availability, nft_availability
+    from dojo.spec.hosts import availability, nft_availability
 
     reason = availability()
     if reason:

@@ -31,9 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from xml.etree import ElementTree
 
-from dojo import curriculum, impl
+from dojo import curriculum
+from dojo.harness import impl
 from dojo.runner import runs, testlog
-from dojo.testing import kill_session
+from dojo.spec.testing import kill_session
 from dojo.todo import TODO_PATTERN
 
 DEFAULT_TIMEOUT_S = 600.0  # one kata's spec; k06 takes a few minutes on two busy cores
@@ -211,7 +212,7 @@ def grade_kata(root: Path, kata: curriculum.Kata, submitted: bool, timeout: floa
             log=f"{where}\n    {(error.text or '').rstrip()}\n    {pointer}\nSyntaxError: {error.msg}",
         )
     log, output = root / f".grade-{kata.id}.jsonl", root / f".grade-{kata.id}.out"
-    env = {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.SUBSTITUTE_VAR)}
+    env = {k: v for k, v in os.environ.items() if k not in (impl.ENV_VAR, impl.INSTRUMENTS_VAR)}
     env.update({testlog.ENV_VAR: str(log), "PYTHONDONTWRITEBYTECODE": "1"})
     # --tb=short: pytest's own report, every line of the message (a learner's run cuts it)
     command = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-rN", "-p", "dojo.runner.testlog",
@@ -300,7 +301,7 @@ def _whole_message(record: dict) -> str:
     first, lines = record.get("message", ""), record["text"].splitlines()
     shown = [line for line in lines if line == "E" or line.startswith("E ")]
     if not shown and first and len(lines) > 1 and lines[1].startswith(first):
-        # the learner's short form (dojo.report): a heading, the message, then their frames
+        # the learner's short form (dojo.spec.report): a heading, the message, then their frames
         end = lines.index(_LEARNER_FRAMES) if _LEARNER_FRAMES in lines else len(lines)
         return "\n".join(lines[1:end]).strip()
     if not shown:

@@ -116,32 +116,3 @@ def undo(kata: curriculum.Kata) -> int:
     also = f" (the file it replaced is in {progress.relative(current)})" if current else ""
     print(f"{kata.id}: katas/{kata.module}.py is your version from {newest.name} again{also}")
     return 0
-
-
-# ---------------------------------------------------------------------------- for maintainers
-
-
-def refresh_pristine(katas: list[curriculum.Kata]) -> list[str]:
-    """Copy the stubs in ``katas/`` to ``dojo/pristine/``; the names of those that changed.
-
-    Only a file that is a stub (a ``KataTodo`` for every step, the solution elsewhere) is copied:
-    a learner's solved kata is theirs, never the shipped stub (each refusal is printed)."""
-    from dojo.runner import consistency
-
-    PRISTINE_DIR.mkdir(exist_ok=True)
-    written = []
-    for kata in katas:
-        if not kata.kata_file.exists() or is_pristine(kata):
-            continue
-        why = consistency.stub_problems(kata, kata.kata_file)
-        if not why and kata.solution_file.exists():
-            why = consistency.stub_differences(kata, kata.kata_file)
-        if why:
-            print(
-                f"{kata.id}: katas/{kata.module}.py is not a stub ({why[0]}): not copied, "
-                f"dojo/pristine/{kata.module}.py is still the shipped one"
-            )
-            continue
-        shutil.copyfile(kata.kata_file, kata.pristine_file)
-        written.append(f"dojo/pristine/{kata.module}.py")
-    return written

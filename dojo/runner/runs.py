@@ -21,8 +21,9 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 
-from dojo import curriculum, impl, lang
+from dojo import curriculum, lang
 from dojo.commands import python
+from dojo.harness import impl
 from dojo.lang import t
 from dojo.runner import testlog
 from dojo.runner.steps import TODO_PATTERN, steps_of_failure

@@ -80,7 +80,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def _is_deadlock(error: BaseException) -> bool:
     """The harness's deadlock report: raised as it is, quoted by a spec's own message (which
-    says what hung), or a program under test that hung (dojo.testing's)."""
+    says what hung), or a program under test that hung (dojo.spec.testing's)."""
     seen: BaseException | None = error
     for _ in range(10):  # an exception's chain of causes, not for ever
         if seen is None:

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import tempfile
 
-from dojo import curriculum, trace
+from dojo import curriculum
+from dojo.harness import timeline
 from dojo.runner.term import foreground
 
 DEFAULT_DIR = "traces"  # under the checkout (ignored by git)
@@ -61,7 +62,7 @@ def trace_program(
     folder = _folder(out, kata)
     before = {p: os.path.getmtime(os.path.join(folder, p)) for p in os.listdir(folder)}
     package = "solutions" if solutions else "katas"
-    os.environ[trace.ENV_VAR] = folder  # the program and its ranks inherit it
+    os.environ[timeline.ENV_VAR] = folder  # the program and its ranks inherit it
     code = foreground([sys.executable, "-m", f"{package}.{kata.module}", *args], curriculum.ROOT)
     made = sorted(
         name
@@ -87,13 +88,13 @@ def check_traced(kata: curriculum.Kata, solutions: bool, out: str) -> int:
     from dojo.runner import learn
 
     folder = _folder(out, kata)
-    os.environ[trace.ENV_VAR] = folder
+    os.environ[timeline.ENV_VAR] = folder
     try:
         return learn.check_command(kata, solutions)
     finally:
-        written = trace.write_pending(folder)
+        written = timeline.write_pending(folder)
         if written:
-            print("\n" + trace.summary(written, folder))
+            print("\n" + timeline.summary(written, folder))
 
 
 def timelines() -> int:
@@ -108,7 +109,7 @@ def timelines() -> int:
             )
             continue
         with tempfile.TemporaryDirectory(prefix="dojo-timeline-") as folder:
-            env = {**os.environ, trace.ENV_VAR: folder, "DOJO_IMPL": "solutions"}
+            env = {**os.environ, timeline.ENV_VAR: folder, "DOJO_IMPL": "solutions"}
             done = subprocess.run(
                 [sys.executable, "-m", f"solutions.{module}", *args],
                 cwd=curriculum.ROOT,

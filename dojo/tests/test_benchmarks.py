@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from dojo import impl
-from dojo.testing import run_program
+from dojo.harness import impl
+from dojo.spec.testing import run_program
 
 
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores

@@ -1,12 +1,12 @@
-"""dojo.calls records what each rank asked of torch.distributed, and nothing of torch's own plumbing."""
+"""dojo.harness.calls records what each rank asked of torch.distributed, and nothing of torch's own plumbing."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from dojo.calls import recording
-from dojo.world import run_world
+from dojo.harness.calls import recording
+from dojo.harness.world import run_world
 
 
 def _exchange(rank, world_size):

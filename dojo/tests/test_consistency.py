@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dojo import curriculum
-from dojo.runner import consistency, imports
+from dojo.dev import consistency, imports
 
 STUB = '''"""A lesson."""
 from dojo.todo import KataTodo
@@ -82,9 +82,14 @@ def test_import_rules_hold_in_this_tree():
 def test_imports_are_read_from_every_form(tmp_path):
     module = tmp_path / "m.py"
     module.write_text(
-        "import dojo.world\nfrom dojo import data as d, todo\n\ndef f():\n    from dojo.runner import cli\n"
+        "import dojo.harness.world\nfrom dojo import data as d, todo\n\ndef f():\n    from dojo.runner import cli\n"
     )
-    assert imports.imported(module) == {"dojo.world", "dojo.data", "dojo.todo", "dojo.runner.cli"}
+    assert imports.imported(module) == {
+        "dojo.harness.world",
+        "dojo.data",
+        "dojo.todo",
+        "dojo.runner.cli",
+    }
 
 
 def test_a_chinese_lesson_is_held_to_the_english_one(tmp_path, monkeypatch):

@@ -168,7 +168,7 @@ def test_kata_ranges_and_bad_submissions_are_read_plainly(tmp_path):
 
 def test_the_classroom_workflow_grades_every_kata_and_is_current():
     from dojo import curriculum
-    from dojo.runner import classroom
+    from dojo.dev import classroom
 
     text = classroom.workflow()
     for kata in curriculum.katas():
@@ -269,7 +269,9 @@ def test_a_failures_whole_message_comes_from_its_log_every_line_of_it():
     )
     assert grade._whole_message({**record, "text": learners}) == (
         "AssertionError: first line\n\nsecond paragraph"
-    ), "the learner's short form (dojo.report) holds the message between its heading and frames"
+    ), (
+        "the learner's short form (dojo.spec.report) holds the message between its heading and frames"
+    )
     other = {**record, "text": "not implemented yet: k01 step 4 (spawn, collect, join)"}
     reason = grade._first_reason(runs.RunResult(curriculum.find("k02"), 1, [other]))
     assert (

@@ -1,7 +1,6 @@
 """The rank harness's own tests: what every kata test relies on."""
 
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -14,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo import impl, world
 from dojo.curriculum import ROOT
-from dojo.testing import hears_ctrl_c
+from dojo.dev import swaps
+from dojo.harness import impl, world
+from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
+from dojo.spec.testing import hears_ctrl_c
 from dojo.todo import KataTodo
-from dojo.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 
 
 def _identify(rank, world_size, extra):
@@ -117,13 +117,14 @@ def test_a_rank_serves_the_next_world_as_it_was_forked(monkeypatch):
     monkeypatch.setenv(impl.ENV_VAR, "solutions")
     fresh = _fresh_look(monkeypatch)
     world.end_idle_ranks()
-    monkeypatch.setenv(
-        impl.SUBSTITUTE_VAR,
-        json.dumps({"k04_allreduce": {"average_gradients": "dojo.mistakes.k04_allreduce:summed_not_divided"}}),
-    )  # fmt: skip
+    swap = {
+        "k04_allreduce": {"average_gradients": "dojo.dev.mistakes.k04_allreduce:summed_not_divided"}
+    }
+    for name, value in swaps.environment_for(swap).items():
+        monkeypatch.setenv(name, value)
     before = run_world(_leave_traces, 2, None)
-    assert run_world(_look, 2)[0]["kata"] == "dojo.mistakes.k04_allreduce"
-    monkeypatch.delenv(impl.SUBSTITUTE_VAR)
+    assert run_world(_look, 2)[0]["kata"] == "dojo.dev.mistakes.k04_allreduce"
+    monkeypatch.delenv(swaps.ENV_VAR)
     looks = run_world(_look, 2)
     assert {look.pop("pid") for look in looks} == set(before), "the ranks were not reused"
     assert looks == fresh
@@ -518,7 +519,7 @@ _RUN_A_HANGING_WORLD = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {root!r})
-    from dojo.world import run_world
+    from dojo.harness.world import run_world
     from dojo.tests.test_harness import _sleep_forever
     if __name__ == "__main__":
         run_world(_sleep_forever, 2, {pid_dir!r}, deadline=600)
@@ -554,7 +555,7 @@ _RUN_A_WORLD_AND_LEAVE = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {root!r})
-    from dojo.world import run_world
+    from dojo.harness.world import run_world
     from dojo.tests.test_harness import _identify
     if __name__ == "__main__":
         print(*[r["pid"] for r in run_world(_identify, 2, None)])
@@ -590,7 +591,7 @@ def test_ctrl_c_in_the_parent_stops_every_rank(tmp_path):
 _TEST_THAT_OUTLIVES_PYTEST_TIMEOUT = textwrap.dedent(
     """
     import pytest
-    from dojo.world import run_world
+    from dojo.harness.world import run_world
     from dojo.tests.test_harness import _sleep_forever
 
     @pytest.mark.timeout(3)

@@ -1,4 +1,4 @@
-"""dojo.hosts: fake hosts reach each other and nothing else, and leave nothing behind, however
+"""dojo.spec.hosts: fake hosts reach each other and nothing else, and leave nothing behind, however
 the test that made them ends (success, failure, Ctrl-C, kill -9)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from dojo import hosts
 from dojo.curriculum import ROOT
-from dojo.testing import fake_hosts_or_skip
+from dojo.spec import hosts
+from dojo.spec.testing import fake_hosts_or_skip
 
 # --------------------------------------------------------------------------- where it can work
 
@@ -243,7 +243,7 @@ def test_nothing_left_after_a_failure():
 
 _INNER_TEST = """
 import json, os, sys, time
-from dojo.hosts import FakeHosts
+from dojo.spec.hosts import FakeHosts
 
 def test_holds_hosts():
     with FakeHosts(2) as group:
@@ -255,7 +255,7 @@ def test_holds_hosts():
 
 _INNER_SCRIPT = """
 import json, os, sys
-from dojo.hosts import FakeHosts
+from dojo.spec.hosts import FakeHosts
 group = FakeHosts(2).__enter__()  # never closed: atexit must do it
 pids = [host.popen(["sleep", "300"]).pid for host in group]
 with open(os.environ["HOSTS_REPORT"], "w") as f:

@@ -4,7 +4,6 @@ leaves nothing behind, whether it hit the program or the pytest running it."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from dojo.curriculum import ROOT
-from dojo.testing import hears_ctrl_c, run_program
+from dojo.dev import swaps
+from dojo.spec.testing import hears_ctrl_c, run_program
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc"), reason="needs /proc to see leftover processes"
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 # The k04 program, with the tutorial's all-reduce swapped for one only rank 0 calls.
 HANG = {
     "DOJO_IMPL": "solutions",
-    "DOJO_SUBSTITUTE": json.dumps(
+    **swaps.environment_for(
         {"k04_allreduce": {"tutorial_allreduce": f"{__name__}:only_rank_0_all_reduces"}}
     ),
 }
@@ -48,7 +48,7 @@ def both_send_first(rank, world_size):
 
 BOTH_SEND = {
     "DOJO_IMPL": "solutions",
-    "DOJO_SUBSTITUTE": json.dumps(
+    **swaps.environment_for(
         {"k04_allreduce": {"tutorial_allreduce": f"{__name__}:both_send_first"}}
     ),
 }
@@ -179,11 +179,11 @@ def test_a_learners_hung_program_says_where_ranks_wait_and_ctrl_c_says_it_again(
 
 
 TEST_FILE = """
-import dojo.testing
-from dojo.testing import run_program
+import dojo.spec.testing
+from dojo.spec.testing import run_program
 
 def test_hangs(monkeypatch):
-    monkeypatch.setattr(dojo.testing, "PROGRAM_HANG_S", 600.0)  # it hangs until pytest ends
+    monkeypatch.setattr(dojo.spec.testing, "PROGRAM_HANG_S", 600.0)  # it hangs until pytest ends
     run_program("solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu", timeout=300)
 """
 

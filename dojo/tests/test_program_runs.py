@@ -1,4 +1,4 @@
-"""``dojo.testing.run_program`` forks a program from the harness's forkserver: a test sees what
+"""``dojo.spec.testing.run_program`` forks a program from the harness's forkserver: a test sees what
 ``python -m`` in a new interpreter shows (``DOJO_FRESH_PROGRAMS=1`` runs it so): its output and
 its ranks' output, its exit status, what it says as it fails, the environment its ranks see."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dojo.testing import FRESH_PROGRAM_VAR, run_program
+from dojo.spec.testing import FRESH_PROGRAM_VAR, run_program
 
 PROGRAM = "dojo.tests.tiny_program"
 

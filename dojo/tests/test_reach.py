@@ -1,12 +1,12 @@
-"""dojo.reach: what each spec test reaches of the reference, in the test process and its ranks."""
+"""dojo.dev.reach: what each spec test reaches of the reference, in the test process and its ranks."""
 
 import os
 import subprocess
 import sys
 import types
 
-from dojo import reach
 from dojo.curriculum import ROOT
+from dojo.dev import reach
 
 
 def test_a_spec_run_notes_what_each_test_reaches_in_its_ranks_too(tmp_path):
@@ -15,14 +15,14 @@ def test_a_spec_run_notes_what_each_test_reaches_in_its_ranks_too(tmp_path):
         "tests/test_k04_allreduce.py::test_tutorial_allreduce_gives_every_rank_the_sum[4]",
         "tests/test_k04_allreduce.py::test_average_gradients_gives_every_rank_the_mean",
     ]
-    env = {**os.environ, reach.DIR_VAR: str(tmp_path), "DOJO_IMPL": "solutions"}
+    env = {**os.environ, **reach.environment_for(str(tmp_path)), "DOJO_IMPL": "solutions"}
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
             "-p",
-            "dojo.reach",
+            "dojo.dev.reach",
             "-q",
             "-p",
             "no:cacheprovider",

@@ -3,11 +3,11 @@ own file, not the checking code's source (which floods the screen and gives the 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 from dojo.curriculum import ROOT
+from dojo.dev import swaps
 from dojo.tests.test_runner import KATA, learner_copy, learner_env
 
 
@@ -45,10 +45,10 @@ def test_a_failure_shows_its_step_message_and_the_learners_line(tmp_path):
 def test_a_wrong_answer_in_a_rank_is_a_few_lines_and_long_tracebacks_come_on_request():
     env = {
         "DOJO_IMPL": "solutions",
-        "DOJO_SUBSTITUTE": json.dumps(
+        **swaps.environment_for(
             {
                 "k04_allreduce": {
-                    "average_gradients": "dojo.mistakes.k04_allreduce:summed_not_divided"
+                    "average_gradients": "dojo.dev.mistakes.k04_allreduce:summed_not_divided"
                 }
             }
         ),

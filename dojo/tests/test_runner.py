@@ -319,7 +319,7 @@ def test_a_kata_saved_again_within_the_second_runs_as_saved(tmp_path):
 
 
 DEADLOCKING_TEST = """
-from dojo.world import WorldDeadlock
+from dojo.harness.world import WorldDeadlock
 
 
 def test_first():

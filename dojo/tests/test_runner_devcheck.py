@@ -76,7 +76,7 @@ def test_a_learners_solved_kata_is_theirs_not_the_gates(tmp_path):
     assert "note: katas/k01_spawn.py is not the shipped stub" in out, out
     assert "dojo dev pristine" not in out, f"it must not suggest overwriting the stubs:\n{out}"
     lint = subprocess.run(
-        [sys.executable, "-c", "from dojo.runner import devcheck; print(devcheck.lint_problems())"],
+        [sys.executable, "-c", "from dojo.dev import check; print(check.lint_problems())"],
         cwd=root,
         env=learner_env(),
         capture_output=True,

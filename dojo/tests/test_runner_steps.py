@@ -4,8 +4,9 @@ In-process and read-only, on k01's shipped files."""
 from __future__ import annotations
 
 from dojo import curriculum
+from dojo.dev.consistency import coverage_problems
 from dojo.runner.runs import RunResult
-from dojo.runner.steps import coverage_problems, steps_of_failure
+from dojo.runner.steps import steps_of_failure
 
 K01 = curriculum.find("k01")
 TEST = "tests/test_k01_spawn.py"

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dojo.testing import hears_ctrl_c
+from dojo.spec.testing import hears_ctrl_c
 from dojo.tests.test_runner import (
     add_stand_in_kata,
     dojo,

@@ -1,4 +1,4 @@
-"""dojo.trace: every rank's torch.distributed calls recorded, drawn, and mismatches named early.
+"""dojo.harness.timeline: every rank's torch.distributed calls recorded, drawn, and mismatches named early.
 
 The programs traced are the implementation under test's (solutions in ``make test``): k09's ring
 all-reduce, k21's pipeline where that kata is in the checkout (else a two-stage pipeline here).
@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dojo import impl, trace
-from dojo.calls import recording
-from dojo.testing import run_program
-from dojo.world import RankFailed, WorldDeadlock, run_world
+from dojo.harness import impl, timeline
+from dojo.harness.calls import recording
+from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.testing import run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture
 def traced(tmp_path, monkeypatch):
     """Worlds started in the test are traced into tmp_path; returns a reader of the last one."""
-    monkeypatch.setenv(trace.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(timeline.ENV_VAR, str(tmp_path))
 
     def last_world():
-        worlds = trace.pending(str(tmp_path))
+        worlds = timeline.pending(str(tmp_path))
         assert worlds, f"no world was recorded in {tmp_path}"
         return worlds[-1]
 
@@ -53,7 +53,7 @@ def _ring(rank, world_size, length):
 def test_ring_allreduce_of_4_ranks_sends_2_n_minus_1_chunks_per_rank_in_order(traced):
     length, n = 10, 4  # chunks of 3, 3, 2, 2 elements: which chunk went out shows in its bytes
     results = run_world(_ring, n, length)
-    meta, ranks = trace.read_world(traced())
+    meta, ranks = timeline.read_world(traced())
     assert meta["world_size"] == n and sorted(ranks) == list(range(n))
     sizes = [3, 3, 2, 2]
     for rank, calls in ranks.items():
@@ -76,7 +76,7 @@ def test_ring_allreduce_of_4_ranks_sends_2_n_minus_1_chunks_per_rank_in_order(tr
             "every isend returned and its wait() was recorded"
         )
         assert all(c["end"] >= c["start"] for c in calls)
-    pairs = trace.messages(ranks)
+    pairs = timeline.messages(ranks)
     assert len(pairs) == 2 * (n - 1) * n, "every send is paired with its recv"
     for src, send, dst, recv in pairs:
         assert dst == (src + 1) % n
@@ -126,14 +126,14 @@ def _pipeline(rank, world_size, schedule, micro_batches):
 def test_a_pipelines_bubbles_show_as_waiting_recvs(traced):
     m = 4
     actions = run_world(_pipeline, 2, "gpipe", m)
-    _, ranks = trace.read_world(traced())
+    _, ranks = timeline.read_world(traced())
     first = [c["name"] for c in _sends_and_recvs(ranks[0])]
     last = [c["name"] for c in _sends_and_recvs(ranks[1])]
     assert first == ["isend"] * m + ["recv"] * m, (
         f"GPipe: rank 0 sends every activation, then receives every gradient; got {first}"
     )
     assert last == ["recv"] * m + ["isend"] * m, f"GPipe: the last stage; got {last}"
-    pairs = trace.messages(ranks)
+    pairs = timeline.messages(ranks)
     assert len(pairs) == 2 * m, "every activation and every gradient is one message, paired"
     # The bubble, as the recorded times show it (causes only: ranks start at different times,
     # so no claim on how long anything took): rank 1 leaves its first recv only after rank 0
@@ -156,7 +156,7 @@ def test_a_pipelines_bubbles_show_as_waiting_recvs(traced):
 def test_one_f_one_b_interleaves_sends_and_recvs_as_its_schedule_says(traced):
     m = 4
     actions = run_world(_pipeline, 2, "1f1b", m)
-    _, ranks = trace.read_world(traced())
+    _, ranks = timeline.read_world(traced())
     for rank in (0, 1):
         expected = []
         for kind, _ in actions[rank]:
@@ -190,7 +190,7 @@ def _exchange(rank, world_size):
 
 def test_the_chrome_trace_has_a_track_per_rank_and_a_flow_per_message(traced, tmp_path):
     run_world(_exchange, 3)
-    json_path, png_path = trace.write_world(traced(), str(tmp_path), name="exchange")
+    json_path, png_path = timeline.write_world(traced(), str(tmp_path), name="exchange")
     with open(json_path) as f:
         data = json.load(f)  # valid JSON
     events = data["traceEvents"]
@@ -213,18 +213,18 @@ def test_the_chrome_trace_has_a_track_per_rank_and_a_flow_per_message(traced, tm
     assert head[:8] == b"\x89PNG\r\n\x1a\n", "a real PNG"
     width, height = struct.unpack(">II", head[16:24])
     assert 800 <= width <= 4000 and 200 <= height <= 3000, f"a {width}x{height} picture"
-    assert not trace.pending(str(tmp_path)), "the world's records go once written"
+    assert not timeline.pending(str(tmp_path)), "the world's records go once written"
 
 
 def test_a_correct_run_gives_the_same_results_traced(tmp_path, monkeypatch):
     untraced = run_world(_many, 4)
-    monkeypatch.setenv(trace.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(timeline.ENV_VAR, str(tmp_path))
     traced_results = run_world(_many, 4)
     for rank, (a, b) in enumerate(zip(untraced, traced_results)):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"rank {rank}'s {key} changed under the trace"
-    _, ranks = trace.read_world(trace.pending(str(tmp_path))[-1])
+    _, ranks = timeline.read_world(timeline.pending(str(tmp_path))[-1])
     assert all(len(calls) >= 9 for calls in ranks.values())
 
 
@@ -295,10 +295,10 @@ def _one_waits(rank, world_size):
 def test_a_hung_world_still_leaves_its_calls_and_the_one_that_never_returned(traced, tmp_path):
     with pytest.raises(WorldDeadlock):
         run_world(_one_waits, 2, deadline=20, straggler=1)
-    _, ranks = trace.read_world(traced())
+    _, ranks = timeline.read_world(traced())
     assert [c["name"] for c in ranks[0]] == ["recv"] and ranks[0][0]["end"] is None
     assert ranks[1] == []
-    json_path, png_path = trace.write_world(traced(), str(tmp_path), name="hung")
+    json_path, png_path = timeline.write_world(traced(), str(tmp_path), name="hung")
     with open(json_path) as f:
         events = json.load(f)["traceEvents"]
     (stuck,) = [e for e in events if e["ph"] == "X"]
@@ -361,7 +361,7 @@ def _decorated(tensor):
 def test_a_katas_named_parts_become_spans_strips_and_a_track(traced, tmp_path):
     run_world(_named_parts, 2)
     world = traced()
-    spans = trace.read_spans(world)
+    spans = timeline.read_spans(world)
     for rank in (0, 1):
         got = [(s["name"], s["depth"]) for s in spans[rank]]
         assert got == [("exchange", 0), ("compute 0", 1), ("compute 1", 0)], (
@@ -370,13 +370,13 @@ def test_a_katas_named_parts_become_spans_strips_and_a_track(traced, tmp_path):
         exchange, inner, decorated = spans[rank]
         assert exchange["start"] <= inner["start"] <= inner["end"] <= exchange["end"]
         assert decorated["start"] >= exchange["end"]
-        _, ranks = trace.read_world(world)
+        _, ranks = timeline.read_world(world)
         all_reduce, barrier = ranks[rank]
         assert exchange["start"] <= all_reduce["start"] <= all_reduce["end"] <= exchange["end"], (
             "the all_reduce happened inside the part 'exchange'"
         )
         assert decorated["start"] <= barrier["start"] <= barrier["end"] <= decorated["end"]
-    json_path, png_path = trace.write_world(world, str(tmp_path), name="parts")
+    json_path, png_path = timeline.write_world(world, str(tmp_path), name="parts")
     with open(json_path) as f:
         events = json.load(f)["traceEvents"]
     parts = [e for e in events if e.get("cat") == "part"]

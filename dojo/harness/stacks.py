@@ -1,0 +1,242 @@
+"""Where stuck ranks wait: faulthandler's stack dumps, trimmed for a learner and grouped.
+
+    ranks 1, 2, 3 wait in all_reduce (katas/k04_allreduce.py:88, average_gradients); rank 0 returned
+
+A rank's dump is cut to its main thread, harness frames hidden and torch's plumbing shrunk to the
+call the rank is inside; ranks stuck at the same place are shown once; ranks stuck in different
+collectives are named as such.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sysconfig
+from dataclasses import dataclass
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_HIDDEN = (
+    os.sep + "multiprocessing" + os.sep,
+    os.sep + "dojo" + os.sep + "rank.py",
+    os.sep + "dojo" + os.sep + "calls.py",  # the recorder's wrapper around each call
+    os.sep + "dojo" + os.sep + "trace.py",  # a traced rank's wrapper around its function
+    "threading.py",
+)
+_KATA_CODE = ("katas", "solutions", os.path.join("dojo", "dev", "mistakes"))
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", re.M)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    @property
+    def in_torch(self) -> bool:
+        return f"{os.sep}torch{os.sep}" in self.file
+
+    @property
+    def is_learners(self) -> bool:
+        """In a kata (the learner's, the reference, or a catalogue's stand-in for it)."""
+        return any(f"{os.sep}{folder}{os.sep}" in self.file for folder in _KATA_CODE)
+
+    @property
+    def shown_path(self) -> str:
+        """Relative to the checkout, or from site-packages on: short enough to read."""
+        if (
+            self.file.startswith(_ROOT + os.sep)
+            and os.sep + "site-packages" + os.sep not in self.file
+        ):
+            return os.path.relpath(self.file, _ROOT)
+        return self.file.split(os.sep + "site-packages" + os.sep, 1)[-1]
+
+    def __str__(self) -> str:
+        source = linecache.getline(self.file, self.line).strip()
+        head = f'  File "{self.shown_path}", line {self.line}, in {self.function}'
+        return f"{head}\n    {source}" if source else head
+
+
+def main_thread_frames(dump: str) -> list[Frame] | None:
+    """The rank's main-thread frames, oldest first, as a learner should see them; None when the
+    dump holds no stack of the rank's main thread."""
+    for block in _THREAD.split(dump)[1:]:
+        matches = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        frames = [Frame(m["file"], int(m["line"]), m["func"]) for m in reversed(matches)]
+        if not any(
+            f.function == "main" and f.file.endswith(os.path.join("dojo", "harness", "rank.py"))
+            for f in frames
+        ):
+            continue  # not the main thread (the lifeline watcher, gloo's threads)
+        shown: list[Frame] = []
+        for frame in frames:
+            if frame.file.startswith("<") or any(part in frame.file for part in _HIDDEN):
+                continue
+            if shown and shown[-1].in_torch and frame.in_torch:
+                shown[-1] = frame  # keep only the innermost torch frame of a run
+                continue
+            shown.append(frame)
+        return shown
+    return None
+
+
+def format_stack_dump(dump: str) -> str:
+    """A rank's dump as the report shows it (most recent call last)."""
+    frames = main_thread_frames(dump)
+    if frames is None:
+        return "  (no stack: the rank did not answer the request for one)"
+    return "\n".join(map(str, frames)) or "  (no Python frames outside the harness)"
+
+
+def where(frames: list[Frame] | None) -> str:
+    """``all_reduce (katas/k04_allreduce.py:88, average_gradients)``: the call a rank is inside
+    and the line of its own code that made it."""
+    if not frames:
+        return "an unknown place (no stack)"
+    own = [f for f in frames if not f.in_torch]
+    # The learner's line, not a test's wrapper around torch.distributed (which records calls).
+    own = [f for f in own if f.is_learners] or own
+    call = _call(frames)
+    if not own:
+        return call or frames[-1].function
+    line = f"{own[-1].shown_path}:{own[-1].line}, {own[-1].function}"
+    return f"{call} ({line})" if call else f"{own[-1].function} ({line})"
+
+
+# torch.distributed's point-to-point calls: a rank that waits in one waits for one peer.
+_POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+
+
+def innermost(dump: str) -> Frame | None:
+    """The frame the rank's main thread is executing, harness and library frames included."""
+    for block in _THREAD.split(dump)[1:]:
+        frames = [
+            Frame(m["file"], int(m["line"]), m["func"])
+            for m in map(_FRAME.match, block.splitlines())
+            if m
+        ]
+        if any(
+            f.function == "main" and f.file.endswith(os.path.join("dojo", "harness", "rank.py"))
+            for f in frames
+        ):
+            return frames[0] if frames else None
+    return None
+
+
+def waits_in_torch_distributed(dump: str) -> bool:
+    """Whether the rank's main thread is blocked in a torch.distributed call: in its Python
+    code (``dist.all_reduce``, ``dist.recv``, a barrier) or in the C++ ``wait()`` of an
+    asynchronous operation's handle (``work.wait()``, whose innermost Python frame is the line
+    that called it). A rank that sleeps, computes, imports or waits for a process is not."""
+    frame = innermost(dump)
+    if frame is None:
+        return False
+    folder = os.sep + "torch" + os.sep
+    if folder + "distributed" + os.sep in frame.file or folder + "futures" + os.sep in frame.file:
+        return True
+    if any(frame.file.endswith(os.path.join("dojo", name)) for name in ("calls.py", "trace.py")):
+        return True  # inside the recorder's wrapper of a torch.distributed call or a wait()
+    if frame.in_torch or frame.file.startswith(_LIBRARIES) or frame.file.startswith("<"):
+        return False  # torch computing, or the standard library (time.sleep, queue.get, join)
+    return ".wait(" in linecache.getline(frame.file, frame.line)
+
+
+def learners_line(dump: str) -> tuple[str, int] | None:
+    """The learner's own line (kata code) a rank waits at: what a deadlock is remembered by."""
+    frames = [f for f in main_thread_frames(dump) or [] if f.is_learners]
+    return (frames[-1].file, frames[-1].line) if frames else None
+
+
+def own_line(dump: str) -> tuple[str, int] | None:
+    """The innermost line outside torch a rank waits at (the learner's, or the checking code's)."""
+    frames = [f for f in main_thread_frames(dump) or [] if not f.in_torch]
+    return (frames[-1].file, frames[-1].line) if frames else None
+
+
+def _call(frames: list[Frame] | None) -> str | None:
+    """The torch.distributed call a rank waits in (``wait`` for an async handle's wait)."""
+    if not frames:
+        return None
+    if frames[-1].in_torch:
+        return frames[-1].function
+    return "wait" if ".wait(" in linecache.getline(frames[-1].file, frames[-1].line) else None
+
+
+def calls(dumps: dict[int, str]) -> set[str]:
+    return {c for c in (_call(main_thread_frames(d)) for d in dumps.values()) if c}
+
+
+def advice(dumps: dict[int, str]) -> str:
+    """What a learner should check, for the calls the ranks wait in: a blocking send or recv
+    waits for its peer's matching call; a collective for every rank of the group."""
+    waited = calls(dumps) - {"wait"}  # an async handle's wait: a collective's or a send's
+    if waited and waited <= _POINT_TO_POINT:
+        return (
+            "A send or recv returns only once its peer has made the matching call (gloo's send "
+            "waits for the recv): does every send have a recv on its destination, and is it "
+            "posted in time (two ranks that both send first, or both receive first, wait for each "
+            "other; let one side receive first, or use isend/irecv and wait on both)?"
+        )
+    if waited & _POINT_TO_POINT:
+        return (
+            "Some ranks wait in a send or recv, others in a collective: a rank whose peer is "
+            "inside a collective never gets the matching call. Does every rank make the same "
+            "calls in the same order?"
+        )
+    return (
+        "Every rank of a group must call every collective, in the same order: is there one that "
+        "only some ranks call, or that they call in a different order?"
+    )
+
+
+def only_in_checking_code(dumps: dict[int, str]) -> bool:
+    """No stuck rank is inside kata code, and some wait in a kata spec's own code (a barrier
+    after the learner's function returned, say)."""
+    frames = [f for d in dumps.values() for f in main_thread_frames(d) or []]
+    spec = os.sep + "tests" + os.sep + "test_k"
+    return not any(f.is_learners for f in frames) and any(spec in f.file for f in frames)
+
+
+def ranks_text(numbers: list[int]) -> str:
+    return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+
+
+def summary(dumps: dict[int, str], returned: list[int]) -> str:
+    """One line: which ranks wait where, grouped; a note when they wait in different calls."""
+    groups: dict[str, list[int]] = {}
+    for number, dump in _learners_first(dumps):
+        groups.setdefault(where(main_thread_frames(dump)), []).append(number)
+    parts = [
+        f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {place}"
+        for place, numbers in groups.items()
+    ]
+    line = "; ".join(parts)
+    if returned:
+        line += f"; {ranks_text(returned)} returned"
+    waited = calls(dumps)
+    if len(waited) > 1:
+        kind = "collectives" if not waited & _POINT_TO_POINT else "calls"
+        line += f": the ranks called different {kind} ({', '.join(sorted(waited))})"
+    return line
+
+
+def _learners_first(dumps: dict[int, str]) -> list[tuple[int, str]]:
+    """Ranks waiting in the learner's own code first (their line is the one to look at), then
+    those waiting in the checking code; each in rank order."""
+    return sorted(dumps.items(), key=lambda item: (learners_line(item[1]) is None, item[0]))
+
+
+def grouped_stacks(dumps: dict[int, str]) -> str:
+    """Each distinct stack once, headed by the ranks stuck in it."""
+    groups: dict[str, list[int]] = {}
+    for number, dump in _learners_first(dumps):
+        groups.setdefault(format_stack_dump(dump), []).append(number)
+    return "\n\n".join(
+        f"{ranks_text(numbers)} {'is' if len(numbers) == 1 else 'are'} waiting here (most recent call last):\n{stack}"
+        for stack, numbers in groups.items()
+    )

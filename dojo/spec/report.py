@@ -1,0 +1,78 @@
+"""What a learner sees of a failed kata test: the step, the message, and where in their own file.
+
+pytest's own report shows the checking code's source, which floods the screen and gives every
+diagnosis away. The plugin replaces it, for the learner's runs, with:
+
+    step 3 · average every gradient over the ranks (tests/test_k04_allreduce.py:311)
+    AssertionError: with 4 ranks: every rank holds the sum of the 4 ranks' gradients ...
+    in your code:
+      katas/k04_allreduce.py:92, in average_gradients
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+``pytest --tb=long`` (or ``--tb=short``, ``--solutions``) brings pytest's full report back.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+
+import pytest
+
+from dojo import curriculum
+
+_EXPLANATION_LINES = 12  # pytest's "assert a == b" diff: useful, but not at any length
+
+
+def wanted(config: pytest.Config) -> bool:
+    """The learner's runs: not the reference, and no traceback style asked for explicitly."""
+    return not config.getoption("solutions") and config.option.tbstyle in ("auto", "no")
+
+
+def compact(item: pytest.Item, excinfo: pytest.ExceptionInfo, kata: curriculum.Kata | None) -> str:
+    lines = [_heading(item, kata)]
+    message = excinfo.exconly().rstrip().splitlines()
+    if len(message) > _EXPLANATION_LINES and not _is_world_report(excinfo):
+        message = [*message[:_EXPLANATION_LINES], "  ... (`pytest --tb=long` shows the rest)"]
+    lines += message
+    frames = _learner_frames(excinfo)
+    if frames:
+        lines.append("in your code (most recent call last):")
+        for path, line, function in frames[-3:]:
+            source = linecache.getline(path, line).strip()
+            lines.append(f"  {os.path.relpath(path, curriculum.ROOT)}:{line}, in {function}")
+            if source:
+                lines.append(f"    {source}")
+    return "\n".join(lines)
+
+
+def _heading(item: pytest.Item, kata: curriculum.Kata | None) -> str:
+    path, line, _ = item.location
+    where = f"{path}:{(line or 0) + 1}"
+    steps = sorted(int(m.args[0]) for m in item.iter_markers("step") if m.args)
+    if kata is None or not steps:
+        return f"checked by {where}"
+    try:
+        title = kata.step(steps[0]).title
+    except KeyError:
+        return f"step {steps[0]} ({where})"
+    return f"step {steps[0]} · {title} ({where})"
+
+
+def _is_world_report(excinfo: pytest.ExceptionInfo) -> bool:
+    """The harness's reports (a rank's traceback, stuck ranks' stacks) are already cut to size."""
+    return type(excinfo.value).__module__ == "dojo.harness.world"
+
+
+def _in_learners_file(path: str) -> bool:
+    return os.path.abspath(path).startswith(os.path.join(str(curriculum.ROOT), "katas") + os.sep)
+
+
+def _learner_frames(excinfo: pytest.ExceptionInfo) -> list[tuple[str, int, str]]:
+    """The frames of the learner's own file in this process's traceback (a rank's traceback is
+    quoted, trimmed, in the harness's own message)."""
+    return [
+        (str(entry.path), entry.lineno + 1, entry.name)
+        for entry in excinfo.traceback
+        if _in_learners_file(str(entry.path))
+    ]
