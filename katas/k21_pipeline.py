@@ -69,7 +69,9 @@ RUN IT
 
     The trace draws the schedule as it really ran: one lane per rank, each send an arrow to its
     recv, a rank's long recv bars are its bubble. The reference's are
-    docs/timelines/k21_gpipe.png and docs/timelines/k21_1f1b.png (4 stages, 8 micro-batches).
+    docs/timelines/k21_gpipe.png and docs/timelines/k21_1f1b.png (4 stages, 8 micro-batches);
+    the same schedules on a clock, as this lesson draws them (simulate's ticks), are
+    docs/timelines/k21_gpipe_schedule.png and docs/timelines/k21_1f1b_schedule.png.
 """
 
 from __future__ import annotations

@@ -605,15 +605,20 @@ _COLOURS = {
 }  # fmt: skip
 
 
-# Light colours for the named parts of a program, a colour per name (its trailing number aside:
-# "F 0" and "F 1" share one), behind the calls' strong ones.
+# Light colours for the named parts of a program, a colour per name (its trailing numbers aside:
+# "F0.0" and "F1.3" share one), behind the calls' strong ones.
 _PART_COLOURS = (
     "#efe3c2", "#ddd3f0", "#cde8e2", "#f3d3de", "#e2e2e2", "#e6efc4", "#d6e0f0", "#f0dcc8",
 )  # fmt: skip
 
 
 def _part_key(name: str) -> str:
-    return re.sub(r"[\s#_-]*\d+$", "", name) or name
+    """A part's family: its name less the numbers that say which one ("F0.3" -> "F")."""
+    return re.sub(r"[\s#_.-]*\d+(?:[.:]\d+)*$", "", name) or name
+
+
+def _part_label(family: str, example: str) -> str:
+    return f"part: {family}" if example == family else f"part: {family} ({example}, ...)"
 
 
 def draw(
@@ -641,6 +646,7 @@ def draw(
     used: dict[str, str] = {}
     in_flight: dict[str, str] = {}
     parts: dict[str, str] = {}
+    examples: dict[str, str] = {}  # a part's family -> the first name of it seen ("F0.0")
     hung = False
     figure, axes = plt.subplots(figsize=(13, 1.6 + 0.75 * count), dpi=110)
     ms_per_point = span_ms * 1.13 / (13 * 0.85 * 72)  # for "does a label fit in its strip"
@@ -653,6 +659,7 @@ def draw(
             stop = ((end if end is not None else finish) - origin) * 1e3
             key = _part_key(part["name"])
             colour = parts.setdefault(key, _PART_COLOURS[len(parts) % len(_PART_COLOURS)])
+            examples.setdefault(key, part["name"])
             top = rank - 0.46 + row * part.get("depth", 0)
             axes.broken_barh(
                 [(start, max(stop - start, least))],
@@ -741,7 +748,7 @@ def draw(
         for n, c in in_flight.items()
     ]
     entries += [
-        Patch(facecolor=c, edgecolor="#777777", linewidth=0.5, label=f"part: {n}")
+        Patch(facecolor=c, edgecolor="#777777", linewidth=0.5, label=_part_label(n, examples[n]))
         for n, c in parts.items()
     ]
     columns = min(len(entries), 6) or 1

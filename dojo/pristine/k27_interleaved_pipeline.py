@@ -94,7 +94,9 @@ RUN IT
     python -m dojo trace k27 --world-size 4 --chunks 2 --micro-batches 8
 
     The trace names every compute span F<chunk>.<i>, B<chunk>.<i>, W<chunk>.<i>. The reference's
-    are docs/timelines/k27_interleaved.png and docs/timelines/k27_zero_bubble.png.
+    are docs/timelines/k27_interleaved.png and docs/timelines/k27_zero_bubble.png (4 ranks, 8
+    micro-batches); the same schedules on a clock, as this lesson draws them (simulate's ticks),
+    are docs/timelines/k27_interleaved_schedule.png and docs/timelines/k27_zero_bubble_schedule.png.
 """
 
 from __future__ import annotations

@@ -416,9 +416,9 @@ def _dev(args: argparse.Namespace, reset) -> int:
         print(f"wrote {curriculum.ROOT.name}/dojo/classroom/autograding.yml from dojo/curriculum/")
         return 0
     if args.dev_command == "timelines":
-        from dojo.runner import trace
+        from dojo.dev import timelines
 
-        return trace.timelines()
+        return timelines.make()
     if args.dev_command == "readme":
         from dojo.dev import consistency
 
