@@ -12,7 +12,8 @@ The kata API, at the top: what ``katas/`` and ``solutions/`` import, and nothing
                the TinyTransformer Part IV cuts up
 
 What every floor stands on
-    curriculum/ every kata's steps, hints and files (its data: ``curriculum/*.toml``)
+    curriculum/ every kata's steps, hints and files (its data: ``curriculum/*.toml``); ``stubs``
+               makes a kata's stub from its reference's marked regions
     lang       the learner's language (English, Chinese) and the sentences said in it
     commands   how a learner types a command here; the packages a tool needs
 
@@ -42,6 +43,7 @@ kata's own program)
     mistakes/  each kata's mistakes catalogue, run against its spec (``mistakes/plugin.py``)
     swaps      a catalogue's functions swapped in, in every process (an instrument)
     reach      which reference functions each test reaches (an instrument)
+    shipped/   the stubs the gate makes from ``solutions/`` and checks (git-ignored)
 
 ``tests/``: the tooling's own tests.
 """

@@ -59,29 +59,58 @@ class RankProcessFailed(RuntimeError):
 
 def global_rank(node_rank: int, local_rank: int, nproc_per_node: int) -> int:
     """The rank, in the whole world, of process ``local_rank`` on node ``node_rank``."""
+    # BEGIN STEP 1: global rank from node rank and local rank
+    # TODO: return this process's number in the whole world, counting from 0: all the ranks of
+    # the nodes before this one come first, then this node's processes in local-rank order. The
+    # tests check the tutorial's 2 nodes x 3 processes (ranks 0..5, each once) and other layouts.
     return node_rank * nproc_per_node + local_rank
+    # END STEP 1
 
 
 def world_size_of(nnodes: int, nproc_per_node: int) -> int:
     """How many processes a job of ``nnodes`` nodes with ``nproc_per_node`` each has."""
+    # BEGIN STEP 1: world size from nodes and processes per node
+    # TODO: return how many processes the whole job runs (the tutorial's 2 x 3 runs 6).
     return nnodes * nproc_per_node
+    # END STEP 1
 
 
 def greet(rank: int, world_size: int) -> str:
     """The tutorial's line for this process, for example ``world size:4. I'm rank 2.``"""
+    # BEGIN STEP 2: the greeting
+    # TODO: return (not print) the tutorial's line for this rank, character for character: the
+    # tests compare greet(2, 4) with "world size:4. I'm rank 2." and greet(0, 1) likewise.
     return f"world size:{world_size}. I'm rank {rank}."
+    # END STEP 2
 
 
 def run_rank(fn: Callable[[int, int], Any], rank: int, world_size: int, answers) -> None:
     """Run ``fn(rank, world_size)`` in this process and report the outcome on ``answers``."""
+    # BEGIN STEP 3: run one rank and report its answer
+    # TODO: this runs in a child process, which cannot return a value to its parent: report the
+    # outcome on `answers` instead, exactly one message per call. The tests expect
+    # (rank, "ok", fn's answer) when fn returns, and (rank, "error", the full traceback text)
+    # when fn raises; then run_rank returns normally (an error that escapes, or a message never
+    # sent, leaves the launcher waiting for an answer that cannot come).
     try:
         answers.put((rank, "ok", fn(rank, world_size)))
     except BaseException:  # report every failure: the launcher must not wait for this rank
         answers.put((rank, "error", traceback.format_exc()))
+    # END STEP 3
 
 
 def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size)`` on ``world_size`` spawned processes; answers in rank order."""
+    # BEGIN STEP 4: spawn, collect, join
+    # TODO: run run_rank for every rank in world_size processes that run side by side, and wait
+    # for them. The tests hold launch to this:
+    #   - each rank runs in a fresh process of its own made with the *spawn* start method, and the
+    #     program's own start method is left as it was (set_start_method may run once per program);
+    #   - it returns the answers in rank order, whatever order they arrive in;
+    #   - it still works when answers are big (more than the 64 KiB a pipe holds);
+    #   - when it returns or raises, every process it started has ended and been joined;
+    #   - when ranks failed, it raises RankProcessFailed naming each failed rank (and no other)
+    #     with its traceback; no answer waits longer than `timeout` seconds.
     context = mp.get_context("spawn")
     answers = context.Queue()
     processes = [
@@ -109,6 +138,7 @@ def launch(world_size: int, fn: Callable[[int, int], Any] = greet, timeout: floa
         report = "\n".join(f"rank {rank} failed:\n{text}" for rank, text in sorted(failed.items()))
         raise RankProcessFailed(f"{len(failed)} of {world_size} ranks failed\n{report}")
     return [messages[rank][1] for rank in range(world_size)]
+    # END STEP 4
 
 
 def print_greeting(rank: int, world_size: int) -> str:

@@ -58,10 +58,16 @@ from .k01_spawn import launch
 
 def set_master(addr: str, port: int) -> None:
     """Point env:// rendezvous at ``addr:port``, where rank 0 will open the store."""
+    # BEGIN STEP 1: set MASTER_ADDR/MASTER_PORT
+    # TODO: make env:// rendezvous find rank 0 at addr:port: after set_master('127.0.0.1', 29511)
+    # the environment must hold MASTER_ADDR='127.0.0.1' and MASTER_PORT='29511'. A port that is
+    # not an int from 1 to 65535 (0, 70000, -1, the str '29500') must raise a ValueError whose
+    # message names that port, and leave the environment unchanged.
     if not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"MASTER_PORT must be a port number from 1 to 65535, got {port!r}")
     os.environ["MASTER_ADDR"] = str(addr)
     os.environ["MASTER_PORT"] = str(port)
+    # END STEP 1
 
 
 def init_process(
@@ -72,15 +78,27 @@ def init_process(
     timeout_s: float = 30.0,
 ) -> Any:
     """Join the group as ``rank`` of ``world_size``, run ``fn(rank, world_size)``, wait, leave."""
+    # BEGIN STEP 2: init_process_group with a timeout
+    # TODO (step 2): join the default process group through env:// as rank `rank` of
+    # `world_size`, on `backend`, giving up after timeout_s seconds (never gloo's 30 minutes). The
+    # tests record your one call of dist.init_process_group (call it by that name) and check its
+    # rank, world_size and timeout, and that two worlds on two ports do not mix.
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
+    # END STEP 2
+    # BEGIN STEP 3: run fn, barrier, destroy the group
+    # TODO (step 3): return fn(rank, world_size)'s result, with the group gone afterwards. The
+    # tests hold it to this: no rank leaves before the slowest rank's fn has finished; the group
+    # is destroyed on every path, also when fn raises (and fn's error reaches the caller); and
+    # when init_process_group itself fails, its own error is the one the caller sees.
     try:
         result = fn(rank, world_size)
         dist.barrier()
         return result
     finally:
         dist.destroy_process_group()
+    # END STEP 3
 
 
 def print_identity(rank: int, world_size: int) -> str:

@@ -73,16 +73,33 @@ class WorldSizeMismatch(RuntimeError):
 
 def check_rank(rank: int, world_size: int) -> None:
     """Refuse a rank that has no place in a world of ``world_size``."""
+    # BEGIN STEP 1: refuse a rank outside the world
+    # TODO: a rank with a place in the world (0 .. world_size-1) passes silently; any other
+    # (rank 2 or 3 of a world of 2, rank -1, ...) raises WorldSizeMismatch at once, never another
+    # error. The tests check that the message names the rank and the world size; say what to
+    # change too (start world_size processes, or set world_size to the processes you start).
     if not 0 <= rank < world_size:
         raise WorldSizeMismatch(
             f"rank {rank} cannot join a world of size {world_size} (ranks 0 to {world_size - 1}): "
             f"more processes were started than world_size says. Start {world_size} processes, "
             f"or set world_size to the number of processes you start."
         )
+    # END STEP 1
 
 
 def wait_for_world(store, rank: int, world_size: int, join_timeout_s: float) -> None:
     """Count this rank in, then wait until all ``world_size`` ranks have counted themselves in."""
+    # BEGIN STEP 2: count who joined, give up after the join timeout
+    # TODO: count this rank in once, under JOINED_KEY, then return as soon as world_size ranks have
+    # counted themselves in. The tests hold it to this, with the store's calls recorded:
+    #   - too few ranks: it raises _too_few(...)'s WorldSizeMismatch ("rank 1: only 2 of 4 ...")
+    #     once join_timeout_s has passed, never waiting for ever, and polls the count gently (a
+    #     few times a second, not thousands);
+    #   - rank 0 owns the store, so it leaves last: no other rank's store call may fail because
+    #     rank 0 has already gone (the given _rank_zero_leaves_last sees to it);
+    #   - if rank 0 is gone anyway (crashed), the store calls raise RuntimeError: report that,
+    #     at once, as the same mismatch;
+    #   - when every rank joins, every rank returns within moments of the last one's arrival.
     joined = store.add(JOINED_KEY, 1)
     give_up = time.monotonic() + join_timeout_s
     while joined < world_size:
@@ -94,6 +111,7 @@ def wait_for_world(store, rank: int, world_size: int, join_timeout_s: float) -> 
             joined = store.add(JOINED_KEY, 0)
         except RuntimeError:  # rank 0 is gone (it crashed, or gave up first): the same mismatch
             raise _too_few(rank, joined, world_size, join_timeout_s) from None
+    # END STEP 2
 
 
 def _rank_zero_leaves_last(store, rank: int, joined: int, grace_s: float = 10.0) -> None:
@@ -131,6 +149,14 @@ def join_world(
     timeout_s: float = 30.0,
 ) -> None:
     """Join the world at MASTER_ADDR:MASTER_PORT, or raise WorldSizeMismatch within seconds."""
+    # BEGIN STEP 3: join the world through the checked store
+    # TODO: form the default process group of world_size ranks through the one store that rank 0
+    # hosts on MASTER_ADDR:MASTER_PORT (env:// would open a second one there), after making sure
+    # every rank came. The tests start real worlds: 4 processes told world size 2 (ranks 2 and 3
+    # are refused before they touch anything), 2 told world size 4, 3 told 3 (they must form the
+    # group and all-reduce), and a rank 1 with no rank 0 anywhere; every rank that cannot form
+    # the world raises WorldSizeMismatch within seconds, naming itself (and rank 0, if that is
+    # whom it could not reach), never a raw error.
     check_rank(rank, world_size)
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
@@ -151,6 +177,7 @@ def join_world(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
+    # END STEP 3
 
 
 def _demo_rank(rank: int, processes: int, world_size: int, port: int) -> str:

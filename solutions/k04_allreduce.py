@@ -68,14 +68,24 @@ OPS = ("sum", "product", "min", "max")
 
 def tutorial_allreduce(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank holds ``tensor([rank])``; SUM all-reduce it. Returns ``(before, after)``."""
+    # BEGIN STEP 1: the tutorial's all-reduce of every rank's number
+    # TODO: every rank returns two tensors on rank_device(): ``before``, its own tensor([rank])
+    # as it was, and ``after``, that tensor once summed over every rank of the world (4 ranks:
+    # tensor([6]) on every rank). The tests run it on 4 and 3 ranks and check both on each rank.
     tensor = torch.tensor([rank], device=rank_device())
     before = tensor.clone()  # all_reduce overwrites the tensor in place
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return before, tensor
+    # END STEP 1
 
 
 def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """All-reduce ``tensor`` in place with the op named ``op`` ("sum", "product", "min", "max")."""
+    # BEGIN STEP 2: all-reduce with a named reduce op
+    # TODO: afterwards the caller's own tensor holds, on every rank, the element-wise sum,
+    # product, smallest or largest over all ranks, and the function returns that same tensor.
+    # A name not in OPS raises ValueError, listing the names it knows, before any communication.
+    # The tests try every op on values that differ per rank, and the name "median".
     ops = {
         "sum": dist.ReduceOp.SUM,
         "product": dist.ReduceOp.PRODUCT,
@@ -86,16 +96,23 @@ def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
         raise ValueError(f"unknown reduce op {op!r}: use one of {', '.join(OPS)}")
     dist.all_reduce(tensor, op=ops[op])
     return tensor
+    # END STEP 2
 
 
 def average_gradients(model: nn.Module) -> None:
     """Replace every parameter's ``.grad`` by its mean over all ranks (``.grad`` None: skipped)."""
+    # BEGIN STEP 3: average every gradient over the ranks
+    # TODO: afterwards, on every rank, each parameter's .grad holds the mean over all ranks of
+    # that parameter's gradient (every layer, weights and biases); the parameters' values are
+    # untouched and a .grad that is None stays None. The tests give every rank different
+    # gradients, on worlds of 4, 3, 2 and 1 ranks.
     size = float(dist.get_world_size())
     for param in model.parameters():
         if param.grad is None:  # frozen or unused: nothing to average
             continue
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
         param.grad /= size
+    # END STEP 3
 
 
 def show_allreduce(rank: int, world_size: int, op: str = "sum") -> list:

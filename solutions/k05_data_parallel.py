@@ -90,39 +90,63 @@ MOMENTUM = 0.9
 
 def broadcast_buffers(model: nn.Module) -> None:
     """Give this rank's model rank 0's buffers (BatchNorm's running statistics), nothing else."""
+    # BEGIN STEP 1: give every replica rank 0's buffers
+    # TODO: afterwards every rank's buffers (model.buffers(): BatchNorm's running statistics)
+    # hold rank 0's values, and no parameter has changed. Every rank calls it, rank 0 too. The
+    # tests give 3 ranks different buffers, compare them after, and record each rank's calls.
     with torch.no_grad():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
+    # END STEP 1
 
 
 def make_replicas_identical(model: nn.Module) -> None:
     """Give this rank's model rank 0's parameters and buffers (every rank must call it)."""
+    # BEGIN STEP 1: give every replica rank 0's weights
+    # TODO: afterwards every rank's parameters and buffers hold exactly rank 0's values (a copy,
+    # not an average; rank 0's own unchanged). Every rank calls it and names the same source. The
+    # tests build 3 different replicas, compare them after, and report which source each rank
+    # used when the ranks disagree or wait for each other.
     with torch.no_grad():  # a copy of weights, not a step autograd should record
         for param in model.parameters():
             dist.broadcast(param, src=0)
     broadcast_buffers(model)
+    # END STEP 1
 
 
 def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s own ``num_samples // world_size`` indices of ``range(num_samples)``."""
+    # BEGIN STEP 2: this rank's shard of the data
+    # TODO: rank's own share of range(num_samples): num_samples // world_size indices for every
+    # rank (the few left over belong to no rank), no index in two shards, and the same answer
+    # every time (each rank computes it on its own). A rank outside 0..world_size-1, or fewer
+    # samples than ranks, is a ValueError whose message says which number is wrong.
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size} (0..{world_size - 1})")
     if num_samples < world_size:
         raise ValueError(f"{num_samples} samples cannot give each of {world_size} ranks a shard")
     per_rank = num_samples // world_size  # equal shards: every rank takes the same number of steps
     return list(range(rank * per_rank, (rank + 1) * per_rank))
+    # END STEP 2
 
 
 def train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor
 ) -> float:
     """One data-parallel step on this rank's part of the batch; returns this rank's loss."""
+    # BEGIN STEP 3: one data-parallel training step
+    # TODO: one step of this rank's replica on its part of the batch, with the mean
+    # cross-entropy of these images as the loss; the optimizer must step with the gradient
+    # averaged over every rank (your k04), of this batch only (nothing left from earlier steps).
+    # Returns this rank's own loss, before the step, as a float. The tests check that 4 ranks
+    # with 2 images each end with the weights of one process that stepped on all 8.
     loss = F.cross_entropy(model(images), labels)
     optimizer.zero_grad()
     loss.backward()
     average_gradients(model)  # every replica now holds the same gradient...
     optimizer.step()  # ...so every replica takes the same step
     return loss.item()
+    # END STEP 3
 
 
 def run_training(
@@ -158,6 +182,17 @@ def run_training(
     model = ConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
 
+    # BEGIN STEP 4: the training loop
+    # TODO: train ``epochs`` epochs data-parallel and return the dict the docstring describes
+    # (state_dict as CPU copies). What the tests hold it to, on 2 ranks that build different models:
+    #   - every rank starts from rank 0's weights and ends with rank 0's weights and buffers;
+    #   - each rank trains, through train_step, on its own shard only (shard_indices), shuffled
+    #     (seeded with seed * 1000 + rank), in batches of per_rank_batch images, a last partial
+    #     batch dropped (_check_steps says when a shard holds no full batch): one loss per step;
+    #   - after each epoch every rank holds rank 0's BatchNorm statistics before it measures the
+    #     held-out accuracy (accuracy(model, test_set, device=device)), so all ranks agree;
+    #   - only rank 0 shows progress: show_step each step (if show_progress), show_epoch each
+    #     epoch with the epoch's mean loss.
     make_replicas_identical(model)
     shard = shard_indices(len(train_set), rank, world_size)
     loader = DataLoader(
@@ -188,6 +223,7 @@ def run_training(
         "shard": shard,
         "state_dict": {name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
     }
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- plumbing

@@ -152,6 +152,13 @@ def node_environment(
     master_port: int,
 ) -> dict[str, str]:
     """The environment for process ``local_rank`` of node ``node_rank`` (all values strings)."""
+    # BEGIN STEP 1: the environment of one process of one node
+    # TODO: the six variables of ENV_NAMES, as strings, that process local_rank of node
+    #   node_rank needs: its rank in the whole world and on its node, the size of the whole world
+    #   and of one node, and node 0's address and port (the same on every host). Bad options (no
+    #   node or no process, a node rank or local rank out of range, a blank address, a port
+    #   outside 1-65535) raise LaunchConfigError naming the option and what to give instead.
+    #   The tests check the 2 x 3 layout of the lesson and each kind of bad option.
     if nnodes < 1 or nproc_per_node < 1:
         raise LaunchConfigError(
             f"--nnodes {nnodes} --nproc-per-node {nproc_per_node}: a job needs at least one node "
@@ -193,11 +200,21 @@ def node_environment(
         "MASTER_ADDR": str(master_addr),
         "MASTER_PORT": str(master_port),
     }
+    # END STEP 1
 
 
 def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
     """This process's ``RankInfo`` from its environment (``os.environ`` unless given one)."""
     env = os.environ if environ is None else environ
+    # BEGIN STEP 2: read and check the environment
+    # TODO: this process's RankInfo (numbers as int) from the six variables of ENV_NAMES. Anything
+    #   wrong raises LaunchConfigError (never a bare KeyError or ValueError) whose message names
+    #   the variables, their values and what to set: every missing or blank variable at once
+    #   (and how to get them set, HOW_TO_START), a value that is not a whole number, a size
+    #   below 1 or a negative rank, values that contradict each other (a rank outside the world,
+    #   a world that is not a whole number of nodes, a local rank outside its node, a RANK that
+    #   is not LOCAL_RANK on its node), a port outside 1-65535. The tests try each of these,
+    #   and torchrun's own environment.
     missing = [name for name in ENV_NAMES if not env.get(name, "").strip()]
     if missing:
         verb = "is" if len(missing) == 1 else "are"
@@ -264,6 +281,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> RankInfo:
     return RankInfo(
         rank, local_rank, world_size, local_world_size, env["MASTER_ADDR"].strip(), port
     )
+    # END STEP 2
 
 
 def join_world(
@@ -276,6 +294,12 @@ def join_world(
     import torch
     import torch.distributed as dist
 
+    # BEGIN STEP 3: join the world at MASTER_ADDR:MASTER_PORT
+    # TODO: afterwards this process is rank info.rank of a world of info.world_size (the default
+    #   process group), having met the others at MASTER_ADDR:MASTER_PORT as the info gives them
+    #   (not the environment); a world that never forms ends in an error once `timeout` has
+    #   passed. On a CUDA device, that device is this process's current one first. The tests
+    #   join 2 ranks laid out as 2 nodes of 1, and one rank whose peer never comes.
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every new CUDA tensor use this rank's own GPU
     dist.init_process_group(
@@ -285,6 +309,7 @@ def join_world(
         world_size=info.world_size,
         timeout=timeout,  # a host that never comes ends in an error, not a 30-minute hang
     )
+    # END STEP 3
 
 
 def sum_of_ranks(info: RankInfo, device: torch.device) -> float:
@@ -292,10 +317,15 @@ def sum_of_ranks(info: RankInfo, device: torch.device) -> float:
     import torch
     import torch.distributed as dist
 
+    # BEGIN STEP 4: the all-reduce every rank checks
+    # TODO: every rank contributes its global rank + 1, and every rank returns the total over
+    #   the whole world as a Python number (2 nodes x 3 processes: 21).
+    # END TODO
     # rank + 1, not rank: no rank contributes zero, so a rank left out shows in the total
     contribution = torch.tensor([info.rank + 1.0], device=device)
     dist.all_reduce(contribution, op=dist.ReduceOp.SUM)
     return contribution.item()
+    # END STEP 4
 
 
 def launch_node(
@@ -312,6 +342,14 @@ def launch_node(
     Raises ``NodeFailed`` at the first process that exits with a non-zero status (or when
     ``timeout`` seconds pass), after stopping the others.
     """
+    # BEGIN STEP 5: start this node's processes and watch them
+    # TODO: run `command` once per local rank of this node, each process with the launcher's own
+    #   environment plus its node_environment(...), all of them started before waiting for any
+    #   (each waits in init_process_group for the others). Return once every one has exited
+    #   with status 0. At the first non-zero exit raise NodeFailed naming the rank and how it
+    #   ended (_how_it_ended words it); once `timeout` seconds have passed, NodeFailed naming
+    #   the ranks still running. Returning or raising (Ctrl-C too), it leaves no process of
+    #   this node running: the tests look for leftovers the moment launch_node is done.
     environments = [
         node_environment(nnodes, node_rank, nproc_per_node, local, master_addr, master_port)
         for local in range(nproc_per_node)
@@ -340,6 +378,7 @@ def launch_node(
             time.sleep(0.05)
     finally:
         _stop(processes)  # on failure, timeout or Ctrl-C; a no-op when all have exited
+    # END STEP 5
 
 
 def _how_it_ended(code: int) -> str:

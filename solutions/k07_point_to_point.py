@@ -114,6 +114,11 @@ def ping_pong(rounds: int, device: torch.device | str = "cpu") -> list[int]:
         raise ValueError(f"ping-pong needs at least one round, got rounds={rounds}")
     if rank > 1:
         return []
+    # BEGIN STEP 1: ping-pong with send and recv
+    # TODO: ranks 0 and 1 bat the counter back and forth `rounds` times with blocking send and
+    #   recv, rank 0 serving first. Return what this rank received, as Python ints in the order
+    #   they arrived. The tests expect [1, 3, 5] on rank 0 and [0, 2, 4] on rank 1 after 3
+    #   rounds, no message at all from ranks 2 and up, and no deadlock.
     ball = torch.zeros(1, dtype=torch.int64, device=device)
     received = []
     for _ in range(rounds):
@@ -127,6 +132,7 @@ def ping_pong(rounds: int, device: torch.device | str = "cpu") -> list[int]:
         if rank == 1:
             dist.send(ball, dst=0)
     return received
+    # END STEP 1
 
 
 def token_ring(token: int, device: torch.device | str = "cpu") -> int:
@@ -138,6 +144,11 @@ def token_ring(token: int, device: torch.device | str = "cpu") -> int:
     ``token + 1 + 2 + ... + r``; on rank 0, the token after the whole round.
     """
     rank, world_size = _ring_position(2, "a token ring")
+    # BEGIN STEP 2: a token round the ring with send and recv
+    # TODO: the token goes once round the ring, one hop at a time, rightwards, with blocking
+    #   send and recv, and grows by rank + 1 at each rank. Return what reached this rank. The
+    #   tests check every rank's value in rings of 2, 3 and 4 ranks (including the two ends of
+    #   the ring), that each rank makes one recv and one send, and that nothing deadlocks.
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     held = torch.tensor([token], dtype=torch.int64, device=device)
     if rank == 0:  # the only rank that sends first: everyone else waits for the token
@@ -150,6 +161,7 @@ def token_ring(token: int, device: torch.device | str = "cpu") -> int:
     held += rank + 1
     dist.send(held, dst=right)
     return received
+    # END STEP 2
 
 
 def shift_right(tensor: torch.Tensor) -> torch.Tensor:
@@ -159,6 +171,11 @@ def shift_right(tensor: torch.Tensor) -> torch.Tensor:
     deadlock: post ``isend`` and ``irecv`` first, then ``wait()`` on both requests.
     """
     rank, world_size = _ring_position(2, "a ring shift")
+    # BEGIN STEP 3: shift right with isend, irecv and wait
+    # TODO: return the left neighbour's tensor (same shape and dtype) and leave `tensor` as it
+    #   was. The tests shift 8 MB per rank, so an order in which every rank can sit in a blocking
+    #   send deadlocks, and they check that every request you post is waited on before you
+    #   return.
     received = torch.empty_like(tensor)
     requests = [
         dist.isend(tensor, dst=(rank + 1) % world_size),
@@ -167,6 +184,7 @@ def shift_right(tensor: torch.Tensor) -> torch.Tensor:
     for request in requests:
         request.wait()
     return received
+    # END STEP 3
 
 
 def receive_while_working(
@@ -177,10 +195,16 @@ def receive_while_working(
     Post a non-blocking ``irecv``, call ``work()`` while the message travels, then ``wait()``
     before the buffer is used: ``(buffer, work's result)``.
     """
+    # BEGIN STEP 4: irecv, work, then wait before reading
+    # TODO: the message must travel while work() runs, and `buffer` must hold it when this
+    #   function returns. The test's sender starts only once work() has begun, and sends only
+    #   when you wait for the message: a receive that blocks before work(), a buffer read
+    #   before the receive has completed, or a request never waited on, all fail.
     request = dist.irecv(buffer, src=source)
     result = work()
     request.wait()  # only now does the buffer hold the message
     return buffer, result
+    # END STEP 4
 
 
 def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
@@ -195,6 +219,12 @@ def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"halo_exchange needs a non-empty 1-D strip, got shape {tuple(strip.shape)}"
         )
+    # BEGIN STEP 5: a halo exchange with batch_isend_irecv
+    # TODO: return [left neighbour's last, *strip, right neighbour's first] and leave `strip`
+    #   as it was. The four messages go out in one dist.batch_isend_irecv, every request is
+    #   waited on, and each message carries the tag of the direction it travels (TAG_TO_LEFT,
+    #   TAG_TO_RIGHT): the tests run rings of 2, 3 and 4, and on a ring of two both neighbours
+    #   are the same rank.
     left, right = (rank - 1) % world_size, (rank + 1) % world_size
     from_left, from_right = torch.empty_like(strip[:1]), torch.empty_like(strip[:1])
     operations = [
@@ -207,6 +237,7 @@ def halo_exchange(strip: torch.Tensor) -> torch.Tensor:
     for request in dist.batch_isend_irecv(operations):
         request.wait()
     return torch.cat([from_left, strip, from_right])
+    # END STEP 5
 
 
 # ------------------------------------------------------------------------------ the program

@@ -114,8 +114,13 @@ def broadcast_from(tensor: torch.Tensor, src: int) -> torch.Tensor:
     Works in place and returns ``tensor``.
     """
     _check_rank(src, "src")
+    # BEGIN STEP 1: broadcast_from: one rank's tensor to every rank
+    # TODO: afterwards every rank's `tensor` holds src's values (changed in place, and returned).
+    #   The tests broadcast from the first and from the last rank in worlds of 2, 3 and 4, and
+    #   check which collective each rank called, and with which src.
     dist.broadcast(tensor, src=src)
     return tensor
+    # END STEP 1
 
 
 def reduce_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
@@ -124,8 +129,13 @@ def reduce_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
     (On the other ranks ``tensor`` may be left holding partial sums: nobody should read it.)
     """
     _check_rank(dst, "dst")
+    # BEGIN STEP 1: reduce_to: every rank's tensor summed onto dst
+    # TODO: dst returns the element-wise sum of every rank's tensor; every other rank returns
+    #   None. The tests reduce onto the first and onto the last rank, and check that every rank
+    #   took part in one collective that brings the sum to dst alone.
     dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM)
     return tensor if dist.get_rank() == dst else None
+    # END STEP 1
 
 
 # ------------------------------------------------------------------------------ step 2
@@ -137,11 +147,16 @@ def all_reduce_with(tensor: torch.Tensor, op: str) -> torch.Tensor:
     Returns ``tensor``. Any other name raises ``ValueError`` naming the three. (AVG needs a
     floating-point tensor: the mean of integers is not always an integer.)
     """
+    # BEGIN STEP 2: all_reduce with SUM, MAX and AVG
+    # TODO: every rank's `tensor` ends up holding the reduction over all ranks (in place, and
+    #   returned). The tests check "sum", "max" and "avg" (on floats) on every rank, and that an
+    #   unknown name raises a ValueError whose message names the three.
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
     if op not in ops:
         raise ValueError(f"unknown op {op!r}: use one of {', '.join(ops)}")
     dist.all_reduce(tensor, op=ops[op])
     return tensor
+    # END STEP 2
 
 
 # ------------------------------------------------------------------------------ step 3
@@ -154,23 +169,32 @@ def scatter_rows(table: torch.Tensor | None, src: int, out: torch.Tensor) -> tor
     row; returns ``out``.
     """
     _check_rank(src, "src")
+    # BEGIN STEP 3: scatter_rows: a row to each rank
+    # TODO: rank r's `out` receives row r of src's table (and is returned). Only src holds a
+    #   table, and only src refuses a bad one (_check_table raises the ValueError). The tests
+    #   scatter from the first and from the last rank, and give src tables it must refuse.
     pieces = None
     if dist.get_rank() == src:
         _check_table(table)
         pieces = list(table.unbind(0))
     dist.scatter(out, scatter_list=pieces, src=src)
     return out
+    # END STEP 3
 
 
 def gather_rows(row: torch.Tensor, dst: int) -> torch.Tensor | None:
     """Every rank's ``row`` stacked in rank order on ``dst``; ``None`` on the other ranks."""
     _check_rank(dst, "dst")
+    # BEGIN STEP 3: gather_rows: every row onto dst
+    # TODO: dst returns one tensor, every rank's row stacked in rank order; every other rank
+    #   returns None. The tests gather onto the first and onto the last rank.
     if dist.get_rank() != dst:
         dist.gather(row, gather_list=None, dst=dst)
         return None
     pieces = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.gather(row, gather_list=pieces, dst=dst)
     return torch.stack(pieces)
+    # END STEP 3
 
 
 # ------------------------------------------------------------------------------ step 4
@@ -178,17 +202,25 @@ def gather_rows(row: torch.Tensor, dst: int) -> torch.Tensor | None:
 
 def all_gather_rows(row: torch.Tensor) -> torch.Tensor:
     """Every rank's ``row`` stacked in rank order, on every rank."""
+    # BEGIN STEP 4: all_gather_rows: every row on every rank
+    # TODO: every rank returns one tensor: every rank's row, stacked in rank order, gathered by
+    #   one collective.
     pieces = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, row)
     return torch.stack(pieces)
+    # END STEP 4
 
 
 def reduce_scatter_rows(table: torch.Tensor) -> torch.Tensor:
     """Every rank holds a ``table`` with one row per rank; rank ``r`` gets the sum of all row ``r``s."""
     _check_table(table)
+    # BEGIN STEP 4: reduce_scatter_rows: rank r gets the sum of every row r
+    # TODO: rank r returns one row, the sum over all ranks of their row r, from one collective
+    #   that brings each rank the sum of its own row only.
     out = torch.empty_like(table[0])
     dist.reduce_scatter(out, list(table.unbind(0)), op=dist.ReduceOp.SUM)
     return out
+    # END STEP 4
 
 
 # ------------------------------------------------------------------------------ step 5
@@ -197,9 +229,13 @@ def reduce_scatter_rows(table: torch.Tensor) -> torch.Tensor:
 def all_to_all_rows(table: torch.Tensor) -> torch.Tensor:
     """Row ``j`` of rank ``i``'s ``table`` becomes row ``i`` of rank ``j``'s result."""
     _check_table(table)
+    # BEGIN STEP 5: all_to_all_rows: the transpose
+    # TODO: rank j returns a table whose row i is row j of rank i's table (a transpose across
+    #   the ranks), from one collective; `table` itself is left as it was.
     received = [torch.empty_like(row) for row in table.unbind(0)]
     dist.all_to_all(received, [row.contiguous() for row in table.unbind(0)])
     return torch.stack(received)
+    # END STEP 5
 
 
 # ------------------------------------------------------------------------------ step 6
@@ -211,12 +247,18 @@ def prepare_once(path: str, prepare: Callable[[], str]) -> str:
     The pattern of "rank 0 downloads the data set, the others wait": only rank 0 prepares, and
     no rank reads the file before rank 0 has written it.
     """
+    # BEGIN STEP 6: prepare_once: rank 0 writes, everyone waits at a barrier
+    # TODO: only rank 0 calls prepare() and writes its text to `path`; every rank returns the
+    #   file's text. The test's rank 0 arrives late, so a rank that reads before rank 0 has
+    #   written finds no file: the tests check that every rank waits at a barrier, and that
+    #   rank 0 reaches it only once the file is written.
     if dist.get_rank() == 0:
         with open(path, "w", encoding="utf-8") as f:
             f.write(prepare())
     dist.barrier()  # nobody reads before rank 0 has written
     with open(path, encoding="utf-8") as f:
         return f.read()
+    # END STEP 6
 
 
 # ------------------------------------------------------------------------------ step 7
@@ -237,11 +279,17 @@ def group_sum(tensor: torch.Tensor, members: list[int]) -> torch.Tensor:
     ``tensor``, summed in place on members.
     """
     members = _check_members(members)
+    # BEGIN STEP 7: group_sum: an all-reduce inside a subgroup
+    # TODO: the members end with their sum, every other rank with its tensor untouched; free the
+    #   group you create before returning (dist.destroy_process_group(group)). The tests call it
+    #   twice with different members and check, on every rank, which groups it created and
+    #   which group its all-reduce used.
     group = dist.new_group(members)  # every rank, member or not
     if dist.get_rank() in members:
         dist.all_reduce(tensor, group=group)
     dist.destroy_process_group(group)  # a group holds connections: free it when done
     return tensor
+    # END STEP 7
 
 
 def parity_sums(tensor: torch.Tensor) -> torch.Tensor:
@@ -249,12 +297,17 @@ def parity_sums(tensor: torch.Tensor) -> torch.Tensor:
 
     Two groups; every rank creates both, in the same order, and all-reduces in its own.
     """
+    # BEGIN STEP 7: parity_sums: two subgroups at once
+    # TODO: every rank ends with the sum over the ranks of its own parity, using two groups
+    #   (evens, odds) that are freed before returning. The tests check, on every rank, which
+    #   groups it created, in which order, and which group its all-reduce used.
     world_size, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(parity, world_size, 2))) for parity in (0, 1)]
     dist.all_reduce(tensor, group=groups[rank % 2])
     for group in groups:
         dist.destroy_process_group(group)
     return tensor
+    # END STEP 7
 
 
 # ------------------------------------------------------------------------------ the program

@@ -121,6 +121,11 @@ def chunk_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
     ``[(0, 3), (3, 6), (6, 8), (8, 10)]``; ``chunk_bounds(2, 4)`` is
     ``[(0, 1), (1, 2), (2, 2), (2, 2)]``.
     """
+    # BEGIN STEP 1: the (start, stop) of each chunk
+    # TODO: return world_size (start, stop) pairs, in order, that tile 0..length with no gap or
+    # overlap (stop is exclusive, as in a slice): sizes differ by at most one, the larger first.
+    # The tests compare every length from 0 to 3N+1 on 1 to 8 chunks with torch.tensor_split's
+    # chunks; world_size < 1 or length < 0 must raise ValueError naming the bad argument.
     if world_size < 1 or length < 0:
         raise ValueError(
             f"need length >= 0 and world_size >= 1, got length={length}, world_size={world_size}"
@@ -132,6 +137,7 @@ def chunk_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+    # END STEP 1
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,6 +164,12 @@ def _slicing(bounds: list[tuple[int, int]], element_size: int) -> list[list[tupl
 
 def _send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> None:
     """Send ``outgoing`` to the right neighbour while receiving ``incoming`` from the left one."""
+    # BEGIN STEP 2: send right while receiving from the left
+    # TODO: every rank calls this at the same moment: send `outgoing` to the right neighbour
+    # and fill `incoming` from the left one, without deadlocking, and return only once your send
+    # has finished (its buffer is reused next). An empty tensor is neither sent nor received (the
+    # neighbours work out the same sizes). The tests report a rank stuck in a send or recv, and
+    # a dist.isend request that is never waited on.
     rank, world = dist.get_rank(), dist.get_world_size()
     # Empty chunks are not sent: the neighbour works out the same chunk sizes and expects none.
     request = dist.isend(outgoing, (rank + 1) % world) if outgoing.numel() else None
@@ -165,10 +177,17 @@ def _send_right_receive_left(outgoing: torch.Tensor, incoming: torch.Tensor) -> 
         dist.recv(incoming, (rank - 1) % world)
     if request is not None:
         request.wait()  # the send buffer may be reused only after this
+    # END STEP 2
 
 
 def pass_along_allreduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place by passing whole tensors around the ring."""
+    # BEGIN STEP 2: the pass-along ring
+    # TODO: after N-1 hops of one whole tensor each, the tensor passed in holds the sum over
+    # every rank, each rank's tensor counted once, changed in place and returned. Each rank adds
+    # in the order things arrive, its own tensor first. The tests check the sums (integers
+    # exactly), (N-1) x numel elements sent per rank, and that the lesson's 1e8, 1, -1e8 example
+    # ends differently on different ranks.
     flat = _flat(tensor)
     outgoing, incoming = flat.clone(), torch.empty_like(flat)
     for _ in range(dist.get_world_size() - 1):
@@ -176,6 +195,7 @@ def pass_along_allreduce(tensor: torch.Tensor) -> torch.Tensor:
         flat += incoming
         outgoing, incoming = incoming, outgoing  # pass on what just arrived
     return tensor
+    # END STEP 2
 
 
 def ring_reduce_scatter(tensor: torch.Tensor) -> int:
@@ -183,6 +203,12 @@ def ring_reduce_scatter(tensor: torch.Tensor) -> int:
 
     Rank r ends owning chunk ``(r + 1) % world_size``; its other chunks hold partial sums.
     """
+    # BEGIN STEP 3: reduce-scatter around the ring
+    # TODO: in N-1 steps, each sending one chunk (chunk_bounds) to the right, leave chunk
+    # (rank + 1) % N of the tensor summed over every rank, and return that index; the other
+    # chunks may hold partial sums. The tests check the owned chunk exactly (integers, lengths
+    # 1 to 1001 on 2 to 4 ranks), the returned indices, N-1 chunks sent per rank, and show the
+    # order of the chunks you sent when a sum is wrong.
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = _flat(tensor)
     bounds = chunk_bounds(flat.numel(), world)
@@ -214,6 +240,7 @@ def ring_reduce_scatter(tensor: torch.Tensor) -> int:
     for request in sends:
         request.wait()  # the all-gather writes into these chunks next
     return (rank + 1) % world
+    # END STEP 3
 
 
 def ring_all_gather(tensor: torch.Tensor, owned: int) -> torch.Tensor:
@@ -221,6 +248,11 @@ def ring_all_gather(tensor: torch.Tensor, owned: int) -> torch.Tensor:
 
     The right neighbour must own chunk ``owned + 1`` (as ``ring_reduce_scatter`` leaves it).
     """
+    # BEGIN STEP 4: all-gather around the ring
+    # TODO: in N-1 steps, each sending one chunk to the right, give every rank every rank's
+    # owned chunk, in place; each chunk arrives final, so nothing is added. Return tensor. The
+    # tests hand out owned chunks other than (rank + 1) % N too, fill the rest with each rank's
+    # own marker, and count (N-1) x length elements sent in all.
     world = dist.get_world_size()
     flat = _flat(tensor)
     bounds = chunk_bounds(flat.numel(), world)
@@ -245,12 +277,17 @@ def ring_all_gather(tensor: torch.Tensor, owned: int) -> torch.Tensor:
         if request is not None:
             request.wait()
     return tensor
+    # END STEP 4
 
 
 def ring_allreduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place: reduce-scatter, then all-gather."""
+    # BEGIN STEP 4: reduce-scatter, then all-gather
+    # TODO: the tensor passed in holds the sum over every rank (in place, returned), with the
+    # same bits on every rank, sending 2(N-1)/N of the tensor per rank, on 1 to 4 ranks.
     owned = ring_reduce_scatter(tensor)
     return ring_all_gather(tensor, owned)
+    # END STEP 4
 
 
 # ------------------------------------------------------------------------- the program

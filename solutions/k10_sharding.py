@@ -76,10 +76,17 @@ class Partition(Dataset):
         self.index = list(index)
 
     def __len__(self) -> int:
+        # BEGIN STEP 1: Partition's length
+        # TODO: how many samples this part holds (len(use(i)) equals len(partitions[i])).
         return len(self.index)
+        # END STEP 1
 
     def __getitem__(self, position: int):
+        # BEGIN STEP 1: Partition's items
+        # TODO: item `position` of this part is item index[position] of the whole data (the
+        # tests compare use(i)[j] with data[partitions[i][j]]).
         return self.data[self.index[position]]
+        # END STEP 1
 
 
 class DataPartitioner:
@@ -90,6 +97,12 @@ class DataPartitioner:
     """
 
     def __init__(self, data, sizes: Sequence[float] = (0.7, 0.2, 0.1), seed: int = 1234):
+        # BEGIN STEP 1: shuffle with the seed and cut the parts
+        # TODO: sizes that are negative or sum to more than 1 raise ValueError saying what is
+        # wrong. Otherwise keep data in self.data and, in self.partitions, one list of indices per
+        # size: disjoint, part i holding int(sizes[i] * len(data)) of them, exactly the tutorial's
+        # cut (the tests compare with it for several lengths, sizes and seeds). Every rank builds
+        # its own partitioner, so the cut must depend on the seed alone, never on global state.
         if any(size < 0 for size in sizes) or sum(sizes) > 1 + 1e-9:
             raise ValueError(
                 f"sizes are fractions of the data, none negative, summing to at most 1; got {list(sizes)}"
@@ -103,10 +116,14 @@ class DataPartitioner:
             part_len = int(fraction * len(data))
             self.partitions.append(indexes[:part_len])
             indexes = indexes[part_len:]
+        # END STEP 1
 
     def use(self, partition: int) -> Partition:
         """Part number ``partition`` of the data (a rank uses its rank)."""
+        # BEGIN STEP 1: a Partition of the part's indices
+        # TODO: a Partition of self.data holding exactly the indices of that part.
         return Partition(self.data, self.partitions[partition])
+        # END STEP 1
 
 
 def per_rank_batch_size(global_batch_size: int, world_size: int) -> int:
@@ -114,19 +131,28 @@ def per_rank_batch_size(global_batch_size: int, world_size: int) -> int:
 
     A whole number (``DataLoader`` takes no fractions): ``per_rank_batch_size(128, 3)`` is 42.
     """
+    # BEGIN STEP 2: a whole-number batch per rank
+    # TODO: an int, the largest share every rank can take (128 on 3 ranks: 42). When a rank
+    # would get no sample, or world_size < 1, raise ValueError saying what is wrong.
     if world_size < 1 or global_batch_size < world_size:
         raise ValueError(
             f"{world_size} ranks cannot share a batch of {global_batch_size}: each rank needs at "
             "least one sample (and world_size must be at least 1)"
         )
     return global_batch_size // world_size
+    # END STEP 2
 
 
 def shard_size(dataset_length: int, num_replicas: int, drop_last: bool = False) -> int:
     """How many indices each rank gets, as DistributedSampler counts them."""
+    # BEGIN STEP 3: how many indices each rank gets
+    # TODO: exactly len(DistributedSampler(range(dataset_length), num_replicas, 0,
+    # drop_last=drop_last)), the lesson's step 2; the tests compare lengths 0 to 13, 31 and 100
+    # on 1 to 5 replicas, with and without drop_last.
     if drop_last and dataset_length % num_replicas != 0:
         return math.ceil((dataset_length - num_replicas) / num_replicas)
     return math.ceil(dataset_length / num_replicas)
+    # END STEP 3
 
 
 def shard_indices(
@@ -139,6 +165,11 @@ def shard_indices(
     drop_last: bool = False,
 ) -> list[int]:
     """The indices rank ``rank`` of ``num_replicas`` gets, in DistributedSampler's order."""
+    # BEGIN STEP 3: the indices of one rank's shard
+    # TODO: the very list DistributedSampler(range(dataset_length), num_replicas, rank, shuffle,
+    # seed, drop_last) yields after set_epoch(epoch), padding and order included (the lesson's
+    # steps 1 to 3). The tests compare every rank on the grid of ShardSampler's tests, and call
+    # it twice with the same arguments: the answer must not depend on global random state.
     if shuffle:
         generator = torch.Generator()
         generator.manual_seed(seed + epoch)  # a new order every epoch, the same on every rank
@@ -152,6 +183,7 @@ def shard_indices(
         repeats = math.ceil(total / len(order))  # a tiny data set is repeated more than once
         order = (order * repeats)[:total]
     return order[rank:total:num_replicas]
+    # END STEP 3
 
 
 class ShardSampler(Sampler[int]):
@@ -166,6 +198,10 @@ class ShardSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ):
+        # BEGIN STEP 4: the sampler's arguments
+        # TODO: num_replicas and rank default to the process group's (the training test
+        # passes neither); a rank outside 0..num_replicas-1 raises ValueError naming the rank.
+        # Keep every argument for __iter__, and start at epoch 0.
         if num_replicas is None:
             num_replicas = dist.get_world_size()
         if rank is None:
@@ -177,8 +213,12 @@ class ShardSampler(Sampler[int]):
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
+        # END STEP 4
 
     def __iter__(self) -> Iterator[int]:
+        # BEGIN STEP 4: iterate over this rank's shard
+        # TODO: an iterator (DataLoader calls iter(sampler)) over this rank's shard for the
+        # current epoch: the same indices, in the same order, as DistributedSampler's, every time.
         return iter(
             shard_indices(
                 len(self.dataset),
@@ -190,13 +230,20 @@ class ShardSampler(Sampler[int]):
                 self.drop_last,
             )
         )
+        # END STEP 4
 
     def __len__(self) -> int:
+        # BEGIN STEP 4: the number of indices this rank gets
+        # TODO: how many indices __iter__ yields (DataLoader counts batches with it).
         return shard_size(len(self.dataset), self.num_replicas, self.drop_last)
+        # END STEP 4
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch: with shuffle, each epoch gets its own order."""
+        # BEGIN STEP 4: remember the epoch
+        # TODO: from now on __iter__ gives epoch `epoch`'s order.
         self.epoch = epoch
+        # END STEP 4
 
 
 # ------------------------------------------------------------------------- the program

@@ -78,6 +78,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def split_batch(batch: Batch, accumulation_steps: int) -> list[Batch]:
     """``(inputs, targets)`` cut into ``accumulation_steps`` equal micro-batches, in order."""
+    # BEGIN STEP 1: cut the batch into micro-batches
+    # TODO: a list of accumulation_steps (inputs, targets) pairs of equal size, in order:
+    # micro-batch i holds samples i*m to (i+1)*m - 1 of both tensors, m = len(inputs) // k.
+    # accumulation_steps below 1, or one that does not divide the batch, is a ValueError whose
+    # message names the wrong number (unequal micro-batches would weigh their samples unequally
+    # once each loss is divided by k). The tests cut batches of 12 in 1 to 12 and refuse 10 in 4.
     inputs, targets = batch
     size = len(inputs)
     if accumulation_steps < 1:
@@ -92,6 +98,7 @@ def split_batch(batch: Batch, accumulation_steps: int) -> list[Batch]:
         (inputs[start : start + micro], targets[start : start + micro])
         for start in range(0, size, micro)
     ]
+    # END STEP 1
 
 
 def accumulation_step(
@@ -99,6 +106,18 @@ def accumulation_step(
 ) -> float:
     """One optimizer step on this rank's ``batch``, in ``accumulation_steps`` micro-batches;
     returns this rank's loss on the whole batch (before the step)."""
+    # BEGIN STEP 2: one optimizer step over k micro-batches
+    # TODO: one optimizer step on this rank's batch, computed split_batch micro-batch by
+    # micro-batch (one forward and backward each, toy_loss for the loss). What the tests hold it
+    # to, on 2 ranks with k = 1, 2 and 4 over 3 steps:
+    #   - at optimizer.step() every rank's gradients are those of one process on the whole
+    #     global batch (k x micro-batch x ranks), and after 3 steps the weights equal that
+    #     process's and torch's DDP's with no_sync, every rank exactly the same;
+    #   - the ranks average once per optimizer step (your k04's average_gradients), after the
+    #     last micro-batch and before the step: recorded all-reduces, one per gradient tensor,
+    #     not k times as many;
+    #   - one optimizer.step() per call; returns this rank's loss on its whole batch, before the
+    #     step, as a float.
     optimizer.zero_grad()
     total = 0.0
     for micro_batch in split_batch(batch, accumulation_steps):
@@ -108,6 +127,7 @@ def accumulation_step(
     average_gradients(model)  # once: the mean of the sums is the sum of the means
     optimizer.step()
     return total
+    # END STEP 2
 
 
 def ddp_accumulation_step(
@@ -115,6 +135,11 @@ def ddp_accumulation_step(
 ) -> float:
     """``accumulation_step`` with torch's DistributedDataParallel: it averages by itself, in the
     backward of the last micro-batch only."""
+    # BEGIN STEP 3: the same with torch's DDP and no_sync
+    # TODO: accumulation_step for a model wrapped in torch's DistributedDataParallel, which
+    # all-reduces during backward by itself. The tests count DDP's own all-reduces: one
+    # synchronisation per optimizer step, in the last micro-batch's backward; the weights after 3
+    # steps equal one process on the whole batch on every rank; the loss returned as in step 2.
     micro_batches = split_batch(batch, accumulation_steps)
     optimizer.zero_grad()
     total = 0.0
@@ -126,6 +151,7 @@ def ddp_accumulation_step(
         total += loss.item()
     optimizer.step()
     return total
+    # END STEP 3
 
 
 # --------------------------------------------------------------------------- the program

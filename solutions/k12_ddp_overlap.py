@@ -101,6 +101,21 @@ class OverlappingDDP(nn.Module):
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
         """Check the arguments, keep ``module``, give it the group's first rank's state, hook it."""
+        # BEGIN STEP 1: construction: one state for every rank
+        # TODO: construct the wrapper. What the tests hold it to:
+        #   - a module that is not an nn.Module, or a process_group this rank is not in, is a
+        #     ValueError saying so (collectives on a group a rank is not in silently do nothing);
+        #   - self.module is the model itself, and the wrapper registers no parameter or buffer of
+        #     its own (its named_parameters(), named_buffers() and state_dict() are the model's,
+        #     under "module.");
+        #   - afterwards every rank's parameters (frozen ones too) and buffers hold the group's
+        #     first rank's values, copied into the very same tensors, every rank sending or
+        #     receiving the same tensors in the same order. The tests build 3 replicas with
+        #     different seeds and record each rank's broadcasts; inside subgroups of a 4-rank
+        #     world the source is the group's first rank (a global rank), never one outside it;
+        #   - rank and size come from process_group (None: the whole world), never from environment
+        #     variables; set up whatever finish_gradient_synchronization and no_sync will need;
+        #   - last, it calls self._register_hooks() (step 2).
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(
@@ -121,42 +136,71 @@ class OverlappingDDP(nn.Module):
             for tensor in [*module.parameters(), *module.buffers()]:  # fixed order, no duplicates
                 dist.broadcast(tensor, src=source, group=process_group)
         self._register_hooks()
+        # END STEP 1
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def _register_hooks(self) -> None:
         """One hook per unique trainable parameter: ``_on_gradient_ready`` once its .grad is."""
+        # BEGIN STEP 2: a hook per unique trainable parameter
+        # TODO: make autograd call self._on_gradient_ready(param) the moment each trainable
+        # parameter's .grad is complete in a backward. One hook per unique parameter: the tied
+        # weight (one parameter used by two layers) gets one, frozen parameters none. The tests
+        # count the all-reduces one backward launches: one per unique trainable parameter.
         for param in self.module.parameters():  # tied weights appear once
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        # END STEP 2
 
     def _on_gradient_ready(self, param: torch.Tensor) -> None:
         """Called by autograd once ``param.grad`` holds this backward's whole gradient."""
+        # BEGIN STEP 2: launch the all-reduce of a ready gradient
+        # TODO: outside no_sync(), start summing param.grad itself over the process group without
+        # waiting for it (backward goes on meanwhile), and remember what
+        # finish_gradient_synchronization will need. The tests record every launch: an
+        # all-reduce (SUM, or AVG), asynchronous, the first one before backward has finished; once
+        # they finish, each .grad holds the sum over the ranks (the division is step 3's), or their
+        # mean if you divide before the launch as torch's DDP does.
         if not self._syncing:
             return
         work = dist.all_reduce(
             param.grad, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
         )
         self._pending.append((work, param.grad))
+        # END STEP 2
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every all-reduce launched since the last call; leave the mean in each .grad."""
+        # BEGIN STEP 3: wait, divide, forget
+        # TODO: afterwards every gradient launched since the last call holds the mean over the
+        # process group (the sum divided by the group's size, not the world's), on every rank. Then
+        # nothing is pending: a second call, or a call when nothing was launched, changes nothing
+        # and launches nothing. The tests train 3 steps and compare with one process on the whole
+        # batch (bitwise with averaging after backward), and average inside subgroups.
         size = dist.get_world_size(self.process_group)
         for work, grad in self._pending:
             work.wait()
             grad.div_(size)
         self._pending.clear()
+        # END STEP 3
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside it backward only accumulates: the hooks launch nothing."""
+        # BEGIN STEP 4: no_sync: accumulate without launching
+        # TODO: a context manager (the decorator is there): inside the block the hooks launch
+        # nothing, so backward only accumulates into .grad; when the block ends, however it ends
+        # (an exception too), the hooks launch as they did before it (still nothing, when this
+        # no_sync was nested in another). The tests accumulate 3 micro-batches and compare with
+        # torch's DDP and its own no_sync().
         before = self._syncing
         self._syncing = False
         try:
             yield
         finally:
             self._syncing = before
+        # END STEP 4
 
 
 # --------------------------------------------------------------------------- the program

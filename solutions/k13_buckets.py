@@ -113,6 +113,14 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: float | None) -> l
     become ready): the first bucket starts with the last parameter. A bucket closes before a
     tensor would push it over the cap; a tensor larger than the cap sits in a bucket of its own.
     """
+    # BEGIN STEP 1: assign_buckets: which gradients share an all-reduce
+    # TODO: the buckets as lists of indices into params (their sizes in bytes, whatever the dtype),
+    # in the order gradients become ready: the first bucket starts with the last index. A bucket
+    # never grows past cap_bytes (it may hold exactly that much), except a tensor larger than the
+    # cap, which sits in a bucket of its own; no bucket is empty; None means one bucket. A cap that
+    # is not positive is a ValueError naming it. The tests check the lesson's example, a bucket
+    # filled exactly to the cap, float64 and float16 tensors, tensors larger than the cap, None and
+    # an empty list.
     if cap_bytes is not None and not cap_bytes > 0:
         raise ValueError(
             f"cap_bytes must be a positive number of bytes (or None for one bucket), got {cap_bytes!r}"
@@ -130,6 +138,7 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: float | None) -> l
     if current:
         buckets.append(current)
     return buckets
+    # END STEP 1
 
 
 @dataclass(eq=False)
@@ -176,14 +185,33 @@ class BucketedDDP(nn.Module):
 
     def _broadcast_state(self) -> None:
         """Give this rank the group's first rank's parameters (frozen ones too) and buffers."""
+        # BEGIN STEP 2: the same start: the group's first rank's parameters and buffers
+        # TODO: afterwards every rank of self.process_group (None: the whole world) holds, in place,
+        # the group's first rank's values of every parameter (frozen ones too) and every buffer of
+        # self.module; the first rank's own are unchanged. Only broadcasts, the same tensors in the
+        # same order on every rank, on the group. The tests build each rank's model from its own
+        # seed, record every rank's calls (and which source each named), and run it in a subgroup
+        # [1, 2] of 3 ranks.
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         first = dist.get_global_rank(group, 0)  # broadcast's src is a global rank
         with torch.no_grad():  # a copy of weights, not a step autograd should record
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 dist.broadcast(tensor, src=first, group=self.process_group)
+        # END STEP 2
 
     def _build_buckets(self, bucket_cap_mb: float | None) -> None:
         """``self.buckets``: the trainable parameters' buckets, flat buffers, views and hooks."""
+        # BEGIN STEP 3: the buckets: flat buffers, views, hooks
+        # TODO: self.buckets, one Bucket per list that your assign_buckets returns for the module's
+        # unique trainable parameters (frozen ones have no gradient; a tied weight is one
+        # parameter), with bucket_cap_mb in MiB (None: one bucket). Each Bucket's flat buffer is
+        # allocated here, once, on the parameters' device and dtype, and each parameter's slot is a
+        # view of it (its shape, right after the previous slot); arrived starts all False. Register
+        # one post-accumulate-grad hook per trainable parameter that calls
+        # self._on_gradient_ready(bucket_index, position, param). Nothing is registered as a
+        # parameter or buffer of the wrapper. The tests inspect self.buckets for three models and
+        # four caps (None too), count the hooks torch holds on each parameter, and call forward
+        # with a keyword argument.
         params = [p for p in self.module.parameters() if p.requires_grad]  # tied: listed once
         cap = None if bucket_cap_mb is None else bucket_cap_mb * MIB
         for number, indices in enumerate(assign_buckets(params, cap)):
@@ -200,9 +228,20 @@ class BucketedDDP(nn.Module):
                 param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_gradient_ready, number, position)
                 )
+        # END STEP 3
 
     def _on_gradient_ready(self, index: int, position: int, param: nn.Parameter) -> None:
         """The hook: ``param`` (``self.buckets[index].params[position]``) has its gradient."""
+        # BEGIN STEP 4: the hook: fill the slot, launch a full bucket
+        # TODO: param's gradient is ready (it is self.buckets[index].params[position]). Unless
+        # syncing is off (inside no_sync), its gradient goes into its slot, divided by the group's
+        # size (so that the sum over the ranks is the mean; dividing the sum in finish instead also
+        # passes), and when it is the last of its bucket to arrive, the bucket's flat buffer is
+        # all-reduced (a sum, on self.process_group) without waiting: backward goes on while it
+        # runs; keep the handle in the bucket. The tests record when every gradient arrived and when
+        # every collective started: exactly one asynchronous all-reduce of a flat buffer per bucket,
+        # each launched after its bucket's last gradient and before the next gradient (or the end of
+        # backward), also in a model whose gradients do not arrive in slot order.
         if not self.sync_gradients:
             return  # no_sync: the gradient stays in .grad, to accumulate
         bucket = self.buckets[index]
@@ -213,9 +252,19 @@ class BucketedDDP(nn.Module):
             bucket.handle = dist.all_reduce(
                 bucket.flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
             )
+        # END STEP 4
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce; afterwards each ``.grad`` holds the mean over ranks."""
+        # BEGIN STEP 5: finish: launch the rest, wait, copy the means back, reset
+        # TODO: afterwards every trainable parameter's .grad holds the mean of its gradient over the
+        # group's ranks, on every rank, and the wrapper is ready for the next step (nothing to call
+        # at its start). Buckets still waiting for a gradient that never came are launched here, in
+        # bucket order on every rank, a missing gradient counting as zero. With no gradient arrived
+        # this step (no backward yet, inside no_sync, a second call) it makes no collective. The
+        # tests train 3 steps on 2 and 3 ranks (and a subgroup) and compare each step's gradients
+        # and the final weights with all-reducing each gradient alone and with one process on the
+        # whole batch; they count the collectives of every step.
         if not any(any(bucket.arrived) for bucket in self.buckets):
             return  # nothing this step (no backward, inside no_sync, or called twice)
         for bucket in self.buckets:  # the same order on every rank
@@ -233,16 +282,23 @@ class BucketedDDP(nn.Module):
                     param.grad.copy_(view)
             bucket.handle = None
             bucket.arrived = [False] * len(bucket.params)
+        # END STEP 5
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside: backward only accumulates into ``.grad``; the first backward after it syncs."""
+        # BEGIN STEP 6: no_sync: accumulate without communicating
+        # TODO: a context manager inside which backward launches nothing (gradients accumulate in
+        # .grad); the first backward after it syncs them all. Afterwards syncing is as it was before
+        # the block, even when the block raised, and when no_sync is nested in no_sync. The tests
+        # run 1, 2 and 4 micro-batches per step, nested blocks and a block that raises.
         before = self.sync_gradients
         self.sync_gradients = False
         try:
             yield
         finally:
             self.sync_gradients = before
+        # END STEP 6
 
 
 # --------------------------------------------------------------------------- the program

@@ -110,6 +110,13 @@ def torch_ddp(
 
     ``bucket_cap_mb=None`` means one bucket for every gradient, as in BucketedDDP.
     """
+    # BEGIN STEP 1: torch's DDP, wrapped as BucketedDDP is
+    # TODO: torch's DistributedDataParallel around module itself, on the module's own device (a CUDA
+    # module's DDP names its GPU; a CPU module's names none), with the same bucket cap as
+    # BucketedDDP's (in MiB; None: one bucket for every gradient, however large the model) and the
+    # same process group. The tests build it for three toy models and a 27 MB one at caps of 25,
+    # 0.5, 1e-6 MiB and None, read its bucket_bytes_cap, device_ids and process_group, and wrap a
+    # subgroup [1, 2] of 3 ranks.
     device = next(module.parameters()).device
     if bucket_cap_mb is None:  # torch reads None as its default (25 MiB): ask for more than all
         total = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -120,6 +127,7 @@ def torch_ddp(
         bucket_cap_mb=bucket_cap_mb,
         process_group=process_group,
     )
+    # END STEP 1
 
 
 def train(
@@ -131,6 +139,15 @@ def train(
     ``wrapper.no_sync()``), with the loss divided by their number, then synchronises once and
     steps. Returns each step's loss on this rank (the mean over its micro-batches) as a float.
     """
+    # BEGIN STEP 2: one training loop for both wrappers
+    # TODO: for each step of steps (a list of micro-batches): the gradient of the mean loss over the
+    # step's micro-batches (toy_models.loss), synchronised over the ranks exactly once, then one
+    # optimizer step; nothing left from earlier steps. It must work for BucketedDDP and for torch's
+    # DDP alike (they differ in how the synchronisation ends). Returns each step's loss on this rank
+    # (the mean over its micro-batches) as a float; a step without micro-batches is a ValueError.
+    # The tests train the tied model on 2 ranks with 1, 2 and 4 micro-batches per step, compare both
+    # wrappers with one process on the whole batch and with each other (bitwise), and count
+    # BucketedDDP's all-reduces.
     if any(len(micro_batches) == 0 for micro_batches in steps):
         raise ValueError("every step needs at least one micro-batch")
     losses = []
@@ -148,6 +165,7 @@ def train(
         optimizer.step()
         losses.append(total)
     return losses
+    # END STEP 2
 
 
 def against_torch_ddp(
@@ -168,6 +186,12 @@ def against_torch_ddp(
     [...], "torch_losses": [...]}``, each state a ``{name: CPU tensor}`` of the wrapped model's
     ``state_dict()``.
     """
+    # BEGIN STEP 3: the same model, data and seeds through both
+    # TODO: the docstring's comparison: two models, one per wrapper, both as the docstring says; the
+    # same data for both; the same optimizer settings; train with your train(); return both models'
+    # states (state_of) and losses. The tests compare the two states on every rank (bitwise on 2
+    # ranks, within a few ulps on 3) and each with one process on the whole batch, for the frozen,
+    # tied and buffer models, and in a subgroup [1, 2] of 3 ranks.
     device = rank_device()
     rank, shard = dist.get_rank(), dist.get_rank(process_group)
     data = rank_batches(model_name, steps, micro_batches, seed, shard, device)
@@ -185,6 +209,7 @@ def against_torch_ddp(
         "ours_losses": ours_losses,
         "torch_losses": torch_losses,
     }
+    # END STEP 3
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -196,16 +221,26 @@ class SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        # BEGIN STEP 4: an all-reduce autograd can differentiate
+        # TODO: returns the sum of tensor over the ranks of group (None: the world), on every rank,
+        # leaving tensor itself as it was; keeps what backward needs in ctx. The tests give 3 ranks
+        # different vectors (and a subgroup [1, 2]) and check the sum, the input and the calls made.
         ctx.group = group
         total = tensor.clone()  # all_reduce works in place: never on autograd's input
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
+        # END STEP 4
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        # BEGIN STEP 4: an all-reduce autograd can differentiate
+        # TODO: the gradients for forward's two arguments (tensor, group): for tensor, how the loss
+        # of every rank changes with this rank's tensor. The tests give each rank's output its own
+        # gradient and check what reaches each rank's input.
         grad = grad_output.contiguous().clone()  # every rank's output held x: all flow back
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
+        # END STEP 4
 
 
 class SyncBatchNorm2d(nn.BatchNorm2d):
@@ -220,6 +255,14 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         self.process_group = process_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 5: SyncBatchNorm2d: the whole batch's statistics
+        # TODO: in training, BatchNorm2d's output, running statistics and num_batches_tracked as one
+        # BatchNorm2d would have them on every rank's images together (group: self.process_group),
+        # with gradients that flow back to every rank's input as they would there; in eval,
+        # BatchNorm2d itself, without any communication. The tests run 2 and 3 ranks holding 2, 3
+        # and 4 images (batches of different sizes) for two passes and compare outputs, input
+        # gradients, the ranks' weight and bias gradients added up, and the running statistics with
+        # one BatchNorm2d.
         self._check_input_dim(x)
         if not self.training:  # eval: BatchNorm2d's own, no communication
             return F.batch_norm(
@@ -260,6 +303,7 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out
+        # END STEP 5
 
 
 def convert_sync_batchnorm(
@@ -268,6 +312,12 @@ def convert_sync_batchnorm(
     """Every ``nn.BatchNorm2d`` in ``module`` (at any depth) replaced by a ``SyncBatchNorm2d``
     holding the same parameters, running statistics and mode; returns the module (or the new
     layer, when ``module`` itself is a BatchNorm2d)."""
+    # BEGIN STEP 6: convert_sync_batchnorm: every BatchNorm2d of a model
+    # TODO: module with every nn.BatchNorm2d in it, at any depth, replaced by a SyncBatchNorm2d on
+    # process_group that keeps the layer's settings, its mode and its very tensors (parameters and
+    # running statistics, not copies); a BatchNorm2d passed itself comes back converted. The tests
+    # hold it against nn.SyncBatchNorm.convert_sync_batchnorm on the ConvNet, then train the
+    # converted ConvNet under torch's DDP on 2 ranks against one process on the whole batch.
     if isinstance(module, nn.BatchNorm2d) and not isinstance(module, SyncBatchNorm2d):
         layer = SyncBatchNorm2d(
             module.num_features,
@@ -287,6 +337,7 @@ def convert_sync_batchnorm(
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child, process_group))
     return module
+    # END STEP 6
 
 
 # --------------------------------------------------------------------------- plumbing

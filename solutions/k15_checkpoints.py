@@ -119,6 +119,14 @@ LR, MOMENTUM = 0.05, 0.9
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, step: int) -> None:
     """Write ``{"model", "optimizer", "step"}`` to ``path`` from global rank 0 alone; return on
     every rank once the file is complete. Every rank must call it."""
+    # BEGIN STEP 1: save from rank 0, then wait together
+    # TODO: afterwards a file at path holds a dict with the keys of CHECKPOINT_KEYS: the state_dict
+    # of the model itself (torch's DDP keeps it in model.module, and a plain model cannot load the
+    # wrapper's "module."-prefixed keys), the optimizer's state_dict (momentum is state too) and
+    # the step. Only global rank 0 writes it (whatever LOCAL_RANK says), and no rank returns
+    # before the file is complete. Every rank calls this function. The tests run 4 ranks laid
+    # out as 2 nodes x 2, record every torch.save, slow rank 0's write down, and note when each
+    # rank returns; a rank that waits for ever ends as the harness's deadlock report.
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     if dist.get_rank() == 0:  # the global rank: one writer for the whole job
         checkpoint = {
@@ -128,11 +136,19 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, step: 
         }
         torch.save(checkpoint, path)
     dist.barrier()  # every rank, outside the if: nobody goes on before the file is complete
+    # END STEP 1
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer) -> int:
     """Load the checkpoint at ``path`` into ``model`` (the one inside its wrapper) and
     ``optimizer`` on this rank; return its step."""
+    # BEGIN STEP 2: load on every rank, onto its own device
+    # TODO: afterwards this rank's model (the one inside the wrapper, when there is one) and
+    # optimizer hold the checkpoint's state, every tensor on this rank's device (never the
+    # device it was saved from), and the checkpoint's step is returned as an int. A file
+    # without the keys of CHECKPOINT_KEYS raises ValueError naming the ones it lacks. The tests
+    # load one checkpoint on 2 ranks whose models differ, compare every weight and momentum
+    # buffer, and record each torch.load and its map_location.
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     device = next(inner.parameters()).device
     checkpoint = torch.load(path, map_location=device)  # onto this rank's device, not rank 0's
@@ -145,6 +161,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer) -> int
     inner.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     return int(checkpoint["step"])
+    # END STEP 2
 
 
 def train(
@@ -170,12 +187,21 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     run = Run(rank, world_size, model_name, interrupt_at)
 
+    # BEGIN STEP 3: the loop that resumes and saves
+    # TODO: train steps 0..steps-1 with run.step(ddp, optimizer, step), but a run that finds a
+    # checkpoint file goes on from the step it holds, with its state; after each step whose count
+    # of steps done is a multiple of save_every, save that count (every rank calls the save).
+    # Return run.result(ddp, optimizer, start), start being the step this run started from. The
+    # tests train 8 steps, crash a run after 5 (run.step raises Interrupted), restart it, and
+    # demand the uninterrupted run's weights and momentum bit for bit on every rank; they note
+    # every step, save and load, and name the ranks that saved when the others did not.
     start = load_checkpoint(checkpoint, ddp, optimizer) if os.path.exists(checkpoint) else 0
     for step in range(start, steps):
         run.step(ddp, optimizer, step)
         if (step + 1) % save_every == 0:
             save_checkpoint(checkpoint, ddp, optimizer, step + 1)  # on every rank: a collective
     return run.result(ddp, optimizer, start)
+    # END STEP 3
 
 
 # --------------------------------------------------------------------------- plumbing

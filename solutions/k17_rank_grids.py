@@ -76,6 +76,11 @@ from dojo.launch import add_launch_arguments, launch_world
 
 def check_grid_shape(world_size: int, data_parallel: int, tensor_parallel: int) -> None:
     """A grid's shape must cover the world exactly: a ValueError saying what is wrong otherwise."""
+    # BEGIN STEP 1: the grid: a rank's row and column, every row and every column
+    # TODO: nothing when data_parallel x tensor_parallel covers the world exactly; otherwise a
+    # ValueError that names the shape and the world size and says what to do (sizes whose product is
+    # the world size). A size that is not a positive whole number is a ValueError too. The tests try
+    # 3 x 2 and 4 x 4 on 4 ranks, 2 x 2 on 6 and on 8, through the three functions below.
     sizes = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -86,6 +91,7 @@ def check_grid_shape(world_size: int, data_parallel: int, tensor_parallel: int) 
             f"{data_parallel * tensor_parallel} ranks, but the world has {world_size}: choose "
             "sizes whose product is the world size"
         )
+    # END STEP 1
 
 
 def grid_position(
@@ -96,27 +102,43 @@ def grid_position(
     The row is the rank's data-parallel index (which copy of the model), the column its
     tensor-parallel index (which piece of it); ranks fill the grid row by row.
     """
+    # BEGIN STEP 1: the grid: a rank's row and column, every row and every column
+    # TODO: (row, column) of rank, the ranks laid out row by row as
+    # torch.arange(world_size).view(data_parallel, tensor_parallel) (and init_device_mesh) lays them
+    # out; a bad shape (check_grid_shape) or a rank outside the world is a ValueError. The tests try
+    # every rank of 2x2, 1x4, 4x1, 2x3 and 3x2 grids, and ranks 4 and -1 of a world of 4.
     check_grid_shape(world_size, data_parallel, tensor_parallel)
     if not 0 <= rank < world_size:
         raise ValueError(
             f"rank {rank} is not in a world of {world_size} ranks (0..{world_size - 1})"
         )
     return rank // tensor_parallel, rank % tensor_parallel
+    # END STEP 1
 
 
 def grid_rows(world_size: int, data_parallel: int, tensor_parallel: int) -> list[list[int]]:
     """Every row's ranks, row 0 first: the tensor-parallel groups (``data_parallel`` of them)."""
+    # BEGIN STEP 1: the grid: a rank's row and column, every row and every column
+    # TODO: every row's ranks as lists, row 0 first: data_parallel lists of tensor_parallel ranks
+    # each, equal to torch.arange(world_size).view(data_parallel, tensor_parallel).tolist(); a bad
+    # shape is a ValueError (check_grid_shape). Tested on 2x2, 1x4, 4x1, 2x3 and 3x2 grids.
     check_grid_shape(world_size, data_parallel, tensor_parallel)
     return [
         list(range(row * tensor_parallel, (row + 1) * tensor_parallel))
         for row in range(data_parallel)
     ]
+    # END STEP 1
 
 
 def grid_columns(world_size: int, data_parallel: int, tensor_parallel: int) -> list[list[int]]:
     """Every column's ranks, column 0 first: the data-parallel groups (``tensor_parallel``)."""
+    # BEGIN STEP 1: the grid: a rank's row and column, every row and every column
+    # TODO: every column's ranks as lists, column 0 first: tensor_parallel lists of data_parallel
+    # ranks each, the columns of torch.arange(world_size).view(data_parallel, tensor_parallel); a
+    # bad shape is a ValueError (check_grid_shape). Tested on the same grids.
     check_grid_shape(world_size, data_parallel, tensor_parallel)
     return [list(range(column, world_size, tensor_parallel)) for column in range(tensor_parallel)]
+    # END STEP 1
 
 
 class RankGrid:
@@ -141,19 +163,40 @@ class RankGrid:
 
     def _make_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """Every row's and column's group, made by every rank in the same order; this rank's two."""
+        # BEGIN STEP 2: the groups: every row and every column, made by every rank in the same order
+        # TODO: (the group of this rank's row, the group of its column), made with dist.new_group.
+        # Every rank of the world takes part in making every row's and every column's group, members
+        # or not, in the same order on every rank, each group once. The tests replace new_group by a
+        # recorder (no real group, so nothing can hang) and compare every rank's calls, in 2x2, 2x3
+        # and 3x2 grids; then, with real groups, dist.get_process_group_ranks of both groups on
+        # every rank against init_device_mesh's "tp" and "dp" groups, in 2x2, 1x4, 4x1, 2x3 and 3x2
+        # grids.
         shape = (self.world_size, self.data_parallel, self.tensor_parallel)
         rows = [dist.new_group(ranks) for ranks in grid_rows(*shape)]  # all of them, everywhere
         columns = [dist.new_group(ranks) for ranks in grid_columns(*shape)]
         return rows[self.row], columns[self.column]
+        # END STEP 2
 
     def sum_over_row(self, tensor: torch.Tensor) -> None:
         """In place: the sum of ``tensor`` over this rank's row (its tensor-parallel group)."""
+        # BEGIN STEP 3: collectives inside a row and inside a column
+        # TODO: in place, tensor becomes the sum of its values over this rank's row (the
+        # tensor-parallel group), and only the row's ranks take part. The tests record which group
+        # each call used: one all-reduce, on the row's group; in a 2x3 grid row 0 sums while row 1
+        # calls nothing (and must not be waited for); every row at once in 3x2 and 1x4 grids.
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.tensor_group)
+        # END STEP 3
 
     def average_over_column(self, tensor: torch.Tensor) -> None:
         """In place: the mean of ``tensor`` over this rank's column (its data-parallel group)."""
+        # BEGIN STEP 3: collectives inside a row and inside a column
+        # TODO: in place, tensor becomes the mean of its values over this rank's column (the
+        # data-parallel group), only the column's ranks taking part. The tests record which group
+        # each all-reduce used and compare the result with the column's mean (to a few ulps) in 3x2
+        # and 2x3 grids of 6 ranks, where the world's size and the column's differ.
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_group)
         tensor /= len(self.column_ranks)  # SUM, then divide: ReduceOp.AVG is not on every backend
+        # END STEP 3
 
 
 # --------------------------------------------------------------------------- the program

@@ -87,6 +87,15 @@ def assign_owners(
     """The owner rank of each of ``sizes`` (element counts), balanced: largest first, each to
     the rank with the least load so far (ties: the lower index first, the lower rank), starting
     from ``loads`` (elements each rank already owns; None: nothing yet)."""
+    # BEGIN STEP 1: assign_owners: who keeps which parameter's state
+    # TODO: the owner rank of each size (a list as long as sizes), balanced: the largest size
+    # first (ties: the lower index first), each to the rank with the least load so far (ties:
+    # the lower rank), the loads starting from `loads` (None: all zero; the list given is not
+    # changed). The same sizes always give the same owners, and no random number generator is
+    # touched: every rank computes this and must agree. A world_size that is not a positive
+    # int, or loads not one per rank, is a ValueError saying so. The tests check the lesson's
+    # example, alternating big and small sizes, ties, carried loads, one rank and no sizes,
+    # and that torch's and Python's RNG states are unchanged.
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     loads = [0] * world_size if loads is None else list(loads)
@@ -100,6 +109,7 @@ def assign_owners(
         owners[index] = rank
         loads[rank] += sizes[index]
     return owners
+    # END STEP 1
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -119,6 +129,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         **defaults,
     ):
+        # BEGIN STEP 2: __init__: an Optimizer, owners, the inner optimizer
+        # TODO: afterwards self is a torch.optim.Optimizer whose param_groups hold every parameter
+        # (params read once: it may be a generator), with self.process_group, self.rank and
+        # self.world_size (read from the group: None is the world), self.optimizer_cls,
+        # self.owners (each parameter -> its owner's rank in the group), self.loads (elements
+        # owned per rank) and self.inner: optimizer_cls(one group per param group, with its
+        # options and only this rank's parameters, **defaults), the keyword arguments passed on
+        # untouched. torch.optim.Optimizer.__init__ calls self.add_param_group for every group;
+        # add_param_group (written) shards a group itself only once self.inner is set. The tests
+        # record optimizer_cls's arguments, check every parameter is in exactly one rank's inner
+        # optimizer, the same on every rank, balanced by size, with the RNGs untouched, on 2 and 3
+        # ranks, for a generator and for two groups with options of their own (lr, weight_decay).
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -131,9 +153,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner = optimizer_cls(
             [self._owned_part(group) for group in self.param_groups], **defaults
         )
+        # END STEP 2
 
     def _owned_part(self, group: dict) -> dict:
         """``group``'s options with only this rank's parameters; its new parameters get owners."""
+        # BEGIN STEP 2: __init__: an Optimizer, owners, the inner optimizer
+        # TODO: group's options (every key but params, as they are) with params narrowed to the
+        # parameters this rank owns, in their order. Parameters of the group without an owner yet
+        # get one here, from assign_owners on their numel(), on top of self.loads (updated), so
+        # that a group added later does not move the owners of earlier ones.
         params = group["params"]
         new = [p for p in params if p not in self.owners]
         for param, owner in zip(
@@ -142,6 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.owners[param] = owner
             self.loads[owner] += param.numel()
         return {**group, "params": [p for p in params if self.owners[p] == self.rank]}
+        # END STEP 2
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer``'s (its checks, the defaults filled in); after construction
@@ -153,10 +182,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _shard_new_group(self, group: dict) -> None:
         """A group added after construction: owners for its parameters, its part to ``inner``."""
+        # BEGIN STEP 4: add_param_group: shard a group added later
+        # TODO: group (already in self.param_groups, its defaults filled in) is sharded like the
+        # groups given at construction: its parameters get owners on top of the loads so far
+        # (earlier parameters keep theirs, and their state) and its owned part joins self.inner as
+        # a new group. The tests add a group after one step and compare the next steps with
+        # unsharded AdamW.
         self.inner.add_param_group(self._owned_part(group))
+        # END STEP 4
 
     @torch.no_grad()
     def step(self, closure=None):
+        # BEGIN STEP 3: step: update what you own, broadcast every parameter from its owner
+        # TODO: one optimizer step on every rank: the inner optimizer updates the parameters this
+        # rank owns (with the options of self.param_groups, which a scheduler may have changed),
+        # then every rank holds every parameter's new value, broadcast from its owner, every
+        # parameter in the same order on every rank, on self.process_group (src: a rank of the
+        # whole world). A closure, if given, is called (with grad enabled) and its loss returned.
+        # The tests record every call of step(): exactly one broadcast per parameter, from its
+        # owner, the same sequence on every rank, and compare 3 AdamW steps bitwise with unsharded
+        # AdamW and torch's ZeroRedundancyOptimizer, on 2 and 3 ranks and in the subgroups [0, 2]
+        # and [1, 3] of a world of 4; then they change lr and weight_decay after a step (by hand,
+        # and with an LR scheduler), read the options every inner step ran with, and check that
+        # step(closure) returns the closure's loss.
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -170,6 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 source = dist.get_global_rank(group, self.owners[param])
                 dist.broadcast(param, src=source, group=self.process_group)
         return loss
+        # END STEP 3
 
     def local_state_bytes(self) -> int:
         """Bytes of the optimizer state this rank holds (its inner optimizer's tensors)."""

@@ -161,6 +161,13 @@ def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group=None) ->
 def shard_of(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Piece ``rank`` of ``flat`` padded with zeros to a multiple of ``world_size``: a new
     tensor of ``ceil(len(flat) / world_size)`` elements, the same dtype and device."""
+    # BEGIN STEP 1: shard_of: pad, then keep one piece
+    # TODO: piece `rank` of flat after padding it with zeros to a multiple of world_size: a
+    # new tensor (not a view of flat) of ceil(len(flat) / world_size) elements, flat's dtype
+    # and device; rank r's piece holds elements [r * chunk, (r + 1) * chunk) of the padded
+    # vector. A world_size that is not a positive int, a rank outside 0..world_size-1 or a
+    # flat that is not 1-D is a ValueError saying so. The tests check 10 elements on 3 ranks,
+    # 8 on 2, 3 on 4 and 5 on 1, float64, and that changing the piece leaves flat alone.
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not 0 <= rank < world_size:
@@ -171,6 +178,7 @@ def shard_of(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     padded = torch.zeros(chunk * world_size, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     return padded[rank * chunk : (rank + 1) * chunk].clone()
+    # END STEP 1
 
 
 def gather_shard(
@@ -178,12 +186,19 @@ def gather_shard(
 ) -> torch.Tensor:
     """The full flat vector (padded) from every rank's shard, in ``compute_dtype`` (None: the
     shard's dtype), cast before the all-gather; no autograd."""
+    # BEGIN STEP 3: gather_shard and AllGatherShard: all-gather forward, reduce-scatter backward
+    # TODO: the full flat vector (padding included, len(shard) * the group's size) made of
+    # every rank's shard in rank order, with one all-gather on group (all_gather_flat); the
+    # shard is cast to compute_dtype before the gather when one is given, so the result has
+    # that dtype. No autograd: the shard is detached. The tests gather 10 elements on 3 ranks
+    # in fp32 and float16.
     piece = shard.detach() if compute_dtype is None else shard.detach().to(compute_dtype)
     full = torch.empty(
         piece.numel() * dist.get_world_size(group), dtype=piece.dtype, device=piece.device
     )
     all_gather_flat(full, piece.contiguous(), group)
     return full
+    # END STEP 3
 
 
 class AllGatherShard(torch.autograd.Function):
@@ -200,17 +215,28 @@ class AllGatherShard(torch.autograd.Function):
         compute_dtype: torch.dtype | None,
         gathered: torch.Tensor | None = None,
     ):
+        # BEGIN STEP 3: gather_shard and AllGatherShard: all-gather forward, reduce-scatter backward
+        # TODO: the full vector: `gathered` when it is given (a prefetch gathered it already: no
+        # collective here), else gather_shard's; keep on ctx what backward needs (the group, the
+        # shard's dtype).
         ctx.group, ctx.dtype = group, shard.dtype
         return gather_shard(shard, group, compute_dtype) if gathered is None else gathered
+        # END STEP 3
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
+        # BEGIN STEP 3: gather_shard and AllGatherShard: all-gather forward, reduce-scatter backward
+        # TODO: the shard's gradient: the mean over the group's ranks of this rank's piece of
+        # grad_full (one reduce-scatter, reduce_scatter_flat, then divided by the group's size),
+        # in the shard's dtype; None for group, compute_dtype and gathered. The tests record one
+        # reduce-scatter (no all-reduce) and check the mean, in fp32 and with float16.
         size = dist.get_world_size(ctx.group)
         grad = torch.empty(
             grad_full.numel() // size, dtype=grad_full.dtype, device=grad_full.device
         )
         reduce_scatter_flat(grad, grad_full.contiguous(), ctx.group)
         return (grad / size).to(ctx.dtype), None, None, None
+        # END STEP 3
 
 
 def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -324,6 +350,19 @@ class FullyShardedModule(nn.Module):
     def _shard_units(self) -> None:
         """``self.units`` and ``self.shards``: every unit's parameters, flat and sharded; the
         modules keep none of them."""
+        # BEGIN STEP 2: _shard_units: one flat shard per unit
+        # TODO: one ShardedUnit in self.units per module of self.module that is one of
+        # self.shard_types (in named_modules() order) and has parameters to take: every parameter
+        # beneath it (named_parameters() order) except those beneath a deeper unit, which that unit
+        # takes. The unit records its module, its name in the model as prefix ("" for the model
+        # itself), its parameters' names relative to the unit's module ("mlp.up.weight") and shapes,
+        # their elements together, and as shard this rank's piece (shard_of, with the rank in
+        # self.process_group) of those parameters laid end to end, a new fp32 nn.Parameter also
+        # appended to self.shards. The modules keep none of these parameters (each attribute left as
+        # None until forward sets it: owner_of finds where a name lives). Parameters of no unit stay
+        # where they are. The tests check every Linear and Embedding of TinyTransformer on 2 and 3
+        # ranks and in the group [1, 2] of 3, and units of (Block, TinyTransformer): the modules' own
+        # parameters, each shard's size and values, and wrapper.parameters().
         units = {p: m for p, m in self.module.named_modules() if isinstance(m, self.shard_types)}
         taken: dict[str, list[tuple[str, nn.Parameter]]] = {prefix: [] for prefix in units}
         for name, param in self.module.named_parameters():
@@ -347,6 +386,7 @@ class FullyShardedModule(nn.Module):
                 setattr(owner, attribute, None)
             self.units.append(unit)
             self.shards.append(shard)
+        # END STEP 2
 
     def _unshard(self, unit: ShardedUnit) -> torch.Tensor:
         """The unit's full flat vector (no autograd), kept in ``unit.full`` until ``_reshard``:
@@ -376,6 +416,13 @@ class FullyShardedModule(nn.Module):
     def _before_forward(self, unit: ShardedUnit, module: nn.Module, args: tuple):
         """The unit's forward pre-hook: its full parameters, gathered, as its modules'
         attributes; its vector freed once its gradient is done."""
+        # BEGIN STEP 4: the hooks: gather before each unit, free after, gather again in backward
+        # TODO: the unit's forward pre-hook: its parameters (unit.names) set on their modules as
+        # views, in their shapes, of the full vector AllGatherShard.apply gives for the vector
+        # self._unshard(unit) gathered (so autograd carries their gradients to the shard), that
+        # vector's storage remembered in self._live for _pack, and self._after_backward(unit, grad)
+        # called once the whole vector's gradient is done (a hook on it, when it requires grad).
+        # With a compute_dtype, return the args with floating tensors cast to it (else None).
         full = AllGatherShard.apply(
             unit.shard, self.process_group, self.compute_dtype, self._unshard(unit)
         )
@@ -393,6 +440,7 @@ class FullyShardedModule(nn.Module):
             a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
             for a in args
         )
+        # END STEP 4
 
     def _forward_hook(self, unit: ShardedUnit, module: nn.Module, args: tuple, output):
         """After a unit's forward: freed (``reshard_after_forward``), or kept for backward."""
@@ -402,6 +450,13 @@ class FullyShardedModule(nn.Module):
 
     def _after_forward(self, unit: ShardedUnit, module: nn.Module, args: tuple, output):
         """The unit's forward hook: its full parameters freed (the shard stays)."""
+        # BEGIN STEP 4: the hooks: gather before each unit, free after, gather again in backward
+        # TODO: the unit's forward hook: nothing of its full weights left (its parameters'
+        # attributes back to None, the unit resharded: self._reshard); with a compute_dtype a
+        # floating output comes back cast to the shard's dtype (else return None). The tests watch
+        # every gathered storage and measure the full weights alive at each unit's forward and each
+        # all-gather: at most the largest layer's (a unit per layer), the model's unit and a block's
+        # (a unit per block).
         for name in unit.names:
             owner, attribute = owner_of(module, name)
             setattr(owner, attribute, None)
@@ -409,21 +464,35 @@ class FullyShardedModule(nn.Module):
         if self.compute_dtype is not None and torch.is_tensor(output):
             return output.to(unit.shard.dtype) if output.is_floating_point() else output
         return None
+        # END STEP 4
 
     def _pack(self, tensor: torch.Tensor):
         """Autograd saves ``tensor`` for backward: a view of a gathered unit becomes a note."""
+        # BEGIN STEP 4: the hooks: gather before each unit, free after, gather again in backward
+        # TODO: a tensor autograd saves while the wrapper runs forward: a view of a gathered
+        # unit's vector (its storage in self._live) becomes a note saying which unit and the view's
+        # size, stride and storage offset; anything else is kept as it is.
         unit = self._live.get(tensor.untyped_storage().data_ptr())
         if unit is None:
             return tensor
         return (unit, tensor.size(), tensor.stride(), tensor.storage_offset())
+        # END STEP 4
 
     def _unpack(self, saved):
         """Backward needs a saved tensor: for a note, the same view of the unit's vector (gathered
         again at the unit's first note, kept for its others: one gather per unit)."""
+        # BEGIN STEP 4: the hooks: gather before each unit, free after, gather again in backward
+        # TODO: what backward gets back: a kept tensor as it is; for a note, the same view
+        # (as_strided) of the unit's full vector, gathered again for the unit's first note and
+        # reused for its others (self._unshard: one gather per unit in backward). The tests count the
+        # all-gathers in forward (one per unit) and in backward (one per unit whose backward needs
+        # its weights), and compare the output and the shards' gradients with the unsharded model on
+        # 2 and 3 ranks.
         if torch.is_tensor(saved):
             return saved
         unit, size, stride, offset = saved
         return self._unshard(unit).as_strided(size, stride, offset)
+        # END STEP 4
 
     def _after_backward(self, unit: ShardedUnit, grad: torch.Tensor) -> None:
         """The gradient of the unit's whole vector is done (its reduce-scatter comes next): the
@@ -434,24 +503,44 @@ class FullyShardedModule(nn.Module):
         """``reshard_after_forward=False``: the unit's forward hook. Its modules' attributes let
         go, but its full vector stays gathered for backward (no gather there); freed once its
         gradient is done."""
+        # BEGIN STEP 6: prefetch and keep: the next unit gathered ahead, or every unit kept
+        # TODO: the forward hook when reshard_after_forward is off: as _after_forward (the
+        # attributes back to None, the output cast), but the unit's full vector stays gathered for
+        # backward (its notes use it: no gather in backward); _after_backward frees it once the
+        # unit's gradient is done. The tests count no all-gather in backward and every unit's full
+        # weights alive at the end of forward.
         for name in unit.names:
             owner, attribute = owner_of(module, name)
             setattr(owner, attribute, None)
         if self.compute_dtype is not None and torch.is_tensor(output):
             return output.to(unit.shard.dtype) if output.is_floating_point() else output
         return None
+        # END STEP 6
 
     def _next_unit(self, unit: ShardedUnit) -> ShardedUnit | None:
         """The unit gathered after ``unit`` in this phase, by the order of the last step's."""
+        # BEGIN STEP 6: prefetch and keep: the next unit gathered ahead, or every unit kept
+        # TODO: the unit that will be gathered right after `unit` in this phase (self._phase,
+        # "forward" or "backward"), by the order the last step gathered them in (self._order[phase];
+        # in backward the units run the other way round), or None: the last one, or one that order
+        # does not hold (the first step has no order yet).
         order = self._order[self._phase]
         for index, known in enumerate(order[:-1]):
             if known is unit:
                 return order[index + 1]
         return None
+        # END STEP 6
 
     def _prefetch(self, unit: ShardedUnit | None) -> None:
         """The unit's all-gather launched now, asynchronously (``unit.pending``): it travels while
         this unit computes. Nothing for None, nor for a unit gathered or launched already."""
+        # BEGIN STEP 6: prefetch and keep: the next unit gathered ahead, or every unit kept
+        # TODO: the unit's all-gather launched without waiting for it (all_gather_flat with
+        # async_op=True; on the wrapper's group, cast to compute_dtype as gather_shard does), the
+        # work handle and the vector it fills kept in unit.pending for _unshard; nothing for None
+        # or for a unit that is gathered already (unit.full) or has a gather pending. The tests
+        # record, from the second step on, every all-gather after a phase's first launched async
+        # and waited for before its unit runs, and at most two units' full weights alive at once.
         if unit is None or unit.full is not None or unit.pending is not None:
             return
         piece = unit.shard.detach()
@@ -460,26 +549,42 @@ class FullyShardedModule(nn.Module):
         full = torch.empty(piece.numel() * self.world_size, dtype=piece.dtype, device=piece.device)
         work = all_gather_flat(full, piece.contiguous(), self.process_group, async_op=True)
         unit.pending = (work, full)
+        # END STEP 6
 
     def _wait(self, unit: ShardedUnit) -> torch.Tensor:
         """The vector a prefetch launched, once its gather is done (``unit.pending`` cleared)."""
+        # BEGIN STEP 6: prefetch and keep: the next unit gathered ahead, or every unit kept
+        # TODO: the vector unit.pending's gather fills, once that gather is done (the vector is
+        # not filled before), with unit.pending cleared.
         work, full = unit.pending
         unit.pending = None
         work.wait()
         return full
+        # END STEP 6
 
     def finish_gradient_synchronization(self) -> None:
         """After backward: every replicated parameter's gradient is its mean over the ranks (the
         shards' gradients are already the means of their pieces)."""
+        # BEGIN STEP 5: finish_gradient_synchronization and gather_full_params
+        # TODO: afterwards every parameter still in self.module (the replicated ones) that has a
+        # gradient holds its mean over the group's ranks, every rank calling the same collectives
+        # in the same order; the shards' gradients are left alone. The tests train 3 SGD and AdamW
+        # steps on 2 and 3 ranks and in a subgroup and compare with one process (bitwise on 2
+        # ranks).
         with torch.no_grad():
             for param in self.module.parameters():
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=self.process_group)
                     param.grad /= self.world_size
+        # END STEP 5
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, full and fp32, keyed by the model's own names, in its
         order (a collective: every rank of the group must call it)."""
+        # BEGIN STEP 5: finish_gradient_synchronization and gather_full_params
+        # TODO: every parameter of the model, full, fp32 (no compute_dtype here), padding dropped,
+        # keyed by the model's own names (self.names, in that order: 'blocks.0.mlp.up.weight', no
+        # wrapper prefix). A collective: every rank calls it.
         found = {}
         for unit in self.units:
             full = gather_shard(unit.shard, self.process_group)
@@ -491,6 +596,7 @@ class FullyShardedModule(nn.Module):
         for name, param in self.module.named_parameters():
             found[name] = param.detach().clone()
         return {name: found[name] for name in self.names}
+        # END STEP 5
 
 
 # --------------------------------------------------------------------------- the program

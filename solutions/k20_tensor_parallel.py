@@ -93,14 +93,24 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # BEGIN STEP 1: f and g: the conjugate operators
+        # TODO: f's forward: x's values unchanged (no communication), and whatever backward needs
+        # kept in ctx. The tests record every call: none in forward, and x itself unchanged.
         ctx.group = group
         return x.view_as(x)  # the same values: every rank of the region reads all of x
+        # END STEP 1
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # BEGIN STEP 1: f and g: the conjugate operators
+        # TODO: f's backward: the gradient's SUM over the group (the group forward was given; None
+        # is the world) without changing the tensor autograd passed in, and None for the group
+        # argument. The tests record exactly one all-reduce (a sum, on the group) on 2 ranks and in
+        # two subgroups of 4, and compare the gradient exactly.
         grad = grad.clone()  # autograd's tensor is not ours to change in place
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None  # no gradient for the group
+        # END STEP 1
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
@@ -108,13 +118,22 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # BEGIN STEP 1: f and g: the conjugate operators
+        # TODO: g's forward: a new tensor holding the SUM of x over the group (None: the world); x
+        # itself stays as it was. The tests record exactly one all-reduce (a sum, on the group) and
+        # compare the values exactly, on 2 ranks and in two subgroups of 4.
         total = x.clone()  # a new tensor: the caller's partial stays as it was
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
+        # END STEP 1
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # BEGIN STEP 1: f and g: the conjugate operators
+        # TODO: g's backward: the gradient as it came (no communication), and None for the group.
+        # The tests record that backward calls nothing.
         return grad, None  # d(sum)/d(each partial) = 1: every rank's partial gets it as it is
+        # END STEP 1
 
 
 def copy_to_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None = None):
@@ -129,6 +148,11 @@ def reduce_from_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None
 
 def shard_range(features: int, group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
     """``(start, end)`` of this rank's share of ``features``; ValueError when they do not divide."""
+    # BEGIN STEP 2: ColumnParallelLinear: my output features
+    # TODO: (start, end) of this rank's equal share of `features`, in order of the ranks IN THE
+    # GROUP (None: the world), so that the group's ranks cover 0..features - 1 once. Features that
+    # do not divide by the group's size are a ValueError naming both numbers and what to do. The
+    # tests run in the world and in subgroups [0, 1] and [2, 3], and try 64 features on 3 ranks.
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if features % size:
         raise ValueError(
@@ -137,6 +161,7 @@ def shard_range(features: int, group: dist.ProcessGroup | None, what: str) -> tu
         )
     share = features // size
     return rank * share, (rank + 1) * share
+    # END STEP 2
 
 
 class ColumnParallelLinear(nn.Module):
@@ -156,15 +181,27 @@ class ColumnParallelLinear(nn.Module):
 
     def _shard(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows of ``linear.weight`` and entries of its bias (copies), or ValueError."""
+        # BEGIN STEP 2: ColumnParallelLinear: my output features
+        # TODO: (weight, bias): copies of this rank's output features of linear (its slice of
+        # linear.weight's rows, the same entries of linear.bias; None without a bias), not views
+        # that keep the full matrix alive. The tests compare them with the dense layer's slices, on
+        # 2 and 4 ranks and in subgroups, and measure the bytes behind the weight.
         start, end = shard_range(linear.out_features, self.process_group, "ColumnParallelLinear")
         with torch.no_grad():
             weight = linear.weight[start:end].clone()  # rows = output features
             bias = linear.bias[start:end].clone() if linear.bias is not None else None
         return weight, bias
+        # END STEP 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 2: ColumnParallelLinear: my output features
+        # TODO: this rank's slice of the dense layer's output, from the full x; x's gradient must
+        # come out as the dense layer's (every rank's slice contributed to it). The tests record the
+        # calls (none forward, one all-reduce backward) and compare the output, x's gradient and
+        # this rank's weight and bias gradients with the dense layer's slices.
         x = copy_to_parallel_region(x, self.process_group)  # f: x's gradient sums every slice's
         return F.linear(x, self.weight, self.bias)
+        # END STEP 2
 
 
 class RowParallelLinear(nn.Module):
@@ -184,34 +221,61 @@ class RowParallelLinear(nn.Module):
 
     def _shard(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's columns of ``linear.weight`` and the whole bias (copies), or ValueError."""
+        # BEGIN STEP 3: RowParallelLinear: my input features, summed, the bias once
+        # TODO: (weight, bias): a copy of this rank's input features of linear (its slice of
+        # linear.weight's columns) and a copy of the whole bias (None without one). The tests
+        # compare them with the dense layer's, on 2 and 4 ranks and in subgroups, and measure the
+        # bytes behind the weight.
         start, end = shard_range(linear.in_features, self.process_group, "RowParallelLinear")
         with torch.no_grad():
             weight = linear.weight[:, start:end].clone()  # columns = input features
             bias = linear.bias.clone() if linear.bias is not None else None
         return weight, bias
+        # END STEP 3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 3: RowParallelLinear: my input features, summed, the bias once
+        # TODO: the dense layer's whole output on every rank, from this rank's slice of the input
+        # features, the bias counted once. The tests record the calls (one all-reduce forward, none
+        # backward) and compare the output, the input slice's gradient, this rank's weight gradient
+        # and the bias gradient (on every rank) with the dense layer's.
         partial = F.linear(x, self.weight)  # this rank's share of every output
         total = reduce_from_parallel_region(partial, self.process_group)  # g
         return total + self.bias if self.bias is not None else total  # once, after the sum
+        # END STEP 3
 
 
 class ParallelMLP(nn.Module):
     """``dojo.toy_models.MLP`` split over the group: up column-parallel, down row-parallel."""
 
     def __init__(self, mlp: MLP, process_group: dist.ProcessGroup | None = None):
+        # BEGIN STEP 4: ParallelMLP: one all-reduce forward, one backward
+        # TODO: self.up and self.down: mlp's up and down layers split over process_group (None: the
+        # world), up by its output features and down by its input features; no other parameters. The
+        # tests read the parameters' names (up.weight, up.bias, down.weight, down.bias).
         super().__init__()
         self.up = ColumnParallelLinear(mlp.up, process_group)
         self.down = RowParallelLinear(mlp.down, process_group)
+        # END STEP 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 4: ParallelMLP: one all-reduce forward, one backward
+        # TODO: the dense MLP's output (down(relu(up(x)))) on every rank. The tests record exactly
+        # one all-reduce forward and one backward, and compare the output and every gradient with
+        # the dense MLP's on 2 and 4 ranks and in subgroups, and with torch's parallelize_module.
         return self.down(torch.relu(self.up(x)))  # relu on my own features: no communication
+        # END STEP 4
 
 
 class ParallelAttention(nn.Module):
     """``dojo.toy_models.Attention`` split by whole heads: q, k, v column-, out row-parallel."""
 
     def __init__(self, attention: Attention, process_group: dist.ProcessGroup | None = None):
+        # BEGIN STEP 5: ParallelAttention: whole heads per rank
+        # TODO: query, key and value split by output features and out by input features over
+        # process_group (None: the world), so each rank holds whole heads; self.head_dim and
+        # self.local_heads (the heads this rank holds) for forward. A group size that does not
+        # divide the number of heads is a ValueError naming both. The tests try 2 heads on 4 ranks.
         super().__init__()
         self.process_group = process_group
         self.head_dim = attention.head_dim
@@ -227,8 +291,14 @@ class ParallelAttention(nn.Module):
         self.key = ColumnParallelLinear(attention.key, process_group)
         self.value = ColumnParallelLinear(attention.value, process_group)
         self.out = RowParallelLinear(attention.out, process_group)
+        # END STEP 5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 5: ParallelAttention: whole heads per rank
+        # TODO: the dense attention's output on every rank: causal attention over this rank's own
+        # heads, then out. The tests record exactly one all-reduce forward and one backward (the
+        # three projections read the same x), and compare the output and every gradient with the
+        # dense attention's on 2 and 4 ranks and in subgroups, and with torch's parallelize_module.
         batch, length, _ = x.shape
         x = copy_to_parallel_region(x, self.process_group)  # one f for the three projections
 
@@ -242,6 +312,7 @@ class ParallelAttention(nn.Module):
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         attended = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
         return self.out(attended.transpose(1, 2).reshape(batch, length, -1))  # g inside out
+        # END STEP 5
 
 
 # --------------------------------------------------------------------------- the program

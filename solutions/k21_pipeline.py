@@ -133,6 +133,14 @@ class Stage(nn.Module):
 
 def split_stages(model: TinyTransformer, stages: int, rank: int) -> Stage:
     """Rank ``rank``'s stage of ``model`` cut into ``stages`` consecutive stages."""
+    # BEGIN STEP 1: split_stages: this rank's piece of the model
+    # TODO: rank's Stage of the model cut into `stages` consecutive stages: the model's own modules
+    # (no copies), blocks keyed by their index in the model, spread as evenly as possible with the
+    # extra ones (blocks % stages) on the first stages; the embedding on the first stage only, the
+    # norm and the output on the last only. A count of stages that leaves a stage without a block
+    # (or is below 1), or a rank outside 0..stages - 1, is a ValueError saying what does not fit.
+    # The tests cut 4 blocks over 1 to 4 stages (names, identities, the chained forward) and try
+    # counts and ranks that do not fit.
     blocks = len(model.blocks)
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= blocks:
         raise ValueError(
@@ -151,6 +159,7 @@ def split_stages(model: TinyTransformer, stages: int, rank: int) -> Stage:
         norm=model.norm if last else None,
         output=model.output if last else None,
     )
+    # END STEP 1
 
 
 def _check(stages: int, micro_batches: int, rank: int) -> None:
@@ -163,12 +172,22 @@ def _check(stages: int, micro_batches: int, rank: int) -> None:
 
 def gpipe_actions(stages: int, micro_batches: int, rank: int) -> list[Action]:
     """GPipe: every micro-batch's forward, then every backward, in micro-batch order."""
+    # BEGIN STEP 2: the schedules as data: GPipe and 1F1B
+    # TODO: rank's actions under GPipe: every micro-batch's forward, then every backward, both in
+    # micro-batch order, as ("F", i) and ("B", i). Bad arguments are a ValueError (_check does
+    # it). The tests compare the lists for many p, m and ranks.
     _check(stages, micro_batches, rank)
     return [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
+    # END STEP 2
 
 
 def one_f_one_b_actions(stages: int, micro_batches: int, rank: int) -> list[Action]:
     """1F1B: p - 1 - rank warm-up forwards, then one forward one backward, then the rest."""
+    # BEGIN STEP 2: the schedules as data: GPipe and 1F1B
+    # TODO: rank's actions under 1F1B: a warm-up of p - 1 - rank forwards (never more than m),
+    # then one forward and one backward (forward first) while forwards are left, then the
+    # backwards left; micro-batches in order. Bad arguments are a ValueError (_check does it).
+    # The tests compare the lists for many p, m and ranks.
     _check(stages, micro_batches, rank)
     warm_up = min(stages - 1 - rank, micro_batches)
     actions: list[Action] = [("F", i) for i in range(warm_up)]
@@ -178,6 +197,7 @@ def one_f_one_b_actions(stages: int, micro_batches: int, rank: int) -> list[Acti
         forward, backward = forward + 1, backward + 1
     actions += [("B", i) for i in range(backward, micro_batches)]  # cool-down
     return actions
+    # END STEP 2
 
 
 SCHEDULES = {"gpipe": gpipe_actions, "1f1b": one_f_one_b_actions}
@@ -200,6 +220,19 @@ def run_schedule(
     Every rank gets the same ``micro_batches`` (tokens, targets): the first stage reads the
     tokens, the last the targets, the others only their shape. The group's rank r is stage r.
     """
+    # BEGIN STEP 3: run_schedule: activations forward, gradients back
+    # TODO: run the actions in order on this rank's stage (rank r of process_group is stage r). A
+    # forward of micro-batch i: the first stage runs the tokens; the others receive the
+    # activations, of shape tokens.shape + (MODEL_DIM,), from the previous rank; every stage but
+    # the last sends its output to the next. A backward of i: the last stage backpropagates
+    # transformer_loss(output, targets) / number of micro-batches; the others receive the gradient
+    # of their output from the next rank and backpropagate it; every stage but the first sends the
+    # gradient of its input to the previous rank. Gradients accumulate in .grad over the
+    # micro-batches. No rank may wait for ever, for any p and m (peers as global ranks of the
+    # group). Return PipelineRun(the last stage's total loss, else None; the most micro-batches
+    # whose forward ran and backward not yet, held at once). The tests record every send and recv,
+    # compare the gradients with one process (bitwise, looping over the same micro-batches) and
+    # with torch.distributed.pipelining, on 2 and 4 ranks and a subgroup, and check the peak.
     rank = dist.get_rank(process_group)
     size = dist.get_world_size(process_group)
     group = process_group if process_group is not None else dist.group.WORLD
@@ -242,6 +275,7 @@ def run_schedule(
     for work in sends:  # every message delivered before the step ends
         work.wait()
     return PipelineRun(None if total is None else total.item(), peak)
+    # END STEP 3
 
 
 @dataclass
@@ -259,6 +293,13 @@ def simulate(schedules: Sequence[Sequence[Action]]) -> Timeline:
     rank's for its own forward). A schedule whose ranks wait for each other for ever is a
     ``ValueError``.
     """
+    # BEGIN STEP 4: simulate: the clock and the bubble
+    # TODO: place every rank's actions on a clock of ticks: each takes one tick and starts when its
+    # rank is free and its input has arrived (a forward of i on rank r after rank r - 1's forward
+    # of i ended; a backward of i after rank r + 1's backward of i, or on the last rank after its
+    # own forward of i). Return Timeline(the start tick of each action per rank, the tick at which
+    # the last ends, each rank's idle fraction of that length). If no rank can move, ValueError.
+    # The tests check the lesson's pictures, the bubble against (p-1)/(m+p-1), and a stuck schedule.
     p = len(schedules)
     done: dict[tuple[int, str, int], int] = {}  # (rank, kind, i) -> the tick it ends
     ticks: list[list[int]] = [[] for _ in range(p)]
@@ -289,6 +330,7 @@ def simulate(schedules: Sequence[Sequence[Action]]) -> Timeline:
     length = max(free)
     idle = [(length - len(schedules[r])) / length for r in range(p)]
     return Timeline(ticks, length, idle)
+    # END STEP 4
 
 
 def bubble_formula(stages: int, micro_batches: int) -> float:

@@ -82,11 +82,18 @@ class Routing:
 
 def route(logits: torch.Tensor) -> Routing:
     """Top-1 routing of ``logits`` (tokens, experts): expert, gate, sorting order and counts."""
+    # BEGIN STEP 1: route: each token's expert, gate and place
+    # TODO: top-1 routing of logits (tokens, experts): each token's expert (the argmax of its row),
+    # its gate (the softmax probability of that expert, still in the autograd graph), the order
+    # that sorts the tokens by expert keeping their order within an expert, and the number of
+    # tokens per expert (one count per expert, zeros included) as a list of ints. The tests try
+    # hand-made logits (an expert with no token) and random ones of several shapes.
     probabilities = logits.softmax(dim=-1)
     gate, expert = probabilities.max(dim=-1)
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=logits.shape[-1]).tolist()
     return Routing(expert, gate, order, counts)
+    # END STEP 1
 
 
 def exchange_counts(
@@ -98,6 +105,11 @@ def exchange_counts(
 
     The counts travel in tensors on ``device`` (None: the CPU; NCCL moves CUDA tensors only).
     """
+    # BEGIN STEP 2: exchange_counts: who sends me how many
+    # TODO: counts[j] is how many tokens this rank sends rank j; return, as a list of ints, how many
+    # tokens each rank sends this one (element j: rank j's counts[this rank]), learned with one
+    # collective on process_group, its tensors on device. A list of another length than the
+    # group's size is a ValueError. The tests record every rank's calls on 2 and 4 ranks.
     size = dist.get_world_size(process_group)
     if len(counts) != size:
         raise ValueError(
@@ -108,6 +120,7 @@ def exchange_counts(
     receiving = torch.empty(size, dtype=torch.int64, device=device)
     dist.all_to_all_single(receiving, sending, group=process_group)
     return receiving.tolist()
+    # END STEP 2
 
 
 class AllToAll(torch.autograd.Function):
@@ -119,6 +132,10 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, process_group=None):
+        # BEGIN STEP 3: AllToAll: the all-to-all and its backward
+        # TODO: send rows of x to every rank of process_group: input_splits[j] rows (consecutive, in
+        # rank order) to rank j; return the rows received, output_splits[j] from each rank j, in rank
+        # order. Keep on ctx what backward needs. Every rank takes part even with splits of zero.
         ctx.splits = (list(output_splits), list(input_splits))
         ctx.process_group = process_group
         x = x.contiguous()
@@ -131,9 +148,15 @@ class AllToAll(torch.autograd.Function):
             group=process_group,
         )
         return output
+        # END STEP 3
 
     @staticmethod
     def backward(ctx, grad_output):
+        # BEGIN STEP 3: AllToAll: the all-to-all and its backward
+        # TODO: the gradient of x: each received row's gradient goes back to the rank that sent it, to
+        # the place it came from (shaped like x); None for the other arguments. The tests compare it
+        # with torch.distributed.nn.functional.all_to_all_single on 2 and 3 ranks, with uneven and
+        # empty splits.
         output_splits, input_splits = ctx.splits
         grad = grad_output.contiguous()
         grad_input = grad.new_empty(sum(input_splits), *grad.shape[1:])
@@ -145,6 +168,7 @@ class AllToAll(torch.autograd.Function):
             group=ctx.process_group,
         )
         return grad_input, None, None, None
+        # END STEP 3
 
 
 class ExpertParallelMoE(nn.Module):
@@ -174,6 +198,14 @@ class ExpertParallelMoE(nn.Module):
         self.tokens_received = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 4: the layer: dispatch, expert, combine
+        # TODO: the layer on this rank's tokens (any shape ending in dim): route them with the router,
+        # send each to its expert's rank (rank e of the group holds expert e) in one all-to-all after
+        # exchanging the counts, run this rank's expert on the tokens that arrived, send the results
+        # back, put them back in token order and multiply each by its gate; the output has x's shape.
+        # Keep self.tokens_per_expert (this rank's counts) and self.tokens_received (how many tokens
+        # this rank's expert processed). The tests compare outputs and gradients with LocalMoE on one
+        # process (2 and 4 ranks, a subgroup, an expert with no token) and record the calls' order.
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = route(self.router(tokens))
@@ -187,6 +219,7 @@ class ExpertParallelMoE(nn.Module):
         self.tokens_per_expert = routing.counts
         self.tokens_received = sum(received_counts)
         return (restored * routing.gate.unsqueeze(-1)).reshape(shape)
+        # END STEP 4
 
 
 class LocalMoE(nn.Module):

@@ -149,6 +149,17 @@ class StoreBarrier:
     def wait(self) -> None:
         """Return once every rank has called ``wait()`` as often as this one; raise
         ``BarrierTimeout`` naming the ranks that did not, after ``timeout_s`` seconds."""
+        # BEGIN STEP 1: StoreBarrier.wait: check in, wait, name who did not arrive
+        # TODO: return once every rank of the world has called wait() as many times as this rank
+        # has (this call included); if that has not happened within self.timeout_s seconds, raise
+        # BarrierTimeout with a message naming those ranks (as ranks_text writes them) and
+        # missing= the ranks that did not arrive, in rank order. Check in through self.store under
+        # self.key(generation, rank), with a generation of your own per call (self.generation counts
+        # the calls), so that a call never mistakes an earlier call's keys for its own. Nothing here
+        # may block for ever: store.get and store.wait without a timeout would. The tests: a rank
+        # arriving late (every rank must see it arrived), ranks 3, then 1 and 3, then 0 never
+        # arriving (missing=, the message, at least the timeout waited), a second call that one
+        # rank skips, and torch's dist.monitored_barrier naming the same ranks.
         self.generation += 1
         self.store.set(self.key(self.generation, self.rank), "here")
         keys = {rank: self.key(self.generation, rank) for rank in range(self.world_size)}
@@ -164,10 +175,16 @@ class StoreBarrier:
                     missing,
                 )
             time.sleep(POLL_S)
+        # END STEP 1
 
 
 def fingerprint(op_name: str, tensor: torch.Tensor) -> str:
     """``all_reduce(float32[3])``: the collective, its tensor's dtype and shape."""
+    # BEGIN STEP 2: fingerprint and describe_mismatch: describe, compare, name
+    # TODO: "all_reduce(float32[3])": op_name, then the tensor's dtype (without "torch.") and its
+    # sizes in brackets, joined by ", " ("broadcast(float64[2, 3])", a scalar: "all_reduce(float32[])").
+    # An op_name that is not a non-empty string, or a tensor that is not a torch.Tensor, is a
+    # ValueError saying what was wrong. The tests check five dtypes and shapes, and bad input.
     if not isinstance(op_name, str) or not op_name:
         raise ValueError(
             f"op_name must be a collective's name such as 'all_reduce', got {op_name!r}"
@@ -177,6 +194,7 @@ def fingerprint(op_name: str, tensor: torch.Tensor) -> str:
     dtype = str(tensor.dtype).removeprefix("torch.")
     shape = ", ".join(str(n) for n in tensor.shape)
     return f"{op_name}({dtype}[{shape}])"
+    # END STEP 2
 
 
 def describe_mismatch(prints: Sequence[str]) -> str | None:
@@ -186,6 +204,10 @@ def describe_mismatch(prints: Sequence[str]) -> str | None:
     groups are listed smallest first (a tie: the group with the lowest rank first), each as
     ``rank 2 calls all_reduce(float32[3])`` or ``ranks 0, 1, 3 call ...``, joined by ``; ``.
     """
+    # BEGIN STEP 2: fingerprint and describe_mismatch: describe, compare, name
+    # TODO: None when all of prints are the same (or there is only one); else the sentence of the
+    # docstring: "rank 2 calls all_reduce(float32[3]); ranks 0, 1, 3 call all_reduce(float32[4])".
+    # The tests check the odd rank in the middle and at rank 0, a tie, three kinds and two ranks.
     groups: dict[str, list[int]] = {}
     for rank, text in enumerate(prints):
         groups.setdefault(text, []).append(rank)
@@ -196,12 +218,22 @@ def describe_mismatch(prints: Sequence[str]) -> str | None:
         f"{ranks_text(ranks)} call{'s' if len(ranks) == 1 else ''} {text}"
         for text, ranks in ordered
     )
+    # END STEP 2
 
 
 def checked(collective: Callable, tensor: torch.Tensor, /, *args, group=None, **kwargs):
     """``collective(tensor, *args, group=group, **kwargs)`` (``dist.all_reduce``, ...), once
     every rank of ``group`` is known to call the same collective on the same shape and dtype;
     ``CollectiveMismatch`` on every rank otherwise."""
+    # BEGIN STEP 3: checked: share the fingerprints, raise everywhere or run
+    # TODO: every rank of group learns every rank's fingerprint of the call it is about to make;
+    # when they differ, every rank (not only the odd one: the others would wait in the collective
+    # for ever) raises CollectiveMismatch whose message holds describe_mismatch's sentence;
+    # otherwise the collective runs once, on tensor, with the other arguments passed on, and its
+    # result is returned. The tests: a rank that differs in shape, dtype or operation (every rank
+    # raises the same sentence and calls no collective of that name), torch's DETAIL mode blaming
+    # the same rank, a subgroup [1, 2] of 3 ranks (the group's own rank numbers), and all_reduce
+    # (MAX too), broadcast and async_op=True where all agree.
     mine = fingerprint(collective.__name__, tensor)
     prints: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(prints, mine, group=group)
@@ -209,12 +241,21 @@ def checked(collective: Callable, tensor: torch.Tensor, /, *args, group=None, **
     if problem is not None:
         raise CollectiveMismatch(f"rank {dist.get_rank(group)}: collective mismatch: {problem}")
     return collective(tensor, *args, group=group, **kwargs)
+    # END STEP 3
 
 
 def torch_checked_group(timeout_s: float) -> dist.ProcessGroup:
     """A new group of every rank whose collectives torch checks (debug level DETAIL) and which
     raises after ``timeout_s`` seconds instead of waiting for ever; the debug level is left as
     it was."""
+    # BEGIN STEP 4: torch_checked_group: torch's own checks and timeout
+    # TODO: a new process group of every rank on which torch itself checks every collective's
+    # fingerprint across the ranks (the debug level DETAIL, the one TORCH_DISTRIBUTED_DEBUG=DETAIL
+    # sets when torch starts) and whose collectives raise after timeout_s seconds instead of
+    # waiting for ever; afterwards the debug level is what it was. A timeout that is not a positive
+    # number of seconds is a ValueError. The tests: a shape mismatch on the group raises torch's
+    # "Detected mismatch between collectives" on every rank, a missing rank ends in torch's
+    # "failed to pass monitoredBarrier" after (not before) the timeout, and the debug level after.
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     before = dist.get_debug_level()
@@ -223,6 +264,7 @@ def torch_checked_group(timeout_s: float) -> dist.ProcessGroup:
         return dist.new_group(timeout=timedelta(seconds=timeout_s))
     finally:
         dist.set_debug_level(before)
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- the program

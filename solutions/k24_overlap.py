@@ -108,6 +108,13 @@ def merge_intervals(intervals: Iterable[Sequence[float]]) -> list[Interval]:
     A point (start == end) is kept, unless it lies inside another interval. An interval whose
     end comes before its start is a ValueError.
     """
+    # BEGIN STEP 1: merge_intervals: the union of intervals
+    # TODO: the union of the intervals as a sorted list of disjoint (start, end) tuples: every
+    # moment inside some interval is inside exactly one of them, and intervals that overlap, nest
+    # or touch (one ends where the next starts) become one. Any order in, sorted out; the input is
+    # left as it was; an empty input gives []. An interval whose end is before its start is a
+    # ValueError naming it. The tests check unsorted, nested, touching and disjoint intervals,
+    # points (start == end), and random intervals against counting on a grid.
     pairs = []
     for interval in intervals:
         start, end = interval
@@ -124,6 +131,7 @@ def merge_intervals(intervals: Iterable[Sequence[float]]) -> list[Interval]:
         else:
             merged.append((start, end))
     return merged
+    # END STEP 1
 
 
 def overlap_fraction(
@@ -134,6 +142,14 @@ def overlap_fraction(
     Both arguments are (start, end) intervals, in any order, possibly overlapping one another:
     each moment counts once. No communication time at all is a ValueError; no backward, 0.0.
     """
+    # BEGIN STEP 2: overlap_fraction: the hidden share of communication
+    # TODO: the time during which communication runs while backward also runs, over the total
+    # communication time: a number from 0.0 (nothing hidden) to 1.0 (all of it hidden). Several
+    # all-reduces in flight at once, or backward given in several overlapping pieces, count each
+    # moment once. No communication intervals (or only empty ones) is a ValueError saying there is
+    # nothing to measure; no backward intervals gives 0.0; an interval that ends before it starts
+    # is a ValueError. The tests check none, full, partial, before, after and several overlapping
+    # intervals exactly, and random ones against counting on a grid.
     busy = merge_intervals(communication)
     total = sum(end - start for start, end in busy)
     if not total > 0:
@@ -147,6 +163,7 @@ def overlap_fraction(
         for begin, finish in computing:
             hidden += max(0.0, min(end, finish) - max(start, begin))
     return hidden / total
+    # END STEP 2
 
 
 @dataclass(eq=False)
@@ -166,6 +183,16 @@ def watch_all_reduces() -> Iterator[list[Comm]]:
     Yields the list it fills. An async all-reduce's ``completed`` is set when its work has
     finished (its future's callback), maybe after the block; the call's result is untouched.
     """
+    # BEGIN STEP 3: watch_all_reduces: launch and completion of each all-reduce
+    # TODO: while the block runs, every dist.all_reduce(...) call (any arguments) still does what it
+    # did and returns what it returned, and also appends a Comm to the yielded list: launched when
+    # it was called, nbytes of its tensor, is_async, and completed when the collective had really
+    # finished: for a blocking call when it returned; for an async one when its work finished,
+    # which may be long after the call returned and before anyone calls wait(). All times from
+    # time.perf_counter(). After the block (also when it raised) dist.all_reduce is the original
+    # again. The tests check a blocking call with its op, an async one whose peer arrives 0.3 s
+    # late (completed after the peer arrived), one that finished before wait() was called
+    # (completed no later than is_completed() said True), and the restore.
     comms: list[Comm] = []
     original = dist.all_reduce
 
@@ -187,6 +214,7 @@ def watch_all_reduces() -> Iterator[list[Comm]]:
         yield comms
     finally:
         dist.all_reduce = original
+    # END STEP 3
 
 
 @dataclass(eq=False)
@@ -217,6 +245,17 @@ def record_step(
     ``model`` is a wrapper (k12's, k13's) or a bare model; ``synchronize`` averages the
     gradients (``ddp.finish_gradient_synchronization``, or k04's ``average_gradients``).
     """
+    # BEGIN STEP 4: record_step: one recorded step
+    # TODO: run one step on this rank: the forward of batch's tokens through model, the loss
+    # (transformer_loss against the targets), its backward, then synchronize(); and return a
+    # StepRecord of it: began (before the forward), backward (loss.backward() called, returned:
+    # nothing else inside), communication (every all-reduce of the step, launch and completion,
+    # those the hooks launch during backward too) and ended (synchronize() returned). Times from
+    # time.perf_counter(). A synchronize that is not callable, or a batch that is not a pair, is a
+    # ValueError. The tests check k04 (0.0 hidden, exactly), your k12 and k13 (as many all-reduces
+    # as were called, the first launched before backward returned), that every all-reduce lies
+    # inside the step, the backward interval against the forward and the gradient hooks, and that
+    # the gradients come out averaged.
     if not callable(synchronize):
         raise ValueError(
             f"synchronize must be a function to call after backward, got "
@@ -238,6 +277,7 @@ def record_step(
         synchronize()
         ended = time.perf_counter()
     return StepRecord(began, (backward_began, backward_ended), comms, ended)
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- the program

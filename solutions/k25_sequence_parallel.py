@@ -152,6 +152,12 @@ def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
 def sequence_range(length: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(start, end)`` of this rank's positions of a sequence of ``length``; ValueError when
     the length does not divide by the group's size."""
+    # BEGIN STEP 1: along the sequence: all-gather and reduce-scatter on dim 1
+    # TODO: (start, end) of this rank's equal share of `length` positions, in the order of the ranks
+    # IN THE GROUP (None: the world), so that the group's ranks cover 0..length - 1 once. A length
+    # that does not divide by the group's size is a ValueError naming both numbers and what to do.
+    # The tests run in the world and in subgroups [0, 1] and [2, 3], and try 10 positions on 4
+    # ranks.
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if length % size:
         raise ValueError(
@@ -161,11 +167,17 @@ def sequence_range(length: int, group: dist.ProcessGroup | None = None) -> tuple
         )
     share = length // size
     return rank * share, (rank + 1) * share
+    # END STEP 1
 
 
 def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's ``x`` (batch, sequence / N, ...) end to end along the sequence (dim 1), in
     the order of the ranks in the group: a new tensor (batch, sequence, ...)."""
+    # BEGIN STEP 1: along the sequence: all-gather and reduce-scatter on dim 1
+    # TODO: every rank's x end to end along dim 1 (the sequence), in group order, in a new tensor
+    # (batch, N * x.shape[1], ...); one all-gather on the group (all_gather_into above gathers along
+    # dim 0). The tests record exactly one all-gather on the group and compare the values exactly,
+    # on 2 and 4 ranks and in subgroups; x itself stays as it was.
     size = dist.get_world_size(group)
     piece = x.contiguous()
     gathered = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -173,6 +185,7 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None)
     # (N, batch, s/N, ...) -> (batch, N, s/N, ...) -> (batch, s, ...): rank r's rows r-th
     blocks = gathered.view(size, *x.shape)
     return blocks.transpose(0, 1).reshape(x.shape[0], size * x.shape[1], *x.shape[2:])
+    # END STEP 1
 
 
 def reduce_scatter_sequence(
@@ -181,6 +194,11 @@ def reduce_scatter_sequence(
     """The sum over the group of every rank's ``x`` (batch, sequence, ...), this rank's positions
     of it (``sequence_range``'s): a new tensor (batch, sequence / N, ...); ValueError when the
     sequence does not divide."""
+    # BEGIN STEP 1: along the sequence: all-gather and reduce-scatter on dim 1
+    # TODO: the group's SUM of x, this rank's positions of it (sequence_range's), a new tensor
+    # (batch, sequence / N, ...); one reduce-scatter on the group (reduce_scatter_into above splits
+    # dim 0); a ValueError before any collective when the sequence does not divide. The tests record
+    # exactly one reduce-scatter (a sum, not an all-reduce) and compare exactly.
     size = dist.get_world_size(group)
     sequence_range(x.shape[1], group)  # the check, before any collective
     batch, share = x.shape[0], x.shape[1] // size
@@ -189,6 +207,7 @@ def reduce_scatter_sequence(
     mine = torch.empty((batch, share, *x.shape[2:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(mine, blocks.view(size * batch, share, *x.shape[2:]), group)
     return mine
+    # END STEP 1
 
 
 # --------------------------------------------------------------------------- step 2
@@ -200,13 +219,24 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # BEGIN STEP 2: the conjugate pair: gather forward, reduce-scatter backward
+        # TODO: all of the group's positions gathered along the sequence (step 1), and whatever
+        # backward needs kept in ctx. The tests record exactly one all-gather on the group.
         ctx.group = group
         return all_gather_sequence(x, group)
+        # END STEP 2
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # BEGIN STEP 2: the conjugate pair: gather forward, reduce-scatter backward
+        # TODO: the gradient of this rank's positions: every rank's gathered copy used them, so it
+        # is the SUM over the group, and None for the group. The tests record exactly one
+        # reduce-scatter (on the group kept in ctx) and compare the gradient exactly, in subgroups
+        # too.
+        # END TODO
         # every rank's gathered copy sent gradient to my positions: their sum, my rows
         return reduce_scatter_sequence(grad, ctx.group), None
+        # END STEP 2
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -215,12 +245,21 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # BEGIN STEP 2: the conjugate pair: gather forward, reduce-scatter backward
+        # TODO: the group's sum of x at this rank's positions (step 1), and whatever backward needs
+        # kept in ctx. The tests record exactly one reduce-scatter on the group.
         ctx.group = group
         return reduce_scatter_sequence(x, group)
+        # END STEP 2
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # BEGIN STEP 2: the conjugate pair: gather forward, reduce-scatter backward
+        # TODO: the gradient of x, shaped like x (the whole sequence): every position's sum drew on
+        # this rank's partial, whichever rank holds the position; None for the group. The tests
+        # record exactly one all-gather on the group and compare the gradient exactly.
         return all_gather_sequence(grad, ctx.group), None
+        # END STEP 2
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -247,13 +286,25 @@ class SequenceParallelLayerNorm(nn.Module):
         self.bias = mark_sequence_parallel(nn.Parameter(norm.bias.detach().clone()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 3: SequenceParallelLayerNorm and its partial gradients
+        # TODO: the dense LayerNorm's output at this rank's positions, from x (batch, sequence / N,
+        # dim). The tests record that it calls nothing and compare it with the dense LayerNorm.
+        # END TODO
         # each position is normalized over its own features: my positions need no one else's
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        # END STEP 3
 
 
 def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Sum over the group the gradients of ``module``'s parameters marked sequence-parallel, in
     one all-reduce; the number of gradients summed."""
+    # BEGIN STEP 3: SequenceParallelLayerNorm and its partial gradients
+    # TODO: every parameter of `module` marked sequence_parallel gets the SUM of its gradient over
+    # the group (None: the world; a missing gradient counts as zeros, so that every rank makes the
+    # same call), in ONE collective call whatever their number; other parameters untouched; return
+    # how many gradients were summed. The tests compare with the dense LayerNorm's gradients, give
+    # an unmarked parameter a gradient of its own, and record the calls, on 2 and 4 ranks and in
+    # subgroups.
     params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
     if not params:
         return 0
@@ -268,6 +319,7 @@ def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | N
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
     return len(grads)
+    # END STEP 3
 
 
 # --------------------------------------------------------------------------- step 4
@@ -284,15 +336,26 @@ class AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, *params):
+        # BEGIN STEP 4: the linears: gather once, gather again in backward; scatter the sum
+        # TODO: a tuple with one output per (weight, bias) pair in params: the layer applied to the
+        # whole gathered sequence (batch, sequence, out features of this rank), from ONE all-gather;
+        # keep for backward this rank's slice x (not the gathered input) and what else you need. The
+        # tests record the calls and measure the bytes autograd keeps (x's, nothing more).
         ctx.group = group
         weights, biases = params[0::2], params[1::2]
         ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)  # my slice only: the gathered input is not kept
         full = all_gather_sequence(x, group)
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+        # END STEP 4
 
     @staticmethod
     def backward(ctx, *grads):
+        # BEGIN STEP 4: the linears: gather once, gather again in backward; scatter the sum
+        # TODO: the gradient of x (this rank's positions, the sum over the ranks' features), None
+        # for the group, then each weight's and bias's gradient (None for a missing bias). The tests
+        # record exactly one all-gather and one reduce-scatter, however many layers, and compare
+        # with the dense layers' gradients (this rank's rows; the whole sequence counted).
         x, *weights = ctx.saved_tensors
         full = all_gather_sequence(x, ctx.group)  # gathered again: cheaper than keeping it
         inputs = full.reshape(-1, full.shape[-1])
@@ -306,6 +369,7 @@ class AllGatherLinear(torch.autograd.Function):
         # every rank's features sent gradient to every position: the sum, my positions of it
         grad_x = reduce_scatter_sequence(grad_full.view(*full.shape[:-1], -1), ctx.group)
         return (grad_x, None, *param_grads)
+        # END STEP 4
 
 
 def all_gather_linear(x: torch.Tensor, layers, group=None) -> tuple[torch.Tensor, ...]:
@@ -352,9 +416,15 @@ class RowParallelLinear(nn.Module):
         self.bias = mark_sequence_parallel(nn.Parameter(linear.bias.detach().clone()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 4: the linears: gather once, gather again in backward; scatter the sum
+        # TODO: the dense layer's output at this rank's positions (batch, sequence / N, out), from x
+        # (batch, sequence, this rank's input features), the bias counted once. The tests record one
+        # reduce-scatter forward and one all-gather backward, and compare the output, the gradients
+        # and (after sync_sequence_parallel_grads) the bias's gradient with the dense layer's.
         partial = F.linear(x, self.weight)  # my features' share of every position's output
         mine = reduce_scatter_to_sequence_parallel_region(partial, self.process_group)
         return mine + self.bias  # once, after the sum, on my positions
+        # END STEP 4
 
 
 # --------------------------------------------------------------------------- step 5
@@ -382,6 +452,11 @@ class SequenceParallelAttention(nn.Module):
         self.out = RowParallelLinear(attention.out, process_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 5: the block: equal to one process
+        # TODO: the dense attention's output at this rank's positions, from this rank's positions:
+        # causal attention over the whole sequence with this rank's heads, q, k and v from ONE
+        # all-gather (all_gather_linear), then out. The tests count the block's collectives (2
+        # all-gathers forward, not 4) and compare the block with the dense one and with torch's.
         batch = x.shape[0]
         q, k, v = all_gather_linear(x, [self.query, self.key, self.value], self.process_group)
         length = q.shape[1]  # the whole sequence: attention needs every position
@@ -394,6 +469,7 @@ class SequenceParallelAttention(nn.Module):
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         attended = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
         return self.out(attended.transpose(1, 2).reshape(batch, length, -1))  # my positions
+        # END STEP 5
 
 
 class SequenceParallelMLP(nn.Module):
@@ -414,16 +490,27 @@ class SequenceParallelBlock(nn.Module):
     backward."""
 
     def __init__(self, block: Block, process_group: dist.ProcessGroup | None = None):
+        # BEGIN STEP 5: the block: equal to one process
+        # TODO: the dense block's attention_norm, attention, mlp_norm and mlp, split over
+        # process_group (None: the world) with the classes above (same names: the tests read
+        # attention.query.weight, mlp_norm.bias, ...).
         super().__init__()
         self.process_group = process_group
         self.attention_norm = SequenceParallelLayerNorm(block.attention_norm)
         self.attention = SequenceParallelAttention(block.attention, process_group)
         self.mlp_norm = SequenceParallelLayerNorm(block.mlp_norm)
         self.mlp = SequenceParallelMLP(block.mlp, process_group)
+        # END STEP 5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 5: the block: equal to one process
+        # TODO: the dense block's output at this rank's positions, from this rank's positions. The
+        # tests compare the output, the input's gradient and every parameter's gradient (after
+        # sync_sequence_parallel_grads) with the dense block's on 2 and 4 ranks and in subgroups,
+        # and with torch's parallelize_module.
         x = x + self.attention(self.attention_norm(x))  # the residual on my positions
         return x + self.mlp(self.mlp_norm(x))
+        # END STEP 5
 
 
 # --------------------------------------------------------------------------- step 6
@@ -432,8 +519,13 @@ class SequenceParallelBlock(nn.Module):
 def activation_bytes(batch: int, length: int, dim: int, heads: int, ranks: int) -> int:
     """The bytes one rank's ``SequenceParallelBlock`` (``ranks`` ranks; 1: the dense ``Block``)
     keeps for backward in fp32: what autograd saves, the parameters aside."""
+    # BEGIN STEP 6: activation_bytes: the formula against what autograd saved
+    # TODO: the bytes autograd keeps for backward in one rank's SequenceParallelBlock (ranks=1: the
+    # dense Block), fp32, parameters aside, as an int from the shape alone. The tests measure the
+    # blocks with saved_tensors_hooks on 1, 2 and 4 ranks at two shapes and compare exactly.
     floats = 12 * batch * length * dim + heads * batch * length * length + 4 * batch * length
     return 4 * floats // ranks + length * length  # the causal mask: one bool per pair, whole
+    # END STEP 6
 
 
 # --------------------------------------------------------------------------- the program

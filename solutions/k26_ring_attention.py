@@ -161,6 +161,15 @@ def merge_partials(
     the log-sum-exp of those keys' scores, one per query row. Returns ``(out, lse)`` of the
     attention over both sets of keys together. A row that saw no key in a part has lse -inf there.
     """
+    # BEGIN STEP 1: merge two partial results (the online softmax)
+    # TODO: return (out, lse) of the attention over both parts' keys together, from the two
+    # partials alone: out_x is normalised by its own part's softmax, lse_x (one per query row) is
+    # the log-sum-exp of its part's scores. The tests compare with the softmax over all the keys
+    # at several cuts (to 1e-10 in float64), with square partials (as many rows as features: each
+    # row has its own weight), with scores near 1000 (nothing may overflow to inf or NaN), with a
+    # part that saw no key (lse -inf, out 0: it must weigh nothing, and two such parts stay -inf
+    # and 0, never NaN), and want a ValueError for partials whose shapes do not fit
+    # (_check_partial checks one partial).
     _check_partial(out_a, lse_a, "a")
     _check_partial(out_b, lse_b, "b")
     if out_a.shape != out_b.shape:
@@ -175,6 +184,7 @@ def merge_partials(
     share_a = torch.exp(lse_a - seen).unsqueeze(-1)
     share_b = torch.exp(lse_b - seen).unsqueeze(-1)
     return (out_a * share_a + out_b * share_b).to(out_a.dtype), lse
+    # END STEP 1
 
 
 # --------------------------------------------------------------------------- step 2: one block
@@ -183,11 +193,17 @@ def merge_partials(
 def block_mask(query_chunk: int, key_chunk: int, causal: bool) -> str | None:
     """What the attention mask leaves of one query chunk against one key chunk (chunks of the
     same size, numbered along the sequence): ``"full"``, ``"causal"`` (the diagonal) or None."""
+    # BEGIN STEP 2: one block's mask, and its attention with its lse
+    # TODO: what the mask leaves of query chunk `query_chunk` against key chunk `key_chunk`
+    # (chunks of one size, numbered along the sequence): "full", "causal" (only the chunk
+    # against itself) or None (nothing: the block is never computed). The tests try every pair
+    # of 4 chunks, causal or not.
     if not causal or key_chunk < query_chunk:
         return "full"
     if key_chunk == query_chunk:
         return "causal"
     return None
+    # END STEP 2
 
 
 def _cpu_kernel(q: torch.Tensor) -> bool:
@@ -211,6 +227,15 @@ def attend_block(
     value dim)`` normalised over this block's keys, lse ``(..., queries)`` the log-sum-exp of
     the scaled scores each query kept.
     """
+    # BEGIN STEP 2: one block's mask, and its attention with its lse
+    # TODO: (out, lse) of the queries over this block of keys alone, as
+    # F.scaled_dot_product_attention computes out (scale 1 / sqrt(dim), causal: query i keeps
+    # keys 0..i), with lse the log-sum-exp of each row's scaled scores over the keys it keeps
+    # (what merge_partials needs). The tests compare both, to 1e-10 in float64, for a square, a
+    # wide and a causal block, merge three blocks into the whole attention, and want a
+    # ValueError for blocks that do not fit (a causal block of unequal lengths, keys and values
+    # of different lengths, q and k of different feature dims). _cpu_kernel(q) says whether
+    # torch's fused CPU kernel, which returns both, takes q (the reference uses it).
     if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
         raise ValueError(
             f"q, k and v must be (..., length, dim) alike, got {tuple(q.shape)}, "
@@ -235,6 +260,7 @@ def attend_block(
         scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    # END STEP 2
 
 
 # --------------------------------------------------------------------------- step 3: the ring
@@ -302,6 +328,19 @@ def ring_attention_forward(
 
     Returns ``(out, lse)`` for this rank's queries, as ``attend_block`` does for one block.
     """
+    # BEGIN STEP 3: the ring: attend to each block while the next one travels
+    # TODO: this rank's rows of the attention over the whole sequence, (out, lse), its queries
+    # against every rank's keys and values, which travel round the ring: N - 1 hops, each rank
+    # sending to its right neighbour and receiving from its left. Call attend_block once per
+    # (query chunk, key chunk) block the mask leaves anything of (block_mask), with its mask,
+    # and merge each into its query chunk's result (merge_partials). Check the layout and the
+    # shards first (_check_layout, _check_shards). The tests record your calls: point-to-point
+    # only (through the dist module), (N - 1) x one block's keys and values sent per rank, to
+    # the right only; each step's transfer (the send of the block held, the receive of the next)
+    # posted BEFORE attend_block is called on the block held and waited for only after; every
+    # visible block computed once with its mask and no hidden one; out and lse equal to one
+    # process on 2 and 4 ranks, causal and not; a deadlock is reported within seconds. Name each
+    # step's computation `with record_function(f"attend block {step}"):` for the timeline.
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = _check_layout(layout, world)
     _check_shards(q, k, v, per_rank)
@@ -336,6 +375,7 @@ def ring_attention_forward(
     if any(o is None for o in outs):
         raise ValueError(f"layout {layout}: a query chunk of rank {rank} saw no key at all")
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    # END STEP 3
 
 
 # --------------------------------------------------------------------------- step 4: the split
@@ -347,11 +387,16 @@ def chunk_layout(world_size: int, balanced: bool) -> Layout:
     Naive: rank r holds chunks 2r and 2r + 1, one contiguous slice of the sequence.
     Balanced (head-tail): rank r holds chunk r and chunk 2N - 1 - r, one from each end.
     """
+    # BEGIN STEP 4: the naive and the balanced split
+    # TODO: the chunk numbers each rank holds, for 2 x world_size chunks: naive, one contiguous
+    # slice each; balanced, one chunk from each end. The tests compare with the docstring's
+    # layouts on 1 to 4 ranks.
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if balanced:
         return [(r, 2 * world_size - 1 - r) for r in range(world_size)]
     return [(2 * r, 2 * r + 1) for r in range(world_size)]
+    # END STEP 4
 
 
 def _chunk_size(length: int, layout: Layout) -> int:
@@ -368,14 +413,23 @@ def _chunk_size(length: int, layout: Layout) -> int:
 def shard_sequence(x: torch.Tensor, layout: Layout, rank: int, dim: int = -2) -> torch.Tensor:
     """Rank ``rank``'s shard of the whole sequence ``x``: its chunks (``layout[rank]``) along
     ``dim``, in that order, as a new contiguous tensor."""
+    # BEGIN STEP 4: the naive and the balanced split
+    # TODO: rank `rank`'s chunks of x along `dim`, in layout order, as a new contiguous tensor.
+    # The tests number the tokens and check which ones each rank of 4 gets (naive and
+    # balanced), and want a ValueError naming the length and the number of chunks when they do
+    # not divide (100 tokens into 8 chunks): _chunk_size does that.
     if not 0 <= rank < len(layout):
         raise ValueError(f"rank {rank} is not in the layout's {len(layout)} ranks")
     size = _chunk_size(x.shape[dim], layout)
     return torch.cat([x.narrow(dim, c * size, size) for c in layout[rank]], dim=dim).contiguous()
+    # END STEP 4
 
 
 def unshard_sequence(shards: list[torch.Tensor], layout: Layout, dim: int = -2) -> torch.Tensor:
     """The whole sequence again from every rank's shard (rank order), undoing ``shard_sequence``."""
+    # BEGIN STEP 4: the naive and the balanced split
+    # TODO: the whole sequence back from every rank's shard (in rank order): each chunk back at
+    # its place. The tests undo shard_sequence for both layouts exactly.
     if len(shards) != len(layout):
         raise ValueError(
             f"{len(shards)} shards for a layout of {len(layout)} ranks: give every rank's shard"
@@ -390,15 +444,22 @@ def unshard_sequence(shards: list[torch.Tensor], layout: Layout, dim: int = -2) 
         for i, chunk in enumerate(chunks):
             pieces[chunk] = shard.narrow(dim, i * size, size)
     return torch.cat([pieces[c] for c in sorted(pieces)], dim=dim)
+    # END STEP 4
 
 
 def blocks_per_rank(layout: Layout, causal: bool = True) -> list[int]:
     """How many (query chunk, key chunk) blocks each rank computes in the ring: those the mask
     leaves anything of."""
+    # BEGIN STEP 4: the naive and the balanced split
+    # TODO: per rank, the number of (query chunk, key chunk) blocks of its chunks against every
+    # rank's that the mask leaves anything of, as your ring computes them. The tests want
+    # 4r + 3 on rank r naive and 2N + 1 on every rank balanced (causal), 4N each not causal, on
+    # 1 to 8 ranks, and count the attend_block calls of your ring on 4 ranks: they must agree.
     keys = [c for chunks in layout for c in chunks]
     return [
         sum(block_mask(a, b, causal) is not None for a in chunks for b in keys) for chunks in layout
     ]
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- step 5: backward
@@ -416,6 +477,13 @@ def block_gradients(
     """One block's share of the gradients: ``(dq, dk, dv)`` of the attention over the WHOLE
     sequence, from this block's keys alone. ``out`` and ``lse`` are the finished results of
     these queries (over every key), ``grad_out`` the gradient of ``out``."""
+    # BEGIN STEP 5: backward: each block's gradients, and dk and dv round the ring home
+    # TODO: this block's share of dq (for these queries), dk and dv (for these keys and values)
+    # of the attention over the WHOLE sequence, from the finished out and lse of these queries
+    # (every key's, as forward left them) and grad_out. The tests split a sequence into three
+    # key chunks on one process: each block's dk and dv must equal the gradients
+    # scaled_dot_product_attention gives those keys from these queries, and the three dq's must
+    # add up to its dq (to 1e-10 in float64), causal and not.
     if out.shape != grad_out.shape or tuple(lse.shape) != tuple(out.shape[:-1]):
         raise ValueError(
             f"out {tuple(out.shape)}, grad_out {tuple(grad_out.shape)} and lse "
@@ -436,6 +504,7 @@ def block_gradients(
     dp = grad_out @ v.transpose(-2, -1)
     ds = p * (dp - (grad_out * out).sum(dim=-1, keepdim=True))
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+    # END STEP 5
 
 
 class RingAttention(torch.autograd.Function):
@@ -451,6 +520,16 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # BEGIN STEP 5: backward: each block's gradients, and dk and dv round the ring home
+        # TODO: (dq, dk, dv, None, None): the gradients of this rank's q, k and v, where every
+        # rank's queries that saw these keys contribute to their dk and dv. A second trip round the
+        # ring: the blocks travel as in forward; dk and dv of the block a rank holds travel with it,
+        # each rank adding its share (block_gradients), and come home. The tests record the calls
+        # (point-to-point only, to the right: N - 1 hops of keys and values and N of their gradients
+        # per rank), compare dq, dk and dv with scaled_dot_product_attention on one process on 2 to 4
+        # ranks, naive and balanced, and with torch's own ring on the same world, and name the rank
+        # whose key gradients a rank ended with when they did not come home. Name each step's
+        # computation `with record_function(f"gradients of block {step}"):` for the timeline.
         q, k, v, out, lse = ctx.saved_tensors
         layout, causal = ctx.layout, ctx.causal
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -515,6 +594,7 @@ class RingAttention(torch.autograd.Function):
             None,
             None,
         )
+        # END STEP 5
 
 
 def ring_attention(

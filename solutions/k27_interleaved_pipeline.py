@@ -160,11 +160,23 @@ class Stage(nn.Module):
 
 def virtual_stage(stages: int, chunk: int, rank: int) -> int:
     """The virtual stage that ``chunk`` of ``rank`` is, looped placement: chunk * stages + rank."""
+    # BEGIN STEP 1: virtual stages: the looped placement and split_chunks
+    # TODO: the virtual stage that chunk `chunk` of rank `rank` is, for `stages` ranks, placed looped
+    # (rank 0 holds stages 0, p, 2p, ...). The tests try every chunk and rank for p = 1, 2, 4.
     return chunk * stages + rank
+    # END STEP 1
 
 
 def split_chunks(model: TinyTransformer, stages: int, chunks: int, rank: int) -> list[Stage]:
     """Rank ``rank``'s ``chunks`` Stages of ``model`` cut into ``stages * chunks`` virtual stages."""
+    # BEGIN STEP 1: virtual stages: the looped placement and split_chunks
+    # TODO: this rank's `chunks` Stages, chunk 0 first: chunk c holds the blocks of virtual stage
+    # virtual_stage(stages, c, rank) of the model cut into stages * chunks EQUAL pieces of
+    # consecutive blocks (the model's own modules, keyed by their index in the model); the embedding
+    # on virtual stage 0 only, the norm and the output on the last only. Counts below 1, a rank
+    # outside 0..stages - 1, or blocks that do not cut into stages * chunks equal pieces are a
+    # ValueError saying what to use. The tests cut 8 blocks for several p and v (names, identities,
+    # which blocks) and try cuts that do not fit.
     blocks = len(model.blocks)
     if stages < 1 or chunks < 1 or not 0 <= rank < stages:
         raise ValueError(
@@ -191,6 +203,7 @@ def split_chunks(model: TinyTransformer, stages: int, chunks: int, rank: int) ->
             )
         )
     return mine
+    # END STEP 1
 
 
 # --------------------------------------------------------------------------- step 2
@@ -218,6 +231,14 @@ def _check(stages: int, chunks: int, micro_batches: int, rank: int) -> None:
 
 def interleaved_actions(stages: int, chunks: int, micro_batches: int, rank: int) -> list[Action]:
     """Interleaved 1F1B: rank ``rank``'s ("F", chunk, i) and ("B", chunk, i) in order."""
+    # BEGIN STEP 2: the interleaved 1F1B schedule as data
+    # TODO: rank's actions under interleaved 1F1B (torch's ScheduleInterleaved1F1B, Megatron's), as
+    # ("F", chunk, i) and ("B", chunk, i): the k-th forward is on chunk (k // p) % v, the k-th
+    # backward on the chunks in reverse, each chunk's micro-batches in order; a warm-up of
+    # (v - 1) * p + 2 * (p - 1 - rank) forwards (at most v * m), then one forward and one backward
+    # while forwards are left, then the backwards left. Bad arguments are a ValueError (_check does
+    # most; fewer than 2 chunks is yours: one chunk is k21's 1F1B). The tests compare the lists for
+    # several p, v, m and ranks, and with torch's own schedule's order.
     _check(stages, chunks, micro_batches, rank)
     if chunks < 2:
         raise ValueError(
@@ -238,6 +259,7 @@ def interleaved_actions(stages: int, chunks: int, micro_batches: int, rank: int)
             actions.append(("B", chunk, backwards[chunk]))
             backwards[chunk] += 1
     return actions
+    # END STEP 2
 
 
 # --------------------------------------------------------------------------- step 3
@@ -259,6 +281,14 @@ def simulate(schedules: Sequence[Sequence[Action]]) -> Timeline:
     stage s + 1's B of i (the last stage's for its own F of i); a W for its own B of i. A
     schedule whose ranks wait for each other for ever is a ``ValueError``.
     """
+    # BEGIN STEP 3: simulate: the clock and the bubble (p-1)/(v*m)
+    # TODO: place every rank's actions on a clock: each starts when its rank is free and its input
+    # has ended (F of i on virtual stage s after stage s - 1's F of i; B after stage s + 1's B of i,
+    # on the last stage after its own F of i; W after its own B of i). F and W take one tick, B one
+    # if the rank's schedule has its W, else two. Return Timeline(start ticks per rank, the tick
+    # the last action ends, each rank's busy ticks, each rank's idle ticks / busy ticks). If no rank
+    # can move, ValueError. The tests check the lesson's two pictures, the bubble against
+    # (p-1)/(v*m) for several p, v, m, and two stuck schedules.
     p = len(schedules)
     last = p * (1 + max((c for schedule in schedules for _, c, _ in schedule), default=0)) - 1
     sets = [set(schedule) for schedule in schedules]
@@ -294,6 +324,7 @@ def simulate(schedules: Sequence[Sequence[Action]]) -> Timeline:
             raise ValueError(f"the schedules wait for each other for ever: next actions {waiting}")
     length = max(free)
     return Timeline(ticks, length, busy, [(length - b) / b for b in busy])
+    # END STEP 3
 
 
 def bubble_formula(stages: int, chunks: int, micro_batches: int, split: bool = False) -> float:
@@ -344,6 +375,21 @@ def run_schedule(
     chunks' parameters. A B whose ("W", c, i) is among the actions computes only the input's
     gradient (``backward_input``), the W the weights' (``backward_weight``); else B does both.
     """
+    # BEGIN STEP 4: run_schedule: chunks round the ranks, every message tagged
+    # TODO: run the actions in order (chunk c of this rank, rank r of the group, is virtual stage
+    # s = c * p + r). F of (c, i): virtual stage 0 runs the tokens; the others receive the
+    # activations (tokens.shape + (MODEL_DIM,)) from the rank of stage s - 1; all but the last send
+    # their output to the rank of stage s + 1. B of (c, i): the last stage backpropagates
+    # transformer_loss(output, targets) / m, the others the gradient received from stage s + 1;
+    # all but stage 0 send their input's gradient to stage s - 1. When ("W", c, i) is among the
+    # actions, B calls backward_input and W backward_weight (step 5), else B does the whole
+    # backward. Name each compute span record_function(f"F{c}.{i}") (B, W alike) for the trace.
+    # Every message carries its own tag (message_tag) so that a recv takes exactly the tensor it
+    # waits for; no rank may wait for ever; peers are global ranks of the group. Return
+    # PipelineRun(the last stage's total loss, else None; the most (chunk, micro-batch) pairs
+    # whose F ran and backward has not finished, held at once). The tests record every send and
+    # recv (count, peers, tags), compare the gradients with one process (bitwise) and with torch's
+    # ScheduleInterleaved1F1B on 2 and 4 ranks and a subgroup, and check the peak.
     rank = dist.get_rank(process_group)
     p = dist.get_world_size(process_group)
     group = process_group if process_group is not None else dist.group.WORLD
@@ -405,6 +451,7 @@ def run_schedule(
     for work in sends:
         work.wait()
     return PipelineRun(None if total is None else total.item(), peak)
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- step 5
@@ -427,6 +474,13 @@ def backward_input(
 ) -> tuple[torch.Tensor | None, WeightWork]:
     """B: the gradient of ``inputs`` (None when it needs none), and what W needs, no weight's
     gradient computed; ``layers`` are the (module, output) pairs of the forward (layer_outputs)."""
+    # BEGIN STEP 5: zero bubble: B and W apart, ZB-H1 as data and for real
+    # TODO: B: the gradient of `inputs` (None when it requires none) under `grad` (None: `outputs`
+    # is the loss), keeping the graph for W, filling no weight's .grad; and a WeightWork holding,
+    # for each (module, output) of `layers`, the output, the gradient at it, and the module's own
+    # weights. The tests compare both halves with one whole backward on the first, a middle and
+    # the last stage, and count the matrix products: B's and W's together as many as one
+    # backward's.
     wanted = [output for _, output in layers]
     needs_input = inputs.requires_grad
     found = torch.autograd.grad(
@@ -439,10 +493,15 @@ def backward_input(
         work.grads.append(output_grad)
         work.weights.append(list(module.parameters(recurse=False)))
     return input_grad, work
+    # END STEP 5
 
 
 def backward_weight(work: WeightWork) -> None:
     """W: the weights' gradients from what B kept, added to their ``.grad``."""
+    # BEGIN STEP 5: zero bubble: B and W apart, ZB-H1 as data and for real
+    # TODO: W: every weight's gradient from what B kept (each layer's output and the gradient at
+    # it), added to its .grad (set where None), nothing of B's work done again; then let go of
+    # the graph. The tests compare the gradients with one whole backward's.
     for output, output_grad, weights in zip(work.outputs, work.grads, work.weights):
         for weight, found in zip(weights, torch.autograd.grad(output, weights, output_grad)):
             if weight.grad is None:
@@ -451,10 +510,18 @@ def backward_weight(work: WeightWork) -> None:
                 weight.grad += found
     work.outputs.clear()
     work.grads.clear()
+    # END STEP 5
 
 
 def zero_bubble_actions(stages: int, chunks: int, micro_batches: int, rank: int) -> list[Action]:
     """ZB-H1 (chunks = 1) and its interleaved form: ("F", c, i), ("B", c, i), ("W", c, i)."""
+    # BEGIN STEP 5: zero bubble: B and W apart, ZB-H1 as data and for real
+    # TODO: rank's actions under ZB-H1 (chunks = 1) and its interleaved form (torch's
+    # ScheduleInterleavedZeroBubble): as interleaved_actions, but with a warm-up of
+    # (v - 1) * p + (p - 1 - rank) forwards, and after each B a W of the oldest B whose W has not
+    # run, except that rank r puts its first r W's off until after its last B. Bad arguments are
+    # a ValueError (_check). The tests compare the lists for several p, v, m, with torch's order,
+    # the simulated bubble against (p-1)/(3*v*m), and run it for real.
     _check(stages, chunks, micro_batches, rank)
     total = chunks * micro_batches
     warm_up = min((chunks - 1) * stages + (stages - 1 - rank), total)
@@ -475,6 +542,7 @@ def zero_bubble_actions(stages: int, chunks: int, micro_batches: int, rank: int)
                 actions.append(("W", *pending.pop(0)))
     actions += [("W", chunk, i) for chunk, i in pending]
     return actions
+    # END STEP 5
 
 
 SCHEDULES = {"interleaved": interleaved_actions, "zero-bubble": zero_bubble_actions}

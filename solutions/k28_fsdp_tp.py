@@ -198,6 +198,12 @@ def make_mesh(dp: int, tp: int) -> Mesh:
     first, then columns); this rank keeps its own row as ``tp_group`` and its own column as
     ``dp_group``. A ``ValueError`` saying what to do when ``dp`` or ``tp`` is below 1 or
     ``dp * tp`` is not the world size."""
+    # BEGIN STEP 1: the 2-D mesh's groups
+    # TODO: every rank creates the groups of every row (the tp groups) and every column (the dp
+    # groups), the same groups in the same order on every rank, and returns its own row's and
+    # column's groups, its dp_index and tp_index and the members of both. A ValueError that names
+    # the world size when dp or tp is below 1 or dp x tp is not the world size. The tests all-reduce
+    # over the groups of 2x2, 1x4 and 4x1 meshes on 4 ranks and check the members and indices.
     world = dist.get_world_size()
     for name, value in (("dp", dp), ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -224,6 +230,7 @@ def make_mesh(dp: int, tp: int) -> Mesh:
         tp_ranks=rows[dp_index],
         dp_ranks=columns[tp_index],
     )
+    # END STEP 1
 
 
 # --------------------------------------------------------------------------- step 2: TP in the row
@@ -236,6 +243,11 @@ def tp_shard(linear: nn.Linear, style: str, mesh: Mesh) -> tuple[torch.Tensor, t
     weight and the same entries of the bias, ``n = out_features / tp``. ``style="row"``: the
     columns (input features) of the weight the same way, and the whole bias. A ``ValueError``
     when the features do not divide by ``tp`` (or the style is neither)."""
+    # BEGIN STEP 2: tensor parallel inside the row
+    # TODO: copies of this rank's share of linear's weight and bias: the rows
+    # (column style) or the columns (row style, with the whole bias) of mesh.tp_index's share,
+    # out of tp equal shares; a ValueError when the features do not divide by tp. The tests compare
+    # every rank's slice of a Linear(16, 64) on a 2x2 mesh exactly and name the slice taken.
     if style not in ("column", "row"):
         raise ValueError(f"style must be 'column' or 'row', got {style!r}")
     features = linear.out_features if style == "column" else linear.in_features
@@ -254,6 +266,7 @@ def tp_shard(linear: nn.Linear, style: str, mesh: Mesh) -> tuple[torch.Tensor, t
             weight = linear.weight[:, start:end].clone()
             bias = linear.bias.clone() if linear.bias is not None else None
     return weight, bias
+    # END STEP 2
 
 
 class RowParallelLinear(nn.Module):
@@ -269,8 +282,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product summed over the ROW (g on ``mesh.tp_group``), then the
         bias, once."""
+        # BEGIN STEP 2: tensor parallel inside the row
+        # TODO: the full linear(x) on every rank of the row: this rank's
+        # partial product summed over the row's ranks (g, written for you above, on the right group),
+        # then the bias, once. The tests record the block's calls: all on the tp group.
         total = ReduceFromParallelRegion.apply(F.linear(x, self.weight), self.mesh.tp_group)
         return total + self.bias if self.bias is not None else total
+        # END STEP 2
 
 
 class TensorParallelBlock(nn.Module):
@@ -312,9 +330,16 @@ class TensorParallelBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The dense block's output, the same on every rank of the row: f on ``mesh.tp_group``
         entering attention and entering the MLP (their input's gradient sums every slice's)."""
+        # BEGIN STEP 2: tensor parallel inside the row
+        # TODO: the dense block's output, the same on every rank of
+        # the row: attention and the MLP each entered through f on the row's group, after their
+        # LayerNorm. The tests record exactly two all-reduces on the tp group forward and two backward
+        # (none on any other group), and compare the output, the input's gradient and every
+        # parameter's gradient with the dense block's slice.
         group = self.mesh.tp_group
         x = x + self.attention(CopyToParallelRegion.apply(self.attention_norm(x), group))
         return x + self.mlp(CopyToParallelRegion.apply(self.mlp_norm(x), group))
+        # END STEP 2
 
 
 # --------------------------------------------------------------------------- step 3: FSDP down the column
@@ -323,12 +348,16 @@ class TensorParallelBlock(nn.Module):
 def shard_of(flat: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """This dp rank's piece of the 1-D ``flat``, padded with zeros to a multiple of ``mesh.dp``:
     a new tensor of ``ceil(len(flat) / dp)`` elements, piece ``mesh.dp_index``."""
+    # BEGIN STEP 3: FSDP down the column
+    # TODO: a new tensor: flat padded with zeros to a multiple of dp, piece dp_index
+    # of dp equal pieces. The tests check the pieces (and the padding) on small meshes exactly.
     if flat.dim() != 1:
         raise ValueError(f"flat must be one-dimensional, got shape {tuple(flat.shape)}: flatten it")
     chunk = -(-flat.numel() // mesh.dp)
     padded = torch.zeros(chunk * mesh.dp, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     return padded[mesh.dp_index * chunk : (mesh.dp_index + 1) * chunk].clone()
+    # END STEP 3
 
 
 class GatherFromColumn(torch.autograd.Function):
@@ -338,19 +367,29 @@ class GatherFromColumn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        # BEGIN STEP 3: FSDP down the column
+        # TODO: the column's shards end to end (the unit's padded flat
+        # vector), gathered on the column's group, in column order. The tests record exactly one
+        # all-gather on the dp group and compare the values exactly.
         ctx.mesh = mesh
         full = torch.empty(shard.numel() * mesh.dp, dtype=shard.dtype, device=shard.device)
         all_gather_flat(full, shard.detach().contiguous(), mesh.dp_group)
         return full
+        # END STEP 3
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
+        # BEGIN STEP 3: FSDP down the column
+        # TODO: this rank's piece of the full vector's gradient, the MEAN
+        # over the column's ranks (each read a different part of the batch), and None for the mesh.
+        # The tests record exactly one reduce-scatter on the dp group and compare the values.
         mesh = ctx.mesh
         grad = torch.empty(
             grad_full.numel() // mesh.dp, dtype=grad_full.dtype, device=grad_full.device
         )
         reduce_scatter_flat(grad, grad_full.contiguous(), mesh.dp_group)
         return grad / mesh.dp, None
+        # END STEP 3
 
 
 class ShardedUnit(nn.Module):
@@ -421,6 +460,12 @@ def train_step(
     batch / dp`` (the ranks of a row the same part); loss, backward, the optimizer's step and
     zeroed gradients. Returns this row's loss. A ``ValueError`` when the batch does not
     divide by ``dp``."""
+    # BEGIN STEP 4: training equal to one process
+    # TODO: one optimizer step on this row's part of the global batch (the ranks of
+    # a row the same part), gradients zeroed after it, the loss as a float; a ValueError when the
+    # batch does not divide by dp. The tests compare every step's loss with one process's on that
+    # part, the trained weights with one process's on 2x2, 1x4 and 4x1 meshes, and record the order
+    # of one step's collectives on each group.
     if tokens.shape[0] % mesh.dp:
         raise ValueError(
             f"a batch of {tokens.shape[0]} does not split over dp = {mesh.dp} rows: use a "
@@ -433,6 +478,7 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- step 5: the whole state
@@ -444,6 +490,12 @@ def full_state(model: FsdpTpTransformer, mesh: Mesh) -> dict[str, torch.Tensor]:
     weight gathered across the row (``mesh.tp_group``) and joined along the dimension it was
     split (column-parallel: rows, dim 0; row-parallel: columns, dim 1; a column-parallel bias
     too); replicated ones as they are. New tensors, no autograd."""
+    # BEGIN STEP 5: the whole state, against torch's
+    # TODO: every dense parameter, whole, on every rank, under the dense model's
+    # names: each unit gathered down the column (its padding dropped), then each tensor-parallel
+    # slice gathered across the row and joined on the dimension it was split. The tests compare it
+    # with one process's trained model and with torch's fully_shard x parallelize_module trained on
+    # the same 4 ranks, and record only dp and tp group calls.
     units = [("embedding.", model.embedding)]
     units += [(f"blocks.{i}.", unit) for i, unit in enumerate(model.blocks)]
     units += [("", model.head)]
@@ -467,6 +519,7 @@ def full_state(model: FsdpTpTransformer, mesh: Mesh) -> dict[str, torch.Tensor]:
                 dim = 1 if style == "row" else 0
                 out[prefix + name] = torch.cat(pieces, dim=dim)
     return out
+    # END STEP 5
 
 
 # --------------------------------------------------------------------------- the program

@@ -155,6 +155,11 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     """``(offset, length)`` of rank ``rank``'s contiguous slice of a flat tensor of ``numel``
     elements split over ``world_size`` ranks: ceil(numel / world_size) elements each, in rank
     order, the last slices short or empty (k19's layout; the padding is never stored)."""
+    # BEGIN STEP 1: the layout: contiguous slices and the metadata
+    # TODO: this rank's (offset, length) in the flat tensor: every rank but the last ones gets
+    # ceil(numel / world_size) elements, in rank order; the ones past the end get a short or an
+    # empty slice (offset numel, length 0). A ValueError for a rank outside the world. The tests
+    # tile 10, 4 and 1 elements over 1 to 4 ranks and want every element once, in order.
     if world_size < 1 or not 0 <= rank < world_size or numel < 0:
         raise ValueError(
             f"shard_range({numel}, {rank}, {world_size}): need numel >= 0, world_size >= 1 and "
@@ -163,6 +168,7 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     chunk = -(-numel // world_size)
     start = min(rank * chunk, numel)
     return start, min(start + chunk, numel) - start
+    # END STEP 1
 
 
 def make_metadata(
@@ -172,6 +178,11 @@ def make_metadata(
     "tensors": {name: {"shape": [...], "dtype": "float32", "pieces": [{"file", "offset",
     "length"}, ...]}}}``, the pieces in rank order, one per rank whose slice is not empty, each
     naming the file ``shard_file(rank, world_size)`` that holds it."""
+    # BEGIN STEP 1: the layout: contiguous slices and the metadata
+    # TODO: one entry per tensor, in the order given: its shape (a list), its dtype's name
+    # ("float32") and its pieces, one per rank whose slice (shard_range) is not empty, each with
+    # the file shard_file(rank, world_size), the offset and the length. The tests read every
+    # field, and json.dumps must take it.
     entries = {}
     for name, (shape, dtype) in tensors.items():
         numel = math.prod(shape)
@@ -188,6 +199,7 @@ def make_metadata(
             "pieces": pieces,
         }
     return {"world_size": world_size, "step": step, "tensors": entries}
+    # END STEP 1
 
 
 # --------------------------------------------------------------------------- step 2: save
@@ -198,6 +210,14 @@ def save_shards(folder: str | os.PathLike, shards: dict[str, torch.Tensor], meta
     places them) to its own file in ``folder``, atomically; once every rank's file is
     complete, rank 0 writes ``metadata`` to ``METADATA_FILE``, atomically; return on every
     rank after that. Every rank must call it."""
+    # BEGIN STEP 2: save: a file per rank, then the metadata
+    # TODO: this rank's file shard_file(rank, metadata["world_size"]) in folder, holding only
+    # its slices, each a tensor of its own (the tests count the file's bytes: a view saves the
+    # whole storage behind it); written under a temporary name, then os.replace. Then, once
+    # every rank's file is complete, rank 0 alone writes the metadata (json) to METADATA_FILE
+    # the same way; every rank returns only once it is there. A ValueError when a slice's
+    # length is not the metadata's. The tests watch every write and rename, slow one rank's,
+    # and look for the metadata before every shard is complete.
     folder = Path(folder)
     rank = dist.get_rank()
     mine = shard_file(rank, metadata["world_size"])
@@ -226,6 +246,7 @@ def save_shards(folder: str | os.PathLike, shards: dict[str, torch.Tensor], meta
         temporary.write_text(json.dumps(metadata, indent=1))
         os.replace(temporary, folder / METADATA_FILE)
     dist.barrier()  # nobody returns (and reads, or exits) before the metadata is there
+    # END STEP 2
 
 
 # --------------------------------------------------------------------------- step 3: plan a load
@@ -235,6 +256,12 @@ def plan_reads(metadata: dict, rank: int, world_size: int) -> list[Read]:
     """The ranges rank ``rank`` of a world of ``world_size`` must read to build its slice of
     every tensor of the checkpoint: the overlaps of its new slice with the saved pieces, in
     the metadata's order of tensors, then of pieces. Nothing else."""
+    # BEGIN STEP 3: plan a load into another world
+    # TODO: for every tensor (metadata order) and every saved piece (its order) that overlaps
+    # this rank's new slice (shard_range over the new world), one Read: the piece's file,
+    # where the overlap starts inside the piece, its length, and where it goes in the new
+    # slice. No empty reads, no file that holds nothing of the new slice. The tests plan
+    # 4 -> 2, 2 -> 3 and 3 -> 3 and check every element is read once, from the right place.
     reads = []
     for name, entry in metadata["tensors"].items():
         numel = math.prod(entry["shape"])
@@ -248,6 +275,7 @@ def plan_reads(metadata: dict, rank: int, world_size: int) -> list[Read]:
                     Read(name, piece["file"], first - piece["offset"], last - first, first - offset)
                 )
     return reads
+    # END STEP 3
 
 
 # --------------------------------------------------------------------------- step 4: read
@@ -259,6 +287,13 @@ def read_ranges(folder: str | os.PathLike, metadata: dict, reads: list[Read]) ->
     each file the plan names once, and no other (mapped, not read whole); a file missing or
     torn, or a piece it lacks or holds with another length or dtype, raises
     ``CheckpointError`` naming the file and the slice."""
+    # BEGIN STEP 4: read only the planned ranges, refuse torn files
+    # TODO: the planned ranges' values, in the plan's order (views are fine). Open
+    # each file named in the plan once and no other, without reading it whole (torch.load can
+    # map a file). A missing file, one torch.load refuses (torn), or a piece absent, of
+    # another length or dtype: CheckpointError naming the file and the slice (the tensor's
+    # name and its [offset:offset+length] in the flat tensor). The tests count the loads and
+    # delete, truncate and replace shards.
     folder = Path(folder)
     opened: dict[str, dict] = {}
     out = []
@@ -304,6 +339,7 @@ def read_ranges(folder: str | os.PathLike, metadata: dict, reads: list[Read]) ->
         # A view of the mapped file: only its pages are read, once, when the caller copies it.
         out.append(stored.reshape(-1)[read.start : read.start + read.length])
     return out
+    # END STEP 4
 
 
 # --------------------------------------------------------------------------- step 5: load
@@ -320,6 +356,12 @@ def load_shards(
     the checkpoint's step. A folder without metadata raises ``CheckpointError``; a checkpoint
     whose tensors differ from ``expected`` (names, shapes, dtypes) raises ``ValueError``
     saying what differs, before any shard is read."""
+    # BEGIN STEP 5: load into the new world, and resume
+    # TODO: read the metadata (missing: CheckpointError naming it); compare its tensors with
+    # expected (a ValueError listing the names missing or extra, the shapes and dtypes that
+    # differ, and what to do) before any shard is read; then plan, read, and put together this
+    # rank's new slice of every tensor; return them with the step. The tests load 4 -> 2 and
+    # 2 -> 3, compare with dcp.load of the same state, and resume training.
     folder = Path(folder)
     path = folder / METADATA_FILE
     if not path.exists():
@@ -355,6 +397,7 @@ def load_shards(
     for read, values in zip(reads, read_ranges(folder, metadata, reads)):
         shards[read.name][read.into : read.into + read.length] = values
     return shards, int(metadata["step"])
+    # END STEP 5
 
 
 # --------------------------------------------------------------------------- the training

@@ -134,11 +134,19 @@ def allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """The mean of ``bucket``'s flat gradient over ``process_group`` (None: the world), as a
     Future of the bucket's buffer: what DDP does without a hook."""
+    # BEGIN STEP 1: the hook contract: an all-reduce hook
+    # TODO: the mean over process_group (None: the world) of this rank's bucket.buffer(), as a
+    # torch.futures.Future whose value is that flat tensor, returned without waiting for the
+    # communication (DDP goes on with backward meanwhile). The tests call it on a bucket of their
+    # own on 3 ranks (the Future's value, the mean, one async all-reduce, recorded), on a subgroup
+    # [1, 2], and register it on torch's DDP: 3 steps bitwise equal to DDP without a hook (2 ranks)
+    # and to torch's allreduce_hook (3 ranks).
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(group))  # before the sum, as DDP does
     work = dist.all_reduce(buffer, group=group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
+    # END STEP 1
 
 
 def compress_hook(
@@ -146,6 +154,12 @@ def compress_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Like ``allreduce_hook``, but the all-reduce carries a ``dtype`` (float16 or bfloat16)
     copy of the bucket: a Future of the bucket's buffer, in its own dtype, holding the mean."""
+    # BEGIN STEP 2: fp16 and bf16 compression
+    # TODO: allreduce_hook's result, but the bytes that travel are a dtype (float16 or bfloat16)
+    # copy of the bucket; the Future's value is the bucket's own buffer, in its own dtype, holding
+    # the mean. Any other dtype is a ValueError, before anything is sent. The tests record the all-
+    # reduce's dtype, feed gradients whose sum overflows fp16, and hold DDP with fp16_hook and
+    # bf16_hook bitwise against torch's fp16_compress_hook and bf16_compress_hook (2 and 3 ranks).
     if dtype not in COMPRESSED_DTYPES:
         raise ValueError(
             f"compress_hook compresses to torch.float16 or torch.bfloat16, not {dtype}: "
@@ -160,6 +174,7 @@ def compress_hook(
 
     work = dist.all_reduce(compressed, group=group, async_op=True)
     return work.get_future().then(decompress)
+    # END STEP 2
 
 
 def fp16_hook(process_group, bucket):  # DDP refuses a hook named bf16_compress_hook off CUDA
@@ -175,6 +190,12 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     orthonormal, in place, exactly as torch's PowerSGD does; returns ``matrices``.
 
     ``epsilon`` is added to each column's norm before dividing (0: none)."""
+    # BEGIN STEP 3: PowerSGD's pieces: orthogonalize and one round
+    # TODO: every matrix of the batch (batch, n, r) gets orthonormal columns, in place, bitwise as
+    # torch's PowerSGD makes them (its _orthogonalize: Gram-Schmidt for r <= 2 or 16-bit dtypes, a
+    # QR factorisation otherwise; epsilon added to each norm when not 0); r > n is a ValueError. The
+    # tests check Q^T Q = I and compare with torch's _orthogonalize for ranks 1, 2, 3 and 4, a
+    # batch, fp16 and a zero column with epsilon.
     if matrices.dim() != 3 or matrices.shape[2] > matrices.shape[1]:
         raise ValueError(
             f"orthogonalize takes a batch of matrices (batch, n, r) with r <= n, got shape "
@@ -198,6 +219,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
             rest = matrices[:, :, i + 1 :]
             rest -= torch.sum(column * rest, dim=1, keepdim=True) * column
     return matrices
+    # END STEP 3
 
 
 def low_rank_mean(
@@ -212,6 +234,13 @@ def low_rank_mean(
     ``qs[i]`` (shape (1, m, r), orthonormal columns, the same on every rank) is the round's Q
     and is overwritten with the new one (kept for the next round: warm start). Returns the
     ``ps`` (each (1, n, r), orthonormal columns), with ``P @ Q^T`` the approximation."""
+    # BEGIN STEP 3: PowerSGD's pieces: orthogonalize and one round
+    # TODO: one PowerSGD round for this rank's matrices against every other rank's: afterwards each
+    # matrix holds P Q^T, the rank-r approximation of the group's mean matrix; qs hold the new Qs;
+    # the Ps come back. Every P travels in one all-reduce, every Q in another. Shapes that do not
+    # fit (a rank above min(n, m), a Q of another length) are a ValueError before anything is sent.
+    # The tests check exactness at full rank and for a rank-1 mean, compare with torch's pieces
+    # (bitwise on 2 ranks), and count the all-reduces' bytes on 3 ranks.
     if len(matrices) != len(qs):
         raise ValueError(f"{len(matrices)} matrices but {len(qs)} Qs: give one Q a matrix")
     for matrix, q in zip(matrices, qs):
@@ -240,6 +269,7 @@ def low_rank_mean(
     for matrix, p, q in zip(matrices, ps, qs):
         torch.bmm(p, q.transpose(1, 2), out=matrix)
     return ps
+    # END STEP 3
 
 
 def powersgd_hook(
@@ -247,6 +277,14 @@ def powersgd_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook``, written out: the same results and the same ``state``
     afterwards (``iter``, ``error_dict``, ``p_memory_dict``, ``q_memory_dict``, ``rng``)."""
+    # BEGIN STEP 4: the whole PowerSGD hook
+    # TODO: torch's powerSGD_hook's results and state for the same PowerSGDState: plain all-reduces
+    # for the first state.start_powerSGD_iter steps; then each bucket's tensors compressed or not as
+    # torch decides, the random first Qs drawn as torch draws them, warm start and error feedback as
+    # the state says; a state with batch_tensors_with_same_shape is a ValueError. The tests train
+    # toy models and the TinyTransformer on 2 ranks with both hooks (settings: start, warm start and
+    # error feedback off and on, ranks 1, 2 and 4, min_compression_rate, a random seed) and compare
+    # the parameters after every step bitwise, then state.iter, error_dict, q_memory_dict and rng.
     if state.batch_tensors_with_same_shape:
         raise ValueError(
             "this hook compresses each tensor alone: make the PowerSGDState with "
@@ -308,6 +346,7 @@ def powersgd_hook(
     done = torch.futures.Future()
     done.set_result(buffer)
     return done
+    # END STEP 4
 
 
 def register_compression(ddp: DistributedDataParallel, method: str, state: object = None) -> object:
@@ -316,6 +355,12 @@ def register_compression(ddp: DistributedDataParallel, method: str, state: objec
     ``state`` is what the hook gets: for "allreduce", "fp16" and "bf16" a process group (None:
     the DDP's own), for "powersgd" a ``PowerSGDState`` (None: ``PowerSGDState(<the DDP's
     group>, **POWERSGD_DEFAULTS)``). A state for another group than the DDP's is refused."""
+    # BEGIN STEP 5: registering a hook, and the bytes it sends
+    # TODO: the docstring's registration: this kata's hook for method on ddp, with the state the
+    # docstring says (None: the DDP's group; for powersgd a PowerSGDState on it); returns that
+    # state. An unknown method, or a state whose group is not the DDP's, is a ValueError. The tests
+    # build DDPs on a subgroup [1, 2] of 3 ranks and hand it states for the world, then train the
+    # ConvNet with each method and count the bytes its all-reduces carry.
     hooks = {
         "allreduce": allreduce_hook,
         "fp16": fp16_hook,
@@ -345,6 +390,7 @@ def register_compression(ddp: DistributedDataParallel, method: str, state: objec
         )
     ddp.register_comm_hook(state, hooks[method])
     return state
+    # END STEP 5
 
 
 def bytes_per_step(
@@ -355,6 +401,12 @@ def bytes_per_step(
 ) -> int:
     """The bytes each rank puts into all-reduces in one training step of ``model`` under DDP
     with ``method``'s hook (for "powersgd": once compression has started)."""
+    # BEGIN STEP 5: registering a hook, and the bytes it sends
+    # TODO: the bytes one rank's all-reduces carry in one step of DDP training of model with
+    # method's hook (PowerSGD: once compressing, with the given rank and min_compression_rate),
+    # counted from the model's parameters alone; an unknown method is a ValueError. The tests record
+    # one step of torch's hooks (and yours) on the ConvNet, a toy model and the TinyTransformer and
+    # compare.
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     total = 0
@@ -373,6 +425,7 @@ def bytes_per_step(
         else:
             total += n * m * size
     return total
+    # END STEP 5
 
 
 # --------------------------------------------------------------------------- plumbing

@@ -2,8 +2,9 @@
 
 The data lives beside this module, one file per kata (``kNN_topic.toml``: part, title, what it
 teaches, steps and hints) and ``parts.toml``; the runner, the pytest plugin and the README's
-table all read it from here. A kata's files (stub, reference, spec, pristine copy, mistakes
-catalogue) are facts about the kata too: ask the ``Kata`` for them.
+table all read it from here. A kata's files (stub, reference, spec, mistakes catalogue) are
+facts about the kata too: ask the ``Kata`` for them. ``stubs`` makes a kata's stub from its
+reference.
 """
 
 from __future__ import annotations
@@ -56,11 +57,6 @@ class Kata:
     def test_file(self) -> Path:
         """The learner's spec: the one test file of this kata."""
         return ROOT / "tests" / f"test_{self.module}.py"
-
-    @property
-    def pristine_file(self) -> Path:
-        """The shipped stub's byte-for-byte copy, which ``dojo reset`` restores."""
-        return DOJO / "pristine" / f"{self.module}.py"
 
     @property
     def catalogue_file(self) -> Path:
@@ -133,13 +129,13 @@ def parts(lang: str | None = None) -> dict[int, str]:
 
 
 def lesson(kata: Kata, lang: str | None = None) -> str | None:
-    """The kata's lesson: the stub's module docstring in English, ``zh/kNN_topic.toml``'s in
-    Chinese (None where there is none)."""
+    """The kata's lesson: the module docstring of its reference (the stub's is the same) in
+    English, ``zh/kNN_topic.toml``'s in Chinese (None where there is none)."""
     if (lang or language.current()) == "zh":
         return _translation(f"{kata.module}.toml").get("lesson")
     import ast
 
-    source = kata.pristine_file if kata.pristine_file.exists() else kata.kata_file
+    source = kata.solution_file if kata.solution_file.exists() else kata.kata_file
     try:
         return ast.get_docstring(ast.parse(source.read_text(encoding="utf-8")))
     except (OSError, SyntaxError):

@@ -11,10 +11,11 @@
 4. stubs: every kata test fails against the shipped stubs with "not implemented yet"
    (``--expect-todo``), each within a time limit: a stub that passes, crashes or hangs is caught.
 
-The stubs checked (rules, lint, ``--expect-todo``) are the shipped ones, ``dojo/pristine/``, not
-``katas/``: in a learner's checkout that holds their work, which is theirs. Where it differs,
-the gate says so; under CI (``CI=true``, a clean checkout) that fails, since a maintainer's
-changed stub must be copied to ``dojo/pristine/`` before it ships.
+The stubs checked (rules, lint, ``--expect-todo``) are the ones made from ``solutions/``
+(``dojo.curriculum.stubs``), written into ``dojo/dev/shipped/`` for the passes, not ``katas/``:
+in a learner's checkout that holds their work, which is theirs. Where ``katas/`` differs from
+them, the gate says so; under CI (``CI=true``, a clean checkout) that fails, since a maintainer
+who changed a reference must make its stub again (``python -m dojo dev stubs``) before it ships.
 
 ``--repeat N`` runs 2-4 N times (the flake hunt). ``--kata kNN`` (repeatable) restricts every
 part to those katas (the README table and unlisted files are checked only in a full run);
@@ -32,6 +33,7 @@ import tempfile
 import time
 
 from dojo import curriculum
+from dojo.curriculum import stubs
 from dojo.dev import classroom, consistency, imports, reach, swaps
 from dojo.dev.mistakes import plugin
 from dojo.harness import impl
@@ -43,6 +45,7 @@ PARTS = ("consistency", "solutions", "mistakes", "stubs")
 # machine (4 December 2026), and a busier machine may take several times that.
 PYTEST_BACKSTOP_S = 3 * 3600
 STUB_TEST_TIMEOUT_S = 60  # a shipped stub fails at once; one that takes this long hangs
+SHIPPED_DIR = curriculum.ROOT.joinpath(*impl.SHIPPED.split("."))  # dojo/dev/shipped/
 
 
 def consistency_problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
@@ -112,16 +115,38 @@ def step_problems(katas: list[curriculum.Kata]) -> list[str]:
     return found
 
 
+def ship() -> list[str]:
+    """Write the stubs made from ``solutions/`` into ``dojo/dev/shipped/`` (the implementation
+    the stubs pass imports, ``impl.SHIPPED``), and nothing else there; the problems of the
+    references that make no stub."""
+    problems, made = [], set()
+    for kata in curriculum.katas():
+        if kata.solution_file.exists():
+            try:
+                stubs.write([kata], SHIPPED_DIR)
+                made.add(f"{kata.module}.py")
+            except stubs.StubError as error:
+                problems.append(f"{error} (the stub is made from it)")
+    for stale in SHIPPED_DIR.glob("k[0-9][0-9]_*.py"):
+        if stale.name not in made:
+            stale.unlink()
+    return problems
+
+
 def lint_problems() -> list[str]:
-    """ruff's lint and format checks (configured in pyproject.toml), of the shipped stubs in
-    dojo/pristine/ rather than katas/ (maybe a learner's code, not the gate's business)."""
+    """ruff's lint and format checks (configured in pyproject.toml), of the stubs made from
+    solutions/ (in dojo/dev/shipped/) rather than katas/ (maybe a learner's code, not the gate's
+    business)."""
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     if ruff is None:
         return [
             "ruff is not installed in this environment: `pip install -e '.[dev]'` (make test does)"
         ]
+    ship()
     found = []
-    where = [".", "dojo/pristine", "--extend-exclude", "katas"]
+    # git-ignored, so only named files are checked; katas/ is left out
+    made = [p.relative_to(curriculum.ROOT).as_posix() for p in sorted(SHIPPED_DIR.glob("k*.py"))]
+    where = [".", *made, "--extend-exclude", "katas"]
     for args, what in (
         (["check", "--quiet", *where], "lint"),
         (["format", "--check", "--quiet", *where], "format"),
@@ -269,6 +294,9 @@ def _round(
                 flush=True,
             )
     if "stubs" in parts and specs:
+        for problem in ship():
+            print(f"  - {problem}")
+            ok = False
         ok &= _pytest(
             f"every shipped stub fails with 'not implemented yet'{scope}",
             "--expect-todo",
@@ -278,6 +306,6 @@ def _round(
             f"--timeout={STUB_TEST_TIMEOUT_S}",
             *pytest_select,
             *specs,
-            implementation=impl.SHIPPED,  # dojo/pristine/, whatever katas/ holds
+            implementation=impl.SHIPPED,  # made from solutions/, whatever katas/ holds
         )
     return ok

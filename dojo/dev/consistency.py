@@ -1,25 +1,25 @@
 """The maintainer's consistency checks: the curriculum, the files on disk and the README agree.
 
 Every kata has a lesson (THE IDEA, STEPS, WHAT THE TESTS CHECK, RUN IT), steps with 2-3 hint
-tiers, a spec, a stub that raises a ``KataTodo`` for exactly its steps and otherwise equals its
-solution, a solution without todos, and a pristine copy of its stub.
+tiers, a spec, and a reference whose marked regions (``dojo.curriculum.stubs``) make its stub:
+at least one region for each step of the curriculum, none for a step it lacks, and no todo of
+the reference's own.
 
-The stub checked is the SHIPPED one, ``dojo/pristine/kNN_topic.py``, whatever a learner has
-written in ``katas/`` (their work is not the maintainers' to check). Where ``katas/`` differs
-from it, ``unshipped`` says so: a learner's work, or a maintainer's stub not copied yet.
+The stub checked is the one made from the reference, whatever a learner has written in
+``katas/`` (their work is not the maintainers' to check). Where ``katas/`` differs from it,
+``unshipped`` says so: a learner's work, or a stub a maintainer has not made again yet.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
-import filecmp
 import re
-import shutil
 import sys
 from pathlib import Path
 
 from dojo import curriculum
+from dojo.commands import dojo
+from dojo.curriculum import stubs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,8 +30,8 @@ LESSON_SECTIONS = ("THE IDEA", "STEPS", "WHAT THE TESTS CHECK", "RUN IT")
 
 
 def problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
-    """Everything that disagrees between dojo/curriculum/, katas/, solutions/, tests/,
-    dojo/pristine/ and README. ``katas`` restricts the check to those (and skips the
+    """Everything that disagrees between dojo/curriculum/, solutions/ (and the stubs made from
+    it), tests/ and README. ``katas`` restricts the check to those (and skips the
     whole-repository checks)."""
     full = katas is None
     katas = list(curriculum.katas()) if full else katas
@@ -51,7 +51,6 @@ def problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
                 )
     for kata in katas:
         found += _kata_problems(kata)
-    found += pristine_problems(katas)
     if full:
         found += readme_problems()
         zh_parts = set(curriculum.parts("zh").values()) - set(curriculum.parts("en").values())
@@ -72,7 +71,6 @@ def _kata_problems(kata: curriculum.Kata) -> list[str]:
         )
     missing = [p for p in (kata.kata_file, kata.solution_file, kata.test_file) if not p.exists()]
     found += [f"{kata.id}: {kata.relative(p)} is missing" for p in missing]
-    stub = shipped_stub(kata)
     if not kata.steps:
         found.append(f"{kata.id}: the curriculum lists no steps")
     for step in kata.steps:
@@ -83,59 +81,73 @@ def _kata_problems(kata: curriculum.Kata) -> list[str]:
             )
     if kata.world_size < 1:
         found.append(f"{kata.id}: world_size must be at least 1")
-    if stub.exists():
-        found += stub_problems(kata, stub)
-    if kata.solution_file.exists() and _raises_todo(kata.solution_file):
+    if not kata.solution_file.exists():
+        return found
+    source = kata.solution_file.read_text(encoding="utf-8")
+    try:
+        stub = stubs.stub_source(source, kata.id, _shown(kata.solution_file))
+    except stubs.StubError as error:
+        return [*found, f"{error} (the stub is made from it)"]
+    tree = ast.parse(source)
+    found += region_problems(kata, stubs.regions(source, _shown(kata.solution_file)))
+    found += lesson_problems(kata, tree)
+    if any(map(_is_todo, ast.walk(tree))):
         found.append(f"solutions/{kata.module}.py raises a KataTodo: a solution must be complete")
-    if stub.exists() and kata.solution_file.exists():
-        found += stub_differences(kata, stub)
-        found += chinese_problems(kata)
+    found += chinese_problems(kata, stub)
     return found
-
-
-def shipped_stub(kata: curriculum.Kata) -> Path:
-    """The stub the maintainers ship: its copy in dojo/pristine/ (``katas/`` may hold a learner's
-    work); ``katas/``'s own file only while that copy does not exist (reported as missing)."""
-    return kata.pristine_file if kata.pristine_file.exists() else kata.kata_file
 
 
 def _shown(path: Path) -> str:
     return path.relative_to(curriculum.ROOT).as_posix()
 
 
-# ------------------------------------------------------------------- the shipped stubs' copies
+# -------------------------------------------------------- the stubs made from the references
 
 
-def pristine_problems(katas: list[curriculum.Kata]) -> list[str]:
-    """Every kata has its shipped stub in dojo/pristine/, and that folder holds nothing else."""
-    problems = []
-    for kata in katas:
-        if kata.kata_file.exists() and not kata.pristine_file.exists():
-            problems.append(
-                f"{kata.id}: the shipped stub dojo/pristine/{kata.module}.py is missing (`dojo reset` "
-                f"and this check need it): a maintainer copies the stub there, `cp katas/{kata.module}.py "
-                "dojo/pristine/`, and commits both"
-            )
-    listed = {k.module for k in curriculum.katas()}
-    for stray in sorted((curriculum.DOJO / "pristine").glob("*.py")):
-        if stray.stem not in listed:
-            problems.append(f"dojo/pristine/{stray.name} belongs to no kata in dojo/curriculum/")
-    return problems
+def region_problems(kata: curriculum.Kata, regions: list[stubs.Region]) -> list[str]:
+    """The reference's regions agree with the curriculum: each step has at least one (its stub
+    raises a todo for it), and none names a step the curriculum lacks."""
+    where = f"solutions/{kata.module}.py"
+    steps = {s.number for s in kata.steps}
+    found = [
+        f"{where} has no region for step {number} ({kata.step(number).title}): mark the code the "
+        f"learner writes with `# BEGIN STEP {number}: ...` ... `# END STEP {number}`"
+        for number in sorted(steps - {r.step for r in regions})
+    ]
+    found += [
+        f"{where}, line {r.begin}: a region for step {r.step}, which the curriculum lacks"
+        for r in regions
+        if r.step not in steps
+    ]
+    return found
+
+
+def lesson_problems(kata: curriculum.Kata, reference: ast.Module) -> list[str]:
+    """The stub teaches: its lesson (the reference's module docstring) has every section."""
+    where = f"solutions/{kata.module}.py"
+    doc = ast.get_docstring(reference) or ""
+    if not doc:
+        return [f"{where} has no lesson (module docstring): the stub's lesson is the reference's"]
+    lacking = [s for s in LESSON_SECTIONS if s not in doc]
+    return [f"{where}: the lesson (module docstring) lacks {', '.join(lacking)}"] if lacking else []
 
 
 def unshipped(katas: list[curriculum.Kata] | None = None) -> list[str]:
-    """The files in ``katas/`` that are not the shipped stubs: a learner's work (or a stub a
-    maintainer changed and has not copied to dojo/pristine/ yet); with every kata, also files
-    in katas/ that belong to none."""
+    """The files in ``katas/`` that are not the stubs made from ``solutions/``: a learner's work
+    (or a stub a maintainer has not made again since changing its reference); with every kata,
+    also files in katas/ that belong to none."""
     full = katas is None
     katas = list(curriculum.katas()) if full else katas
-    found = [
-        f"katas/{k.module}.py"
-        for k in katas
-        if k.kata_file.exists()
-        and k.pristine_file.exists()
-        and not filecmp.cmp(k.kata_file, k.pristine_file, shallow=False)
-    ]
+    found = []
+    for kata in katas:
+        if not (kata.kata_file.exists() and kata.solution_file.exists()):
+            continue
+        try:
+            made = stubs.stub(kata)
+        except stubs.StubError:
+            continue  # a consistency problem already
+        if kata.kata_file.read_text(encoding="utf-8") != made:
+            found.append(f"katas/{kata.module}.py")
     if full:
         listed = {k.module for k in katas}
         found += [
@@ -147,15 +159,61 @@ def unshipped(katas: list[curriculum.Kata] | None = None) -> list[str]:
 
 
 def unshipped_text(files: list[str]) -> str:
-    """What the gate says of them: it checked the shipped stubs, and what a maintainer does."""
+    """What the gate says of them: it checked the stubs made from the references, and what a
+    maintainer does."""
     which = files[0] if len(files) == 1 else f"{len(files)} files in katas/ ({', '.join(files)})"
     return (
-        f"{which} {'is not the shipped stub' if len(files) == 1 else 'are not the shipped stubs'}: "
-        "the checks use "
-        "the shipped copies in dojo/pristine/, whatever katas/ holds (a learner's work stays "
-        "where it is). A maintainer who changed a stub copies it there (`cp katas/kNN_topic.py "
-        "dojo/pristine/`) and commits both: CI, on a clean checkout, fails while they differ."
+        f"{which} {'is not the stub' if len(files) == 1 else 'are not the stubs'} made from "
+        "solutions/: the checks use the stubs made from the references, whatever katas/ holds (a "
+        "learner's work stays where it is). A maintainer who changed a reference makes its stub "
+        "again (`python -m dojo dev stubs`, which never overwrites a learner's work) and commits "
+        "both: CI, on a clean checkout, fails while they differ."
     )
+
+
+def learner_work(mine: str, made: str) -> str | None:
+    """Why ``mine`` (a file in katas/) holds a learner's work, or None when it is a stub, maybe of
+    an older reference: every function that ``made`` (the stub made now) leaves to the learner is
+    there as in ``made``, its todos still raised (comments, docstrings and todo texts aside)."""
+    try:
+        theirs = _todo_functions(ast.parse(mine))
+    except SyntaxError as error:
+        return f"it does not parse (line {error.lineno})"
+    for name, body in _todo_functions(ast.parse(made)).items():
+        if name not in theirs:
+            return f"{name} raises no KataTodo there"
+        if theirs[name] != body:
+            return f"{name} holds code the stub does not have"
+    return None
+
+
+def _todo_functions(tree: ast.Module) -> dict[str, str]:
+    """Each function that raises a KataTodo (qualified name) -> its body, docstring, comments
+    and the todos' arguments left out."""
+    found = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                visit(child, f"{name}.")
+                if not isinstance(child, ast.ClassDef) and any(map(_is_todo, ast.walk(child))):
+                    body = child.body[1:] if ast.get_docstring(child) is not None else child.body
+                    found[name] = "".join(ast.dump(_without_todo_texts(s)) for s in body)
+
+    visit(tree, "")
+    return found
+
+
+def _without_todo_texts(statement: ast.stmt) -> ast.stmt:
+    for node in ast.walk(statement):
+        if _is_todo(node):
+            node.args = []
+    return statement
+
+
+def _is_todo(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo"
 
 
 # ------------------------------------------------------------------------ the Chinese lessons
@@ -170,10 +228,10 @@ _CODE = re.compile(r"``([^`]+)``|`([^`]+)`")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*(?:\(\))?$")
 
 
-def chinese_problems(kata: curriculum.Kata) -> list[str]:
+def chinese_problems(kata: curriculum.Kata, stub: str | None = None) -> list[str]:
     """Every kata has its Chinese lesson, title and hints (dojo/curriculum/zh/kNN_topic.toml),
     with the lesson's four sections, the same steps as the English, and no code identifier the
-    kata does not have."""
+    kata does not have (in its reference or its stub, ``stub``: made here if not given)."""
     path = curriculum.ZH_DIR / f"{kata.module}.toml"
     where = f"dojo/curriculum/zh/{kata.module}.toml"
     if not path.exists():
@@ -204,8 +262,8 @@ def chinese_problems(kata: curriculum.Kata) -> list[str]:
         english_lesson, "STEPS", "WHAT THE TESTS CHECK"
     ):
         found.append(f"{where}: the lesson's 步骤 lists other step numbers than the English STEPS")
-    stub = shipped_stub(kata)
-    known = "\n".join(p.read_text(encoding="utf-8") for p in (stub, kata.solution_file))
+    reference = kata.solution_file.read_text(encoding="utf-8")
+    known = "\n".join((reference, stubs.stub(kata) if stub is None else stub))
     texts = [lesson] + [h for s in steps.values() for h in s.get("hints", ())]
     known += "\n".join(h for s in english.values() for h in s.hints)
     for text in texts:
@@ -213,140 +271,15 @@ def chinese_problems(kata: curriculum.Kata) -> list[str]:
             code = (match.group(1) or match.group(2)).strip()
             name = code.removesuffix("()").split(".")[-1]
             if _IDENTIFIER.match(code) and not re.search(rf"\b{re.escape(name)}\b", known):
-                found.append(f"{where} names `{code}`, which {_shown(stub)} does not have")
+                found.append(
+                    f"{where} names `{code}`, which solutions/{kata.module}.py does not have"
+                )
     return found
 
 
 def _listed_steps(lesson: str, heading: str, next_heading: str) -> list[int]:
     section = lesson.split(heading, 1)[-1].split(next_heading, 1)[0] if heading in lesson else ""
     return [int(n) for n in re.findall(r"^\s*(\d+)\.\s", section, flags=re.M)]
-
-
-def stub_problems(kata: curriculum.Kata, stub: Path) -> list[str]:
-    """The stub teaches (a lesson with every section) and raises a todo for exactly its steps."""
-    name = _shown(stub)
-    try:
-        tree = ast.parse(stub.read_text(encoding="utf-8"))
-    except SyntaxError as error:
-        return [f"{name} does not parse: {error}"]
-    found = []
-    doc = ast.get_docstring(tree) or ""
-    if not doc:
-        found.append(f"{name} has no lesson (module docstring)")
-    else:
-        lacking = [s for s in LESSON_SECTIONS if s not in doc]
-        if lacking:
-            found.append(f"{name}: the lesson (module docstring) lacks {', '.join(lacking)}")
-    raised = set()
-    for node in ast.walk(tree):
-        if _is_todo(node):
-            args = [a.value for a in node.args[:2] if isinstance(a, ast.Constant)]
-            if len(args) == 2:
-                if args[0] != kata.id:
-                    found.append(f"{name} raises a todo for {args[0]}, not {kata.id}")
-                raised.add(args[1])
-    steps = {s.number for s in kata.steps}
-    for number in sorted(steps - raised):
-        found.append(f"{name} has no KataTodo for step {number}")
-    for number in sorted(raised - steps):
-        found.append(f"{name} raises a todo for step {number}, which the curriculum lacks")
-    return found
-
-
-def _is_todo(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo"
-
-
-def _raises_todo(path) -> bool:
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except SyntaxError:
-        return False  # the solutions' pytest run reports it
-    return any(_is_todo(n) for n in ast.walk(tree))
-
-
-# ------------------------------------------------------------------------ stub = solution, but the todos
-
-
-def stub_differences(kata: curriculum.Kata, stub: Path | None = None) -> list[str]:
-    """A stub (default: the shipped one) equals its solution everywhere except inside the
-    functions whose stub raises the todo (their names, signatures and docstrings included): the
-    learner writes exactly those."""
-    stub = stub or shipped_stub(kata)
-    where = first_difference(
-        stub.read_text(encoding="utf-8"), kata.solution_file.read_text(encoding="utf-8")
-    )
-    if where is None:
-        return []
-    return [
-        f"{kata.id}: the stub and its solution differ outside the functions the learner writes, first at "
-        f"line {where[0]} of {_shown(stub)} / line {where[1]} of solutions/{kata.module}.py "
-        "(only the bodies of functions whose stub raises a KataTodo may differ)"
-    ]
-
-
-def first_difference(stub_source: str, solution_source: str) -> tuple[int, int] | None:
-    """The lines (stub, solution) of the first top-level statement that differs once the todo
-    functions' bodies are cut away, or None when they agree."""
-    try:
-        stub, solution = ast.parse(stub_source), ast.parse(solution_source)
-    except SyntaxError:
-        return None  # reported elsewhere
-    todo_functions = _todo_functions(stub)
-    ours, theirs = _hollowed(stub, todo_functions), _hollowed(solution, todo_functions)
-    for index in range(max(len(ours), len(theirs))):
-        mine = ours[index] if index < len(ours) else None
-        reference = theirs[index] if index < len(theirs) else None
-        if mine is None or reference is None or ast.dump(mine) != ast.dump(reference):
-            return (
-                mine.lineno if mine is not None else len(stub_source.splitlines()),
-                reference.lineno if reference is not None else len(solution_source.splitlines()),
-            )
-    return None
-
-
-def _todo_functions(tree: ast.Module) -> set[str]:
-    found = set()
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = f"{prefix}{child.name}"
-                if not isinstance(child, ast.ClassDef) and any(
-                    _is_todo(n) for n in ast.walk(child)
-                ):
-                    found.add(name)
-                else:
-                    visit(child, f"{name}.")
-
-    visit(tree, "")
-    return found
-
-
-def _hollowed(tree: ast.Module, todo_functions: set[str]) -> list[ast.stmt]:
-    """The module's statements with every todo function's body cut to its docstring, and the
-    ``KataTodo`` import dropped."""
-    tree = copy.deepcopy(tree)
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = f"{prefix}{child.name}"
-                if name in todo_functions:
-                    doc = ast.get_docstring(child, clean=False)
-                    child.body = [ast.Expr(ast.Constant(doc))] if doc is not None else []
-                else:
-                    visit(child, f"{name}.")
-
-    visit(tree, "")
-    body = []
-    for statement in tree.body:
-        if isinstance(statement, ast.ImportFrom) and statement.module == "dojo.todo":
-            statement.names = [n for n in statement.names if n.name != "KataTodo"]
-            if not statement.names:
-                continue
-        body.append(statement)
-    return body
 
 
 # ---------------------------------------------------------------------------------------- README
@@ -428,28 +361,34 @@ def coverage_problems(kata: curriculum.Kata, collected: list[dict]) -> list[str]
     return problems
 
 
-def refresh_pristine(katas: list[curriculum.Kata]) -> list[str]:
-    """Copy the stubs in ``katas/`` to ``dojo/pristine/``; the names of those that changed.
-
-    Only a file that is a stub (a ``KataTodo`` for every step, the solution elsewhere) is copied:
-    a learner's solved kata is theirs, never the shipped stub (each refusal is printed)."""
-    (curriculum.DOJO / "pristine").mkdir(exist_ok=True)
-    written = []
+def refresh_stubs(katas: list[curriculum.Kata]) -> tuple[list[str], list[str]]:
+    """Write ``katas/`` from ``solutions/``: each kata's file that is missing or a stub (maybe of
+    an older reference). (the files written, the katas refused) A learner's work is never
+    overwritten: each refusal is printed, with the way to replace it all the same (``dojo reset``,
+    which keeps a backup)."""
+    chosen, refused = [], []
     for kata in katas:
-        if not kata.kata_file.exists() or (
-            kata.pristine_file.exists()
-            and filecmp.cmp(kata.kata_file, kata.pristine_file, shallow=False)
-        ):
+        if not kata.solution_file.exists():
+            print(f"{kata.id}: solutions/{kata.module}.py is missing: no stub to make")
+            refused.append(kata.id)
             continue
-        why = stub_problems(kata, kata.kata_file)
-        if not why and kata.solution_file.exists():
-            why = stub_differences(kata, kata.kata_file)
+        try:
+            made = stubs.stub(kata)
+        except stubs.StubError as error:
+            print(f"{kata.id}: no stub made: {error}")
+            refused.append(kata.id)
+            continue
+        why = (
+            learner_work(kata.kata_file.read_text(encoding="utf-8"), made)
+            if kata.kata_file.exists()
+            else None
+        )
         if why:
             print(
-                f"{kata.id}: katas/{kata.module}.py is not a stub ({why[0]}): not copied, "
-                f"dojo/pristine/{kata.module}.py is still the shipped one"
+                f"{kata.id}: katas/{kata.module}.py is not a stub ({why}): left as it is; "
+                f"`{dojo()} reset {kata.id}` replaces it, keeping a backup"
             )
+            refused.append(kata.id)
             continue
-        shutil.copyfile(kata.kata_file, kata.pristine_file)
-        written.append(f"dojo/pristine/{kata.module}.py")
-    return written
+        chosen.append(kata)
+    return [_shown(path) for path in stubs.write(chosen)], refused

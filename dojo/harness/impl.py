@@ -28,7 +28,7 @@ from types import ModuleType
 ENV_VAR = "DOJO_IMPL"
 INSTRUMENTS_VAR = "DOJO_INSTRUMENTS"
 PACKAGES = ("katas", "solutions")
-SHIPPED = "dojo.pristine"  # the shipped stubs' copies: what ``katas/`` holds before a learner
+SHIPPED = "dojo.dev.shipped"  # the stubs made from solutions/, as katas/ holds them when shipped
 IMPLEMENTATIONS = (*PACKAGES, SHIPPED)
 
 

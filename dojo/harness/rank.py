@@ -343,7 +343,7 @@ class _Fresh:
 _KATA_CODE = (
     "katas.",
     "solutions.",
-    "dojo.pristine.",
+    "dojo.dev.shipped.",
     "dojo.dev.mistakes.k",
     "tests.",
     "dojo.tests.",

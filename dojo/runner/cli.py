@@ -216,10 +216,12 @@ def _parser() -> argparse.ArgumentParser:
         "regenerate docs/timelines/*.png (the k09, k21, k26 and k27 lessons' timelines) from solutions/",
     )
     dev_command("readme", "rewrite README.md's kata table from dojo/curriculum/")
-    dev_command(
-        "pristine",
-        "copy the stubs in katas/ to dojo/pristine/ (stubs only; what `dojo reset` restores)",
+    stubs_ = dev_command(
+        "stubs",
+        "write katas/ from solutions/: each stub made from its reference's markers (never over a "
+        "learner's work)",
     )
+    stubs_.add_argument("named", nargs="*", metavar="KATA", help="only these katas (default: all)")
     return parser
 
 
@@ -388,18 +390,18 @@ def _dispatch(args: argparse.Namespace) -> int:
                 except KeyError as error:
                     raise _Usage(error.args[0]) from None
             case "dev":
-                return _dev(args, reset)
+                return _dev(args)
     except _Usage as problem:
         return fail(str(problem))
     return fail(f"unknown command {args.command}")
 
 
-def _dev(args: argparse.Namespace, reset) -> int:
+def _dev(args: argparse.Namespace) -> int:
     """``dojo dev``: the maintainers' commands (the only place the runner hands over to dojo.dev)."""
     if args.dev_command is None:
         raise _Usage(
             f"say which: `{dojo()} dev check` (the gate `make test` runs), classroom, timelines, "
-            f"readme or pristine (`{dojo()} dev --help`)"
+            f"readme or stubs (`{dojo()} dev --help`)"
         )
     if args.dev_command == "check":
         from dojo.dev import check as devcheck
@@ -429,12 +431,13 @@ def _dev(args: argparse.Namespace, reset) -> int:
         return 0
     from dojo.dev import consistency
 
-    katas = list(curriculum.katas())
-    written = consistency.refresh_pristine(katas)
-    if written:
-        print("\n".join(f"wrote {path}" for path in written))
-    elif all(reset.is_pristine(k) for k in katas if k.kata_file.exists()):
-        print("dojo/pristine/ already matches katas/")
-    else:
-        print("nothing copied")
-    return 0
+    try:
+        katas = [curriculum.find(name) for name in args.named] or list(curriculum.katas())
+    except KeyError as error:
+        raise _Usage(error.args[0]) from None
+    written, refused = consistency.refresh_stubs(katas)
+    for path in written:
+        print(f"wrote {path}")
+    if not written and not refused:
+        print("katas/ already holds the stubs made from solutions/")
+    return 1 if refused else 0

@@ -32,6 +32,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from dojo import curriculum
+from dojo.curriculum import stubs
 from dojo.harness import impl
 from dojo.runner import runs, testlog
 from dojo.spec.testing import kill_session
@@ -188,8 +189,8 @@ def workspace(target: Path, learner_katas: dict[str, str]) -> None:
     (target / "katas").mkdir()
     (target / "katas" / "__init__.py").write_text("")
     for kata in curriculum.katas():
-        if kata.pristine_file.exists():
-            shutil.copy(kata.pristine_file, target / "katas" / f"{kata.module}.py")
+        if kata.solution_file.exists():
+            (target / "katas" / f"{kata.module}.py").write_text(stubs.stub(kata), encoding="utf-8")
     for module, source in learner_katas.items():
         (target / "katas" / f"{module}.py").write_text(source, encoding="utf-8")
 

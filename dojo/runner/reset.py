@@ -1,10 +1,8 @@
 """``dojo reset``: give the learner the shipped stub back, keeping their own version.
 
-The shipped stubs are kept as byte-for-byte copies in ``dojo/pristine/`` (not taken from git: a
-learner may have downloaded a zip, or committed their work). ``dojo dev check`` checks those
-copies, whatever ``katas/`` holds, and says when ``katas/`` differs (CI fails then);
-``python -m dojo dev pristine`` refreshes the copies from ``katas/``, stubs only, so a maintainer
-who changes a stub cannot ship a stale one and a learner's work never becomes the shipped stub.
+The stub is made afresh from its reference, ``solutions/kNN_topic.py`` (``dojo.curriculum.stubs``),
+as it was made for the shipped ``katas/``: no git needed (a learner may have downloaded a zip,
+or committed their work) and no copy kept beside it.
 """
 
 from __future__ import annotations
@@ -18,20 +16,11 @@ from pathlib import Path
 
 from dojo import curriculum
 from dojo.commands import dojo
+from dojo.curriculum import stubs
 from dojo.runner import progress
 from dojo.runner.term import ask
 
-PRISTINE_DIR = curriculum.DOJO / "pristine"
 BACKUP_DIR = progress.STATE_DIR / "backups"
-
-
-def is_pristine(kata: curriculum.Kata) -> bool:
-    copy = kata.pristine_file
-    return (
-        copy.exists()
-        and kata.kata_file.exists()
-        and filecmp.cmp(copy, kata.kata_file, shallow=False)
-    )
 
 
 def backup(kata: curriculum.Kata) -> Path:
@@ -53,14 +42,22 @@ def reset(
 
     ``confirm`` asks the question (``dojo watch`` asks for a single key); ``yes`` answers it.
     """
-    missing = [k for k in katas if not k.pristine_file.exists()]
-    for kata in missing:
-        print(
-            f"{kata.id}: no shipped copy of its stub in this checkout (dojo/pristine/{kata.module}.py); nothing reset"
-        )
-    changed = [k for k in katas if k not in missing and not is_pristine(k)]
+    made, missing = {}, []
     for kata in katas:
-        if kata not in missing and kata not in changed:
+        try:
+            made[kata] = stubs.stub(kata)
+        except OSError:
+            print(
+                f"{kata.id}: solutions/{kata.module}.py, which its stub is made from, is not in "
+                "this checkout; nothing reset"
+            )
+            missing.append(kata)
+        except stubs.StubError as error:
+            print(f"{kata.id}: its stub cannot be made ({error}); nothing reset")
+            missing.append(kata)
+    changed = [k for k in made if not _holds(k, made[k])]
+    for kata in made:
+        if kata not in changed:
             print(f"{kata.id}: katas/{kata.module}.py is already the shipped stub")
     if not changed:
         return 1 if missing else 0
@@ -71,7 +68,7 @@ def reset(
         return 1
     for kata in changed:
         kept = backup(kata) if kata.kata_file.exists() else None
-        shutil.copyfile(kata.pristine_file, kata.kata_file)
+        stubs.write([kata])
         with progress.editing() as state:
             state.forget(kata)
         where = (
@@ -82,6 +79,10 @@ def reset(
         )
         print(f"{kata.id}: katas/{kata.module}.py is the shipped stub again{where}")
     return 1 if missing else 0
+
+
+def _holds(kata: curriculum.Kata, stub: str) -> bool:
+    return kata.kata_file.exists() and kata.kata_file.read_text("utf-8", "replace") == stub
 
 
 def backups(kata: curriculum.Kata) -> list[Path]:

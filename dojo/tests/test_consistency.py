@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dojo import curriculum
+from dojo.curriculum import stubs
 from dojo.dev import consistency, imports
-
-STUB = '''"""A lesson."""
-from dojo.todo import KataTodo
-
-LIMIT = 3
-
-
-def helper(x):
-    """Written for the learner."""
-    return x + 1
-
-
-def task(x: int) -> int:
-    """The learner writes this."""
-    # TODO: what it must achieve
-    raise KataTodo("k99", 1, "the task")
-'''
 
 SOLUTION = '''"""A lesson."""
 
+from dojo.console import say
+
 LIMIT = 3
 
 
@@ -34,34 +22,55 @@ def helper(x):
 
 def task(x: int) -> int:
     """The learner writes this."""
+    # BEGIN STEP 1: the task
+    # TODO: what it must achieve
     doubled = helper(x) * 2
     return doubled - LIMIT
+    # END STEP 1
 '''
+STUB = stubs.stub_source(SOLUTION, "k99", "solutions/k99_demo.py")
 
 
-def test_a_stub_may_differ_from_its_solution_only_inside_the_todo_functions():
-    assert consistency.first_difference(STUB, SOLUTION) is None
-    drifted = SOLUTION.replace("LIMIT = 3", "LIMIT = 4")
-    assert consistency.first_difference(STUB, drifted) == (4, 3), (
-        "a changed constant must be caught"
+def test_a_stub_of_an_older_reference_is_a_stub_and_a_learners_work_is_not():
+    assert consistency.learner_work(STUB, STUB) is None
+    older = STUB.replace("# TODO: what it must achieve", "# TODO: said otherwise").replace(
+        '"the task"', '"named otherwise"'
     )
-    renamed = SOLUTION.replace("def task(x: int)", "def task(y: int)")
-    assert consistency.first_difference(STUB, renamed) is not None, (
-        "a changed signature must be caught"
+    assert consistency.learner_work(older, STUB) is None, "a todo's text is not a learner's work"
+    redocumented = STUB.replace('"""The learner writes this."""', '"""Said otherwise."""')
+    assert consistency.learner_work(redocumented, STUB) is None
+    elsewhere = STUB.replace("LIMIT = 3", "LIMIT = 4")
+    assert consistency.learner_work(elsewhere, STUB) is None, "outside the todo functions"
+
+    solved = SOLUTION
+    assert consistency.learner_work(solved, STUB) == "task raises no KataTodo there"
+    started = STUB.replace("    raise KataTodo", "    doubled = helper(x) * 2\n    raise KataTodo")
+    assert consistency.learner_work(started, STUB) == "task holds code the stub does not have", (
+        "code written above a todo still raised is a learner's work"
     )
-    redocumented = SOLUTION.replace('"""The learner writes this."""', '"""Another docstring."""')
-    assert consistency.first_difference(STUB, redocumented) is not None, (
-        "a changed docstring must be caught"
-    )
-    extra = SOLUTION + "\n\ndef only_in_the_solution():\n    return 1\n"
-    assert consistency.first_difference(STUB, extra) is not None, (
-        "a function the stub lacks must be caught"
-    )
+    assert consistency.learner_work("def task(:\n", STUB) == "it does not parse (line 1)"
 
 
-def test_the_shipped_stubs_equal_their_solutions_outside_the_todos():
+def test_every_reference_makes_its_stub_with_a_region_for_exactly_its_steps():
     for kata in curriculum.katas():
-        assert consistency.stub_differences(kata) == [], kata.id
+        source = kata.solution_file.read_text(encoding="utf-8")
+        assert stubs.stub(kata), kata.id
+        assert consistency.region_problems(kata, stubs.regions(source, kata.id)) == [], kata.id
+
+
+def test_regions_that_disagree_with_the_curriculum_are_named():
+    kata = curriculum.find("k04")
+    regions = stubs.regions(kata.solution_file.read_text(encoding="utf-8"), "k04")
+    step_2 = next(r for r in regions if r.step == 2)
+    found = consistency.region_problems(
+        kata, [r for r in regions if r.step != 2] + [dataclasses.replace(step_2, step=7)]
+    )
+    assert found == [
+        "solutions/k04_allreduce.py has no region for step 2 (all-reduce with a named reduce op): "
+        "mark the code the learner writes with `# BEGIN STEP 2: ...` ... `# END STEP 2`",
+        f"solutions/k04_allreduce.py, line {step_2.begin}: a region for step 7, which the "
+        "curriculum lacks",
+    ], found
 
 
 def test_import_circles_are_found_and_packages_are_not_circles():

@@ -20,7 +20,8 @@ from xml.etree import ElementTree
 
 import pytest
 
-from dojo.curriculum import ROOT
+from dojo import curriculum
+from dojo.curriculum import ROOT, stubs
 
 KATAS = ("k04_allreduce", "k10_sharding")
 DEADLOCK = (
@@ -36,7 +37,7 @@ def _checkout(folder: Path, solved: dict[str, str | None]) -> Path:
     for module, source in solved.items():
         text = (ROOT / "solutions" / f"{module}.py").read_text() if source == "solved" else source
         if source is None:
-            text = (ROOT / "dojo" / "pristine" / f"{module}.py").read_text()
+            text = stubs.stub(curriculum.find(module))
         (folder / "katas" / f"{module}.py").write_text(text)
     return folder
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dojo import curriculum
+from dojo.curriculum import stubs
 
 REPO = curriculum.ROOT
 KATA = "k01_spawn"
@@ -47,10 +48,10 @@ def learner_copy(tmp_path: Path) -> Path:
 
 def add_stand_in_kata(root: Path, value: int = 0) -> tuple[str, str]:
     """The curriculum's second kata as a one-line stand-in: ``VALUE = 0``, solved by ``VALUE = 1``;
-    ``VALUE = 2`` makes its test hang, as a learner's deadlock would (for the runner's clean-up)."""
+    ``VALUE = 2`` makes its test hang, as a learner's deadlock would (for the runner's clean-up).
+    Its reference is a marked stand-in too (``dojo reset`` makes a stub from it)."""
     second = curriculum.katas()[1]
-    stub = f'"""A stand-in kata."""\nVALUE = {value}\n'
-    (root / "katas" / f"{second.module}.py").write_text(stub)
+    set_value(root, second.module, value)
     (root / "tests" / f"test_{second.module}.py").write_text(
         "import time\n\n\n"
         "def test_value():\n"
@@ -60,8 +61,23 @@ def add_stand_in_kata(root: Path, value: int = 0) -> tuple[str, str]:
         "        time.sleep(300)\n"
         "    assert VALUE == 1, f'VALUE is {VALUE}, expected 1'\n"
     )
-    (root / "dojo" / "pristine" / f"{second.module}.py").write_text(stub)
+    (root / "solutions" / f"{second.module}.py").write_text(STAND_IN_REFERENCE)
     return second.id, second.module
+
+
+STAND_IN_REFERENCE = '''"""A stand-in kata's reference."""
+
+from dojo.console import say
+
+VALUE = 1
+
+
+def value() -> int:
+    # BEGIN STEP 1: the value
+    # TODO: the value
+    return VALUE
+    # END STEP 1
+'''
 
 
 def wait_for_hang(root: Path, seconds: float = 60) -> None:
@@ -257,6 +273,33 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
         f"a piped 'y' must answer the question:\n{piped.stdout}"
     )
     assert not wait_until_gone(root), "a command left processes running"
+
+
+def test_reset_makes_the_stub_from_the_reference_in_a_copy_without_git(tmp_path):
+    """A learner's checkout may be a zip: no git, no stub kept anywhere but made afresh."""
+    root = learner_copy(tmp_path)
+    assert not any((folder / ".git").exists() for folder in (root, *root.parents)), (
+        "this test needs a copy outside any git repository"
+    )
+    mine = root / "katas" / f"{KATA}.py"
+    shipped = stubs.stub(curriculum.find("k01"))
+    todo = 'raise KataTodo("k01", 2, "the greeting")'
+    assert todo in shipped, "k01 changed: update this test's doctoring"
+    mine.write_text(shipped.replace(todo, 'return "hello"'))
+
+    done = dojo(root, "reset", "k01", "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert mine.read_text() == shipped, "reset must make k01's stub from solutions/k01_spawn.py"
+    assert "k01: katas/k01_spawn.py is the shipped stub again" in done.stdout, done.stdout
+
+    (root / "solutions" / f"{KATA}.py").unlink()  # an instructor took the references out
+    mine.write_text("# my work\n")
+    refused = dojo(root, "reset", "k01", "--yes")
+    assert refused.returncode == 1, refused.stdout
+    assert "k01: solutions/k01_spawn.py, which its stub is made from, is not in this checkout" in (
+        refused.stdout
+    ), refused.stdout
+    assert mine.read_text() == "# my work\n", "a reset that cannot make the stub changes nothing"
 
 
 def test_dojo_shows_the_current_kata_and_next_moves_on_only_once_it_passes(tmp_path):

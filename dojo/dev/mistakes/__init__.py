@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from dojo import curriculum
+from dojo.curriculum import stubs
 
 
 @dataclass
@@ -70,7 +71,7 @@ def swaps(kata: curriculum.Kata, entry: Mistake | RightAnswer) -> dict[str, str]
 @functools.cache  # asked for every test of every entry: parse each stub once
 def stub_steps(kata: curriculum.Kata) -> dict[str, int]:
     """Function or class name -> the (lowest) step whose todo it raises in the shipped stub."""
-    tree = ast.parse(kata.pristine_file.read_text(encoding="utf-8"))
+    tree = ast.parse(stubs.stub(kata))
     found: dict[str, int] = {}
 
     def visit(node: ast.AST, owner: str | None) -> None:
