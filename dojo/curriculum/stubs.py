@@ -111,6 +111,23 @@ def stub_source(source: str, kata_id: str, where: str) -> str:
     return text
 
 
+def solved(kata: curriculum.Kata) -> str:
+    """The reference as a learner's finished file reads: its markers and TODO lines left out."""
+    source = kata.solution_file.read_text(encoding="utf-8")
+    lines = source.splitlines(keepends=True)
+    dropped = set()
+    for region in regions(source, kata.relative(kata.solution_file)):
+        dropped |= {
+            region.begin,
+            region.end,
+            *range(region.begin + 1, region.begin + 1 + len(region.todo)),
+        }
+        after_todo = region.begin + len(region.todo) + 1
+        if lines[after_todo - 1].strip() == _END_TODO:
+            dropped.add(after_todo)
+    return "".join(line for number, line in enumerate(lines, 1) if number not in dropped)
+
+
 def regions(source: str, where: str) -> list[Region]:
     """The regions of a reference, in order; StubError names the first malformed marker."""
     return _regions(_parse(source, where), source.splitlines(), where)

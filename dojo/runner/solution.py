@@ -9,6 +9,7 @@ import difflib
 
 from dojo import curriculum
 from dojo.commands import dojo
+from dojo.curriculum import stubs
 from dojo.runner import progress
 from dojo.runner.term import ask, paint
 
@@ -23,7 +24,7 @@ def show(kata: curriculum.Kata, diff: bool = False, yes: bool = False) -> int:
     ):
         print(f"Not shown. `{dojo()} hint {kata.id}` gives a nudge instead.")
         return 1
-    reference = kata.solution_file.read_text(encoding="utf-8")
+    reference = stubs.solved(kata)  # the code, without the markers the stubs are made from
     if not diff:
         print(paint(f"# solutions/{kata.module}.py", "bold"))
         print(reference, end="" if reference.endswith("\n") else "\n")

@@ -292,3 +292,20 @@ def test_write_makes_only_the_files_that_changed(tmp_path):
 
 def _todo(node) -> bool:
     return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo"
+
+
+def test_the_solved_reference_has_no_marker_and_no_todo_text():
+    """``dojo solution`` shows (and diffs against) the reference as a finished kata reads."""
+    for kata in curriculum.katas():
+        solved = stubs.solved(kata)
+        ast.parse(solved)
+        for line in solved.splitlines():
+            text = line.strip()
+            assert not text.startswith(("# BEGIN STEP", "# END STEP", "# END TODO")), (
+                f"{kata.id}: a marker is left in the solved reference: {line!r}"
+            )
+        regions = stubs.regions(kata.solution_file.read_text(encoding="utf-8"), kata.id)
+        for region in regions:
+            assert region.todo[0] not in solved.splitlines(keepends=False), (
+                f"{kata.id}: step {region.step}'s TODO text is left in the solved reference"
+            )
