@@ -18,11 +18,14 @@ from dataclasses import dataclass
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _HIDDEN = (
     os.sep + "multiprocessing" + os.sep,
-    os.sep + "dojo" + os.sep + "rank.py",
-    os.sep + "dojo" + os.sep + "calls.py",  # the recorder's wrapper around each call
-    os.sep + "dojo" + os.sep + "trace.py",  # a traced rank's wrapper around its function
+    os.path.join(os.sep + "dojo", "harness", "rank.py"),
+    os.path.join(os.sep + "dojo", "harness", "calls.py"),  # the recorder's wrapper of each call
+    os.path.join(
+        os.sep + "dojo", "harness", "timeline.py"
+    ),  # a traced rank's wrapper of its function
     "threading.py",
 )
+_RECORDERS = ("calls.py", "timeline.py")  # their wrappers wait inside a torch.distributed call
 _KATA_CODE = ("katas", "solutions", os.path.join("dojo", "dev", "mistakes"))
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", re.M)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,7 +142,7 @@ def waits_in_torch_distributed(dump: str) -> bool:
     folder = os.sep + "torch" + os.sep
     if folder + "distributed" + os.sep in frame.file or folder + "futures" + os.sep in frame.file:
         return True
-    if any(frame.file.endswith(os.path.join("dojo", name)) for name in ("calls.py", "trace.py")):
+    if any(frame.file.endswith(os.path.join("dojo", "harness", n)) for n in _RECORDERS):
         return True  # inside the recorder's wrapper of a torch.distributed call or a wait()
     if frame.in_torch or frame.file.startswith(_LIBRARIES) or frame.file.startswith("<"):
         return False  # torch computing, or the standard library (time.sleep, queue.get, join)
