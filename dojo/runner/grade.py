@@ -35,7 +35,6 @@ from dojo import curriculum
 from dojo.harness import impl
 from dojo.runner import runs, testlog
 from dojo.spec.testing import kill_session
-from dojo.todo import TODO_PATTERN
 
 DEFAULT_TIMEOUT_S = 600.0  # one kata's spec; k06 takes a few minutes on two busy cores
 
@@ -280,16 +279,14 @@ def _first_reason(result: runs.RunResult) -> str:
     shows it (its ``E`` lines: every line of a message that spans several)."""
     for record in result.records:
         if record["outcome"] == "failed":
-            todo = TODO_PATTERN.search(record["text"]) or TODO_PATTERN.search(
-                record.get("message", "")
-            )
-            if todo and todo.group(1) != result.kata.id:  # its tests use an earlier kata's code
+            todo = runs.todo_named(record) or runs.todo_named({"text": record.get("message", "")})
+            if todo and todo.kata != result.kata.id:  # its tests use an earlier kata's code
                 return (
-                    f"{todo.group(0)}: {result.kata.id}'s tests use {todo.group(1)}'s code, which "
-                    f"this submission leaves unwritten (katas/{curriculum.find(todo.group(1)).module}.py)"
+                    f"{todo}: {result.kata.id}'s tests use {todo.kata}'s code, which this "
+                    f"submission leaves unwritten (katas/{curriculum.find(todo.kata).module}.py)"
                 )
             if todo:
-                return todo.group(0)
+                return str(todo)
             return _whole_message(record)
     return ""
 

@@ -2,7 +2,7 @@
 
 pytest prints a line of progress; the outcomes come back through ``dojo.runner.testlog``, and the
 runner turns them into a digest: the first real failure in full, one line for each other one,
-the steps not written yet, and the first failing step (``dojo.steps``).
+the steps not written yet, and the first failing step (``dojo.curriculum.steps``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 from dojo import curriculum, lang
 from dojo.commands import python
+from dojo.curriculum import steps
 from dojo.harness import impl
 from dojo.lang import t
 from dojo.runner import testlog
-from dojo.runner.steps import TODO_PATTERN, steps_of_failure
+from dojo.todo import KataTodo
 
 PYTEST_EXIT_NO_TESTS = 5
 
@@ -61,7 +62,8 @@ class RunResult:
         found = set()
         for record in self.records:
             if record["outcome"] == "failed":
-                found |= steps_of_failure(self.kata, record)
+                marked = record.get("steps", ())
+                found |= steps.of_failure(self.kata.id, todo_named(record), marked)
         return sorted(found)
 
     def first_failing_step(self) -> int | None:
@@ -83,9 +85,9 @@ class RunResult:
         for record in self.records:
             if record["outcome"] != "failed":
                 continue
-            todo = TODO_PATTERN.search(record["text"])
+            todo = todo_named(record)
             if todo and record["when"] == "call":
-                todos.setdefault(int(todo.group(2)), []).append(record)
+                todos.setdefault(todo.step, []).append(record)
             else:
                 real.append(record)
         lines = []
@@ -156,6 +158,11 @@ _SAID = {
         "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
     },
 }
+
+
+def todo_named(record: dict) -> KataTodo | None:
+    """The todo a failure's text names (``not implemented yet: k02 step 1 (...)``)."""
+    return steps.find_todo(AssertionError(record.get("text", "")))
 
 
 def _said(key: str, **values: object) -> str:

@@ -16,6 +16,8 @@ import os
 
 import pytest
 
+from dojo.curriculum import steps
+
 ENV_VAR = "DOJO_TEST_LOG"
 # Set by the runner: the session stops after the first deadlock (the tests after it would most
 # likely wait for the same one); the log then ends with a "session" record saying how many did
@@ -40,11 +42,6 @@ def _write(record: dict) -> None:
             log.write(json.dumps(record) + "\n")
 
 
-def steps_of(item: pytest.Item) -> list[int]:
-    """The steps a test checks: its ``@pytest.mark.step(N)`` (on the function or a parameter)."""
-    return sorted({int(mark.args[0]) for mark in item.iter_markers("step") if mark.args})
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         for item in session.items:
@@ -53,7 +50,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                     "test": item.nodeid,
                     "when": "collect",
                     "outcome": "collected",
-                    "steps": steps_of(item),
+                    "steps": steps.of_test(item),
                 }
             )
 
@@ -62,7 +59,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    report.dojo_steps = steps_of(item)
+    report.dojo_steps = steps.of_test(item)
     if call.excinfo is not None and report.failed and call.when == "call":
         if os.environ.get(STOP_VAR) == "1" and _is_deadlock(call.excinfo.value):
             items = item.session.items

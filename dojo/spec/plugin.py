@@ -19,12 +19,12 @@ import pytest
 
 from dojo import curriculum
 from dojo.commands import dojo
+from dojo.curriculum.steps import find_todo
 from dojo.harness import impl
 from dojo.harness.world import run_world
 from dojo.lang import t
 from dojo.spec.report import compact
 from dojo.spec.report import wanted as report_for_learners
-from dojo.todo import find_todo
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -20,6 +20,7 @@ import os
 import pytest
 
 from dojo import curriculum
+from dojo.curriculum import steps
 
 _EXPLANATION_LINES = 12  # pytest's "assert a == b" diff: useful, but not at any length
 
@@ -49,14 +50,14 @@ def compact(item: pytest.Item, excinfo: pytest.ExceptionInfo, kata: curriculum.K
 def _heading(item: pytest.Item, kata: curriculum.Kata | None) -> str:
     path, line, _ = item.location
     where = f"{path}:{(line or 0) + 1}"
-    steps = sorted(int(m.args[0]) for m in item.iter_markers("step") if m.args)
-    if kata is None or not steps:
+    marked = steps.of_test(item)
+    if kata is None or not marked:
         return f"checked by {where}"
     try:
-        title = kata.step(steps[0]).title
+        title = kata.step(marked[0]).title
     except KeyError:
-        return f"step {steps[0]} ({where})"
-    return f"step {steps[0]} · {title} ({where})"
+        return f"step {marked[0]} ({where})"
+    return f"step {marked[0]} · {title} ({where})"
 
 
 def _is_world_report(excinfo: pytest.ExceptionInfo) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dojo import curriculum
 from dojo.dev.consistency import coverage_problems
 from dojo.runner.runs import RunResult
-from dojo.runner.steps import steps_of_failure
 
 K01 = curriculum.find("k01")
 TEST = "tests/test_k01_spawn.py"
@@ -30,7 +29,7 @@ def test_a_failure_belongs_to_its_todo_or_else_to_its_tests_step_marker():
         text="not implemented yet: k01 step 2 (the greeting)",
         steps=[4],
     )
-    assert steps_of_failure(K01, todo) == {2}, (
+    assert RunResult(K01, 1, [todo]).failing_steps == [2], (
         "an unwritten step names itself, whichever test ran into it"
     )
     wrong = record(
@@ -38,11 +37,11 @@ def test_a_failure_belongs_to_its_todo_or_else_to_its_tests_step_marker():
         text="E   AssertionError: expected RankProcessFailed",
         steps=[4],
     )
-    assert steps_of_failure(K01, wrong) == {4}, (
+    assert RunResult(K01, 1, [wrong]).failing_steps == [4], (
         "a real failure belongs to the step its test is marked with"
     )
     other = record("test_x", text="not implemented yet: k02 step 1 (set MASTER_ADDR)", steps=[3])
-    assert steps_of_failure(K01, other) == {3}, (
+    assert RunResult(K01, 1, [other]).failing_steps == [3], (
         "another kata's todo says nothing about this kata's steps"
     )
 
