@@ -140,7 +140,7 @@ def _kata_of(item: pytest.Item) -> curriculum.Kata | None:
 
 def _todo_report(todo) -> str:
     """One line for the todo, where to write it, and the step's first (gentlest) hint, in the
-    learner's language (the todo's own words stay in it: the runner reads them)."""
+    learner's language (the runner renders its own from the test log's record of the todo)."""
     try:
         kata = curriculum.find(todo.kata)
         step = kata.step(todo.step)
