@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from dojo.curriculum import steps
 from dojo.harness import impl
 from dojo.lang import t
 from dojo.runner import testlog
+from dojo.runner.term import display_width, wrap
 from dojo.spec.report import Place
 from dojo.todo import KataTodo
 
@@ -95,7 +95,7 @@ class RunResult:
         if todos:
             lines += _todos(self.kata, todos)
         if self.not_run:
-            lines.append(_said("stopped", count=self.not_run))
+            lines += _wrapped(_said("stopped", count=self.not_run))
         if real or todos:
             lines.append(
                 t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
@@ -137,7 +137,8 @@ def _failures(real: list[dict], shown: int) -> list[str]:
     lines.append(
         f"FAILED {_name(first)}" + (f" ({first['when']})" if first["when"] != "call" else "")
     )
-    lines += ["  " + line for line in first.get("text", "").rstrip().splitlines()]
+    for line in first.get("text", "").rstrip().splitlines():
+        lines += _wrapped("  " + line)
     groups: dict[str, list[dict]] = {}
     for record in real[1:]:
         groups.setdefault(_message(record), []).append(record)
@@ -219,11 +220,15 @@ def _said(key: str, **values: object) -> str:
     return _SAID[key][lang.current()].format(**values)
 
 
-def _wrapped(line: str) -> list[str]:
+def _wrapped(line: str, more: str = "    ") -> list[str]:
+    """A line cut at spaces to the terminal's width (never inside a word or an identifier), its
+    continuations indented ``more`` beyond its own indentation."""
     width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
-    return textwrap.wrap(line, width=width, subsequent_indent="    ", break_long_words=False) or [
-        line
-    ]
+    if display_width(line) <= width:
+        return [line]
+    indent = line[: len(line) - len(line.lstrip())]
+    first, *rest = wrap(line.strip(), width=width - len(indent) - len(more))
+    return [indent + first, *(indent + more + piece for piece in rest)]
 
 
 def describe_step(kata: curriculum.Kata, number: int) -> str:

@@ -168,6 +168,23 @@ def test_the_digest_speaks_the_learners_language(monkeypatch):
     assert "not implemented" not in digest and "your code" not in digest, digest
 
 
+def test_the_first_failure_is_wrapped_like_the_others(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "82")
+    words = " ".join(f"launched{n}" for n in range(40))
+    text = f"step 2 · the greeting (tests/test_k01_spawn.py:141)\nAssertionError: {words}"
+    result = RunResult(
+        K01, 1, [record("test_a", text=text), record("test_b", message=f"ValueError: {words}")]
+    )
+    lines = result.digest().splitlines()
+    assert all(len(line) <= 80 for line in lines if " " in line.strip()), "\n".join(lines)
+    said = " ".join(" ".join(lines).split())
+    assert f"AssertionError: {words}" in said and f"ValueError: {words}" in said, (
+        "a line is cut between words, never inside one"
+    )
+    first = next(i for i, line in enumerate(lines) if line.startswith("  AssertionError: "))
+    assert lines[first + 1].startswith("      launched"), "a cut line's rest is indented"
+
+
 def test_a_kata_file_that_does_not_import_is_said_plainly():
     error = 'E     File "katas/k01_spawn.py", line 116\nE   SyntaxError: invalid syntax'
     result = RunResult(
