@@ -123,6 +123,19 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "{kata}: pytest found no tests in {file}.",
         "zh": "{kata}：pytest 在 {file} 中没有找到测试。",
     },
+    "stopped at deadlock": {
+        "en": "Stopped at that deadlock: the {count} test(s) after it did not run (most would wait "
+        "for the same one). Fix it, then run the tests again.",
+        "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
+    },
+    "interrupted": {
+        "en": "Interrupted after {seconds:.0f} s: {count} test(s) had finished; what they found is above.",
+        "zh": "已中断（{seconds:.0f} 秒）：{count} 个测试已完成，结果见上。",
+    },
+    "unchanged since": {
+        "en": "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",
+        "zh": "（上次运行的结果，{at}：此后没有改动；`{check}` 重新运行测试）",
+    },
     "every failure in full": {
         "en": "(every failure in full: {command})",
         "zh": "（查看全部失败详情：{command}）",

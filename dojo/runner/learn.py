@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from dojo import curriculum, lang
+from dojo import curriculum
 from dojo.commands import dojo
 from dojo.lang import t
 from dojo.runner import progress, runs
@@ -67,23 +67,6 @@ def show_list(as_json: bool = False) -> int:
     return 0
 
 
-# The runner's sentences not (yet) in dojo.lang's table, in both languages.
-_SAID = {
-    "interrupted": {
-        "en": "Interrupted after {seconds:.0f} s: {count} test(s) had finished; what they found is above.",
-        "zh": "已中断（{seconds:.0f} 秒）：{count} 个测试已完成，结果见上。",
-    },
-    "unchanged since": {
-        "en": "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",
-        "zh": "（上次运行的结果，{at}：此后没有改动；`{check}` 重新运行测试）",
-    },
-}
-
-
-def _said(key: str, **values: object) -> str:
-    return _SAID[key][lang.current()].format(**values)
-
-
 def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> runs.RunResult:
     """Run one kata's tests; record the outcome (not for ``--solutions``, which tests the reference).
     Ctrl-C shows what the tests that had finished found, then ends as an interrupt."""
@@ -101,7 +84,7 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
         digest = partial.digest()
         print(("\n" + digest) if digest else "", flush=True)
         finished = len({r["test"] for r in partial.records if r["when"] == "call"})
-        print(paint(_said("interrupted", seconds=partial.seconds, count=finished), "yellow"))
+        print(paint(t("interrupted", seconds=partial.seconds, count=finished), "yellow"))
         raise KeyboardInterrupt from None
     if not solutions:
         progress.record_run(
@@ -125,7 +108,7 @@ def _last_run(state: progress.State, kata: curriculum.Kata) -> runs.RunResult | 
     if not run or "records" not in run or run.get("exit") in (None, 0):
         return None
     print(paint(f"\n{kata.id} · {kata.title}", "bold"))
-    print(_said("unchanged since", at=run.get("at", "?"), check=f"{dojo()} check {kata.id}"))
+    print(t("unchanged since", at=run.get("at", "?"), check=f"{dojo()} check {kata.id}"))
     return runs.RunResult(kata, run["exit"], run["records"])
 
 

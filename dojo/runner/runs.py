@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from dojo import curriculum, lang
+from dojo import curriculum
 from dojo.commands import dojo, python
 from dojo.curriculum import steps
 from dojo.harness import impl
@@ -95,7 +95,7 @@ class RunResult:
         if todos:
             lines += _todos(self.kata, todos)
         if self.not_run:
-            lines += _wrapped(_said("stopped", count=self.not_run))
+            lines += _wrapped(t("stopped at deadlock", count=self.not_run))
         if real or todos:
             lines.append(
                 t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
@@ -204,20 +204,6 @@ def _message(record: dict) -> str:
     """A failure's message on one line: the exception's first line (the log holds it whole)."""
     message = record.get("message") or (record.get("text", "").strip().splitlines() or [""])[-1]
     return (message.strip().splitlines() or [""])[0]
-
-
-# The runner's sentences not (yet) in dojo.lang's table, in both languages.
-_SAID = {
-    "stopped": {
-        "en": "Stopped at that deadlock: the {count} test(s) after it did not run (most would wait "
-        "for the same one). Fix it, then run the tests again.",
-        "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
-    },
-}
-
-
-def _said(key: str, **values: object) -> str:
-    return _SAID[key][lang.current()].format(**values)
 
 
 def _wrapped(line: str, more: str = "    ") -> list[str]:
