@@ -128,9 +128,12 @@ MESSAGES: dict[str, dict[str, str]] = {
         "for the same one). Fix it, then run the tests again.",
         "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
     },
+    "interrupted in": {"en": "Ctrl-C stopped {test}:", "zh": "Ctrl-C 停止了 {test}："},
     "interrupted": {
-        "en": "Interrupted after {seconds:.0f} s: {count} test(s) had finished; what they found is above.",
-        "zh": "已中断（{seconds:.0f} 秒）：{count} 个测试已完成，结果见上。",
+        "en": "Interrupted after {seconds} s: {count} test(s) had finished ({passed} passed, "
+        "{failed} failed) and the others did not run, so {kata} does not pass yet.",
+        "zh": "已中断（{seconds} 秒）：{count} 个测试已完成（通过 {passed} 个，失败 {failed} 个），"
+        "其余没有运行，所以 {kata} 还没有通过。",
     },
     "unchanged since": {
         "en": "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",

@@ -83,8 +83,7 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
         partial = interrupted.result
         digest = partial.digest()
         print(("\n" + digest) if digest else "", flush=True)
-        finished = len({r["test"] for r in partial.records if r["when"] == "call"})
-        print(paint(t("interrupted", seconds=partial.seconds, count=finished), "yellow"))
+        print(paint(partial.describe_interrupted(), "yellow"))
         raise KeyboardInterrupt from None
     if not solutions:
         progress.record_run(

@@ -3,7 +3,8 @@
 pytest prints a line of progress; the outcomes come back through ``dojo.runner.testlog``, and the
 runner renders them, in the learner's language: the first real failure in full, one line for
 each other one with the learner's own line, the steps not written yet with the first one's hint,
-and the first failing step (``dojo.curriculum.steps``).
+the first failing step (``dojo.curriculum.steps``), and where the ranks waited when Ctrl-C
+stopped the run.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class RunResult:
         """Failures outside a test's body: the file did not import, a fixture failed."""
         return [r for r in self.records if r["outcome"] == "failed" and r["when"] != "call"]
 
+    @property
+    def interruption(self) -> dict | None:
+        """What Ctrl-C stopped: the test, and where its ranks waited."""
+        return next((r for r in self.records if r["outcome"] == "interrupted"), None)
+
     @functools.cached_property
     def failing_steps(self) -> list[int]:
         found = set()
@@ -83,7 +89,7 @@ class RunResult:
     def digest(self, shown: int = 6) -> str:
         """The failures, for a learner: the first real one in full (where, and the message), one
         line for each other with the learner's own line, the steps not written yet counted (the
-        first one with where to write it and its hint)."""
+        first one with where to write it and its hint), and what Ctrl-C stopped."""
         real, todos = [], {}
         for record in self.records:
             todo = testlog.todo_of(record)
@@ -96,6 +102,8 @@ class RunResult:
             lines += _todos(self.kata, todos)
         if self.not_run:
             lines += _wrapped(t("stopped at deadlock", count=self.not_run))
+        if self.interruption is not None:
+            lines += _interrupted(self.interruption)
         if real or todos:
             lines.append(
                 t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
@@ -126,6 +134,14 @@ class RunResult:
         if step is not None and not self.broken:
             line += t("first failing step", step=describe_step(k, step))
         return line + t("full stop")
+
+    def describe_interrupted(self) -> str:
+        """One line after Ctrl-C: how far the run got, and that it did not finish."""
+        finished = {r["test"] for r in self.records if r["when"] == "call"}
+        return t(
+            "interrupted", seconds=f"{self.seconds:.0f}", count=len(finished), kata=self.kata.id,
+            passed=self.count("passed"), failed=self.count("failed"),
+        )  # fmt: skip
 
 
 def _failures(real: list[dict], shown: int) -> list[str]:
@@ -194,6 +210,17 @@ def _todos(kata: curriculum.Kata, todos: dict[tuple[str, int], list[KataTodo]]) 
 def _english_title(kata: curriculum.Kata, number: int) -> str:
     english = next(k for k in curriculum.katas("en") if k.id == kata.id)
     return next((s.title for s in english.steps if s.number == number), "")
+
+
+def _interrupted(record: dict) -> list[str]:
+    """What Ctrl-C stopped, and where its ranks waited (the harness's report, as a program's)."""
+    lines = [t("interrupted in", test=_name(record) or "?")]
+    for line in record.get("text", "").rstrip().splitlines():
+        lines += _wrapped("  " + line)
+    where = _where(record)
+    if where:
+        lines += _wrapped("  " + where.strip())
+    return lines
 
 
 def _name(record: dict) -> str:

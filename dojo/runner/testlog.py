@@ -17,7 +17,8 @@ A record keeps what a failure is, not only how it reads:
 ``text`` is the dojo plugin's own report where it wrote one (a learner's runs: ``--tb=no``),
 else pytest's short traceback, whatever ``--tb`` says. With ``--collect-only`` the log lists
 every collected test and its steps (``dojo dev check`` proves with it that every test has a step
-and every step a test).
+and every step a test). Ctrl-C ends the log with an "interrupted" record: the test that was
+running, and where its ranks waited.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ ENV_VAR = "DOJO_TEST_LOG"
 STOP_VAR = "DOJO_STOP_AT_DEADLOCK"
 _TEXT_LIMIT = 6000  # a failure's tail: the message, and where it failed
 
+_running = ""  # the test that runs now: what Ctrl-C interrupted
+_ctrl_c = False  # the session ended at Ctrl-C, not at a stop of its own (the first deadlock)
+
 
 def todo_of(record: dict) -> KataTodo | None:
     """The todo a failure's record holds (a step not written yet), or None."""
@@ -49,11 +53,17 @@ def todo_of(record: dict) -> KataTodo | None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    # Ctrl-C: the runner says it was interrupted and shows the failures found so far; pytest's
-    # banner and the traceback of where the interrupt landed would only bury them.
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and hasattr(reporter, "_report_keyboardinterrupt"):
-        reporter._report_keyboardinterrupt = lambda: None
+        reporter._report_keyboardinterrupt = lambda: _quiet_after_interrupt(reporter)
+
+
+def _quiet_after_interrupt(reporter) -> None:
+    """Ctrl-C: the runner says it was interrupted, where the ranks waited, and shows the failures
+    found so far. pytest's banner and the traceback of where the interrupt landed would bury them,
+    and its count ("11 passed", in green) would read as if the kata passed."""
+    if _ctrl_c:
+        reporter.summary_stats = lambda: None
 
 
 def _write(record: dict) -> None:
@@ -74,6 +84,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                     "steps": steps.of_test(item),
                 }
             )
+
+
+def pytest_runtest_logstart(nodeid: str) -> None:
+    global _running
+    _running = nodeid
 
 
 # Outermost: the dojo plugin has written its own report of the failure by the time this reads it.
@@ -153,6 +168,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if report.failed:
             record.update(getattr(report, "dojo_failure", {"text": report.longreprtext}))
         _write(record)
+
+
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo) -> None:
+    """Ctrl-C: the test it stopped, and where that test's ranks waited (the harness's report,
+    as a program says it: ``dojo.harness.world.run_world`` puts it in the interrupt)."""
+    global _ctrl_c
+    if isinstance(excinfo.value, pytest.Session.Interrupted):
+        return  # the session stopped itself (after the first deadlock): not Ctrl-C
+    _ctrl_c = True
+    record = {"test": _running, "when": "session", "outcome": "interrupted"}
+    record["text"] = str(excinfo.value)[-_TEXT_LIMIT:]
+    places = learners_report.places(excinfo)
+    if places:
+        record["where"] = [asdict(place) for place in places]
+    _write(record)
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -148,6 +148,33 @@ def test_every_failure_in_the_summary_carries_the_learners_own_line():
     )
 
 
+def test_after_ctrl_c_the_summary_says_what_stopped_and_does_not_read_as_a_pass():
+    stuck = "interrupted: rank 0 waits in wait (katas/k01_spawn.py:99, launch); rank 1 returned"
+    result = RunResult(
+        K01,
+        130,
+        [
+            record("test_a", "passed"),
+            record("test_b", "passed"),
+            {
+                "test": f"{TEST}::test_c",
+                "when": "session",
+                "outcome": "interrupted",
+                "text": stuck,
+                "where": [{"file": "katas/k01_spawn.py", "line": 99, "function": "launch"}],
+            },
+        ],  # fmt: skip
+        seconds=12.3,
+    )
+    digest = result.digest()
+    assert f"Ctrl-C stopped test_c:\n  {stuck}" in digest, digest
+    line = result.describe_interrupted()
+    assert line == (
+        "Interrupted after 12 s: 2 test(s) had finished (2 passed, 0 failed) and the others did "
+        "not run, so k01 does not pass yet."
+    ), line
+
+
 def test_the_digest_speaks_the_learners_language(monkeypatch):
     monkeypatch.setenv("DOJO_LANG", "zh")
     k01 = curriculum.find("k01")
