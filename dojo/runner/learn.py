@@ -86,13 +86,19 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
         print(paint(partial.describe_interrupted(), "yellow"))
         raise KeyboardInterrupt from None
     if not solutions:
-        progress.record_run(
-            kata, result.passed, result.summary(), progress.fingerprint(kata), result.records
-        )
+        result.state = remember(result)
     if capture and result.broken:  # pytest itself may have said why (a conftest, an option)
         print(result.output, end="")
     _show(result)
     return result
+
+
+def remember(result: runs.RunResult) -> progress.State:
+    """Record a run of the learner's kata in the progress file (what the run tested: the files
+    as they were when it started); the progress file as it saved it."""
+    return progress.record_run(
+        result.kata, result.passed, result.summary(), result.fingerprint, result.records
+    )
 
 
 def _show(result: runs.RunResult) -> None:
@@ -120,14 +126,14 @@ def start() -> int:
         return _all_done(state)
     if state.is_done(kata) and progress.passed_unchanged(state, kata):
         print("\n" + t("passes unchanged", kata=f"{kata.id} · {kata.title}"))
-        return _after_pass(kata)
+        return _after_pass(kata, state)
     result = _last_run(state, kata)  # nothing changed: minutes of tests would say the same
     if result is not None:
         _show(result)
     else:
         result = check(kata)
     if result.passed:
-        return _after_pass(kata)
+        return _after_pass(kata, result.state or state)
     step = result.first_failing_step()
     where = runs.describe_step(kata, step) if step else t("the first failing step")
     print(
@@ -141,10 +147,10 @@ def start() -> int:
     return 0
 
 
-def _after_pass(kata: curriculum.Kata) -> int:
-    upcoming = progress.following(progress.load(), kata)
+def _after_pass(kata: curriculum.Kata, state: progress.State) -> int:
+    upcoming = progress.following(state, kata)
     if upcoming is None:
-        return _all_done(progress.load())
+        return _all_done(state)
     print(t("next moves on", next=f"{dojo()} next", kata=f"{upcoming.id} · {upcoming.title}"))
     return 0
 
@@ -161,9 +167,8 @@ def _all_done(state: progress.State) -> int:
 def check_command(kata: curriculum.Kata, solutions: bool = False) -> int:
     result = check(kata, solutions)
     if result.passed and not solutions:
-        now = progress.current(progress.load())
-        if now is not None and now.id == kata.id:
-            _after_pass(kata)
+        if progress.is_current(result.state, kata):  # it stays current until `dojo next`
+            _after_pass(kata, result.state)
     elif not result.passed and not solutions:
         print(t("hint gives a nudge", hint=f"{dojo()} hint {kata.id}"))
     return 0 if result.passed else 1
@@ -208,9 +213,10 @@ def next_kata() -> int:
         if not result.passed:
             print(t("stay", kata=kata.id, hint=f"{dojo()} hint", goto=f"{dojo()} goto kNN"))
             return 1
-    upcoming = progress.following(progress.load(), kata)
+        state = result.state
+    upcoming = progress.following(state, kata)
     if upcoming is None:
-        return _all_done(progress.load())
+        return _all_done(state)
     with progress.editing() as state:
         state.focus = upcoming.id
     print("\n" + t("done, now", kata=kata.id, upcoming=f"{upcoming.id} · {upcoming.title}"))

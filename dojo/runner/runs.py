@@ -27,7 +27,7 @@ from dojo.commands import dojo, python
 from dojo.curriculum import steps
 from dojo.harness import impl
 from dojo.lang import t
-from dojo.runner import testlog
+from dojo.runner import progress, testlog
 from dojo.runner.term import display_width, wrap
 from dojo.spec.report import Place
 from dojo.todo import KataTodo
@@ -42,6 +42,8 @@ class RunResult:
     records: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     output: str = ""  # only when captured
+    fingerprint: str = ""  # of the files the run tested, taken before it started
+    state: progress.State | None = None  # the progress file as recording this run left it
 
     @property
     def passed(self) -> bool:
@@ -279,6 +281,8 @@ class Running:
 
     def __init__(self, kata: curriculum.Kata, solutions: bool = False, capture: bool = False):
         self.kata, self.started = kata, time.monotonic()
+        # what the run tests, before it starts: a save during the run is not the code it tested
+        self.fingerprint = progress.fingerprint(kata)
         _forget_bytecode(kata)
         handle, self.log = tempfile.mkstemp(prefix="dojo-run-", suffix=".jsonl")
         os.close(handle)
@@ -308,8 +312,9 @@ class Running:
             self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM)
         )  # anything it left
         records = self._read_log()
+        seconds = time.monotonic() - self.started
         return RunResult(
-            self.kata, self.process.returncode, records, time.monotonic() - self.started, output
+            self.kata, self.process.returncode, records, seconds, output, self.fingerprint
         )
 
     def stop(self) -> list[dict]:
@@ -369,4 +374,4 @@ def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = Fal
     except KeyboardInterrupt:
         records = running.stop()
         seconds = time.monotonic() - running.started
-        raise Interrupted(RunResult(kata, 130, records, seconds)) from None
+        raise Interrupted(RunResult(kata, 130, records, seconds, "", running.fingerprint)) from None

@@ -467,6 +467,31 @@ def test_a_run_keeps_what_its_tests_said_and_every_failure_shows_the_learners_li
     assert "rank" not in hung, "a deadlock's ranks are named in its message, not one rank"
 
 
+SAVED_DURING_THE_RUN = """
+def test_value():
+    from katas.{module} import VALUE
+
+    assert VALUE == 1, f"VALUE is {{VALUE}}, expected 1"
+    with open("katas/{module}.py", "w") as kata:  # the learner saves while the tests still run
+        kata.write("VALUE = 0\\n")
+"""
+
+
+def test_a_save_during_a_run_is_not_recorded_as_the_code_that_passed(tmp_path):
+    root = learner_copy(tmp_path)
+    second, module = add_stand_in_kata(root, value=1)
+    (root / "tests" / f"test_{module}.py").write_text(SAVED_DURING_THE_RUN.format(module=module))
+    assert dojo(root, "goto", second).returncode == 0
+    passed = dojo(root, "check", second)
+    assert passed.returncode == 0 and f"{second} passes" in passed.stdout, passed.stdout
+    assert "VALUE = 0" in (root / "katas" / f"{module}.py").read_text()
+    again = dojo(root)
+    assert "nothing changed since it did" not in again.stdout, (
+        f"the code saved during the run was recorded as the code that passed:\n{again.stdout}"
+    )
+    assert "VALUE is 0, expected 1" in again.stdout, again.stdout
+
+
 def test_progress_file_that_is_damaged_is_kept_and_replaced(tmp_path):
     root = learner_copy(tmp_path)
     (root / ".dojo").mkdir()
