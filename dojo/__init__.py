@@ -12,7 +12,9 @@ The kata API, at the top: what ``katas/`` and ``solutions/`` import, and nothing
                the TinyTransformer Part IV cuts up
 
 What every floor stands on
-    curriculum/ every kata's steps, hints and files (its data: ``curriculum/*.toml``); ``stubs``
+    curriculum/ every kata's steps, hints and files (its data: ``curriculum/*.toml``);
+               ``curriculum/steps``: what a step is and where one is found (a todo in a
+               failure or a source, a test's marker), for every floor; ``curriculum/stubs``
                makes a kata's stub from its reference's marked regions
     lang       the learner's language (English, Chinese) and the sentences said in it
     commands   how a learner types a command here; the packages a tool needs

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dojo.commands import dojo
+from dojo.curriculum import steps
 from dojo.harness import impl
-from dojo.todo import KataTodo, find_todo
+from dojo.todo import KataTodo
 
 EXIT_TODO = 3  # the program ran into a step the learner has not written yet
 EXIT_INTERRUPTED = 130
@@ -46,7 +47,7 @@ def run_program(
     try:
         code = main(argv)
     except Exception as error:  # a todo may come back from a rank inside another error
-        todo = find_todo(error)
+        todo = steps.find_todo(error)
         if todo is not None:
             print(_todo_message(todo, getattr(module, "__file__", None)), file=sys.stderr)
             code = EXIT_TODO
@@ -64,29 +65,22 @@ def run_program(
 def _todo_message(todo: KataTodo, path: str | None) -> str:
     """The todo the program ran into, and the first step still unwritten in the kata's file."""
     message = f"{todo}: write that step in the kata's file, then run this again."
-    first = _first_unwritten_step(path, todo.kata)
-    if first is not None and first[0] < todo.step:
+    first = _first_unwritten(path, todo.kata)
+    if first is not None and first.step < todo.step:
         shown = os.path.relpath(path) if path else "the kata's file"
-        what = f" ({first[1]})" if first[1] else ""
+        what = f" ({first.what})" if first.what else ""
         message += (
-            f"\nThe program reached step {todo.step} first, but {shown} still has step {first[0]}{what} "
+            f"\nThe program reached step {todo.step} first, but {shown} still has step {first.step}{what} "
             f"to write: start there (`{dojo()} hint {todo.kata}` helps)."
         )
     return message
 
 
-def _first_unwritten_step(path: str | None, kata: str) -> tuple[int, str] | None:
-    """The lowest step whose ``KataTodo`` is still raised in the file, and what it says."""
-    import ast
-
+def _first_unwritten(path: str | None, kata: str) -> steps.Raised | None:
+    if not path:
+        return None
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read()) if path else None
+        with open(path, encoding="utf-8") as source:
+            return steps.first_unwritten(source.read(), kata)
     except (OSError, SyntaxError):
         return None
-    found = []
-    for node in ast.walk(tree) if tree else ():
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo":
-            values = [a.value for a in node.args[:3] if isinstance(a, ast.Constant)]
-            if len(values) >= 2 and values[0] == kata and isinstance(values[1], int):
-                found.append((values[1], values[2] if len(values) > 2 else ""))
-    return min(found) if found else None

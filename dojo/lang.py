@@ -99,8 +99,46 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "。第一个未通过的步骤：{step}",
     },
     "not implemented header": {"en": "not implemented yet:", "zh": "尚未实现："},
+    "todo also": {"en": " (also: {whats})", "zh": "（还有：{whats}）"},
+    "todo counted": {"en": "  {step}: {counted}", "zh": "  {step}：{counted}"},
     "tests counted": {"en": "{count} test", "zh": "{count} 个测试"},
     "tests counted plural": {"en": "{count} tests", "zh": "{count} 个测试"},
+    "the same error": {"en": "the same error", "zh": "同样的错误"},
+    "and more": {"en": " and {count} more", "zh": " 等 {count} 个"},
+    "more errors": {
+        "en": "... and more failing tests with other errors",
+        "zh": "……还有其他测试失败，错误各不相同",
+    },
+    "your code": {"en": "your code: {place}", "zh": "你的代码：{place}"},
+    "on rank": {"en": " (rank {rank})", "zh": "（rank {rank}）"},
+    "uses earlier code": {
+        "en": "({kata}'s tests use {other}'s code: write that step first)",
+        "zh": "（{kata} 的测试用到 {other} 的代码：先写完那一步）",
+    },
+    "could not start": {
+        "en": "; {count} could not start (the error above: does {file} import?)",
+        "zh": "；{count} 个无法开始（见上面的错误：{file} 能导入吗？）",
+    },
+    "no tests": {
+        "en": "{kata}: pytest found no tests in {file}.",
+        "zh": "{kata}：pytest 在 {file} 中没有找到测试。",
+    },
+    "stopped at deadlock": {
+        "en": "Stopped at that deadlock: the {count} test(s) after it did not run (most would wait "
+        "for the same one). Fix it, then run the tests again.",
+        "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
+    },
+    "interrupted in": {"en": "Ctrl-C stopped {test}:", "zh": "Ctrl-C 停止了 {test}："},
+    "interrupted": {
+        "en": "Interrupted after {seconds} s: {count} test(s) had finished ({passed} passed, "
+        "{failed} failed) and the others did not run, so {kata} does not pass yet.",
+        "zh": "已中断（{seconds} 秒）：{count} 个测试已完成（通过 {passed} 个，失败 {failed} 个），"
+        "其余没有运行，所以 {kata} 还没有通过。",
+    },
+    "unchanged since": {
+        "en": "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",
+        "zh": "（上次运行的结果，{at}：此后没有改动；`{check}` 重新运行测试）",
+    },
     "every failure in full": {
         "en": "(every failure in full: {command})",
         "zh": "（查看全部失败详情：{command}）",
@@ -124,7 +162,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "That was the last hint for this step; `{solution}` compares with the reference.",
         "zh": "这是本步骤的最后一条提示；`{solution}` 可与参考答案比较。",
     },
-    "todo": {"en": "{todo}", "zh": "尚未实现：{kata} 第 {step} 步（{title}）  [{todo}]"},
+    "todo": {"en": "{todo}", "zh": "尚未实现：{kata} 第 {step} 步（{title}）"},
     "todo write": {
         "en": "  -> write step {step} in {file} (its lesson explains it)",
         "zh": "  -> 在 {file} 中写第 {step} 步（课文里有讲解）",

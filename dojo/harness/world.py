@@ -204,9 +204,12 @@ def run_world(
             )
         try:
             _collect(ranks, deadline, straggler, hang_report, hang_fails, stall)
-        except KeyboardInterrupt:
-            if not capture_output:  # a learner's program: say where every rank was
-                _say(_interrupted_report(ranks))
+        except KeyboardInterrupt as interrupt:
+            report = _interrupted_report(ranks)  # where every rank was
+            if not capture_output:  # a learner's program: on its terminal
+                _say(report)
+            else:  # a test's: in the interrupt, for whoever runs the tests (dojo check)
+                interrupt.args = (report,)
             raise
         except KataTodo:
             if reusable:

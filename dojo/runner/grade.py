@@ -9,7 +9,8 @@ a learner whose code hangs, crashes or deadlocks gets that kata failed with the 
 class goes on. The result is printed as a table (each stuck learner's reason cut to a line) and
 written whole as CSV, JSON, JUnit XML (one test suite per learner) and an HTML page for after the
 class: its totals, each kata's pass rate, a learner x kata grid, and behind a click each learner's
-first failing test, its whole message and the end of its log.
+first failing test, its whole message, the line of the learner's own code it failed at (the test
+log's record: ``dojo.runner.testlog``) and the end of its log.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from dojo import curriculum
 from dojo.curriculum import stubs
 from dojo.harness import impl
 from dojo.runner import runs, testlog
+from dojo.spec.report import Place
 from dojo.spec.testing import kill_session
-from dojo.todo import TODO_PATTERN
 
 DEFAULT_TIMEOUT_S = 600.0  # one kata's spec; k06 takes a few minutes on two busy cores
 
@@ -61,6 +62,7 @@ class KataGrade:
     failing_test: str = ""  # the first failing test, as the spec names it
     failed_tests: list[str] = field(default_factory=list)  # every failing test, in file order
     log: str = ""  # the end of the first failure's report (where it failed, and why)
+    where: str = ""  # the first failure's line in the learner's own code (and rank), if known
 
     @property
     def short_reason(self) -> str:
@@ -253,7 +255,8 @@ def grade_kata(root: Path, kata: curriculum.Kata, submitted: bool, timeout: floa
     grade.failed_tests = [_test_name(r) for r in failures]
     if failures:
         grade.failing_test = grade.failed_tests[0]
-        grade.log = _tail(failures[0]["text"])
+        grade.log = _tail(failures[0].get("text", ""))
+        grade.where = _where(failures[0])
     if timed_out:
         finished = [r for r in records if r["when"] == "call"]
         grade.reason = (
@@ -277,40 +280,28 @@ def _tail(text: str) -> str:
 
 
 def _first_reason(result: runs.RunResult) -> str:
-    """The first failure's message, whole: a todo as its own line, else the exception as pytest
-    shows it (its ``E`` lines: every line of a message that spans several)."""
+    """The first failure's message, whole: a todo as its own line, else the exception."""
     for record in result.records:
         if record["outcome"] == "failed":
-            todo = TODO_PATTERN.search(record["text"]) or TODO_PATTERN.search(
-                record.get("message", "")
-            )
-            if todo and todo.group(1) != result.kata.id:  # its tests use an earlier kata's code
+            todo = testlog.todo_of(record)
+            if todo is not None and todo.kata != result.kata.id:  # it uses an earlier kata's code
                 return (
-                    f"{todo.group(0)}: {result.kata.id}'s tests use {todo.group(1)}'s code, which "
-                    f"this submission leaves unwritten (katas/{curriculum.find(todo.group(1)).module}.py)"
+                    f"{todo}: {result.kata.id}'s tests use {todo.kata}'s code, which this "
+                    f"submission leaves unwritten (katas/{curriculum.find(todo.kata).module}.py)"
                 )
-            if todo:
-                return todo.group(0)
-            return _whole_message(record)
+            if todo is not None:
+                return str(todo)
+            return record.get("message") or record.get("text", "").strip()
     return ""
 
 
-_LEARNER_FRAMES = "in your code (most recent call last):"
-
-
-def _whole_message(record: dict) -> str:
-    first, lines = record.get("message", ""), record["text"].splitlines()
-    shown = [line for line in lines if line == "E" or line.startswith("E ")]
-    if not shown and first and len(lines) > 1 and lines[1].startswith(first):
-        # the learner's short form (dojo.spec.report): a heading, the message, then their frames
-        end = lines.index(_LEARNER_FRAMES) if _LEARNER_FRAMES in lines else len(lines)
-        return "\n".join(lines[1:end]).strip()
-    if not shown:
-        return (first or record["text"]).strip()
-    whole = "\n".join(line[4:] if line.startswith("E   ") else line[1:].strip() for line in shown)
-    whole = whole.strip()
-    # the log keeps a failure's end: a message longer than that lost its start, which `first` holds
-    return whole if not first or whole.startswith(first) else f"{first}\n...\n{whole}"
+def _where(record: dict) -> str:
+    """``katas/k04_allreduce.py:92, in average_gradients (rank 2)``: the learner's own line."""
+    places = record.get("where") or ()
+    if not places:
+        return ""
+    rank = f" (rank {record['rank']})" if "rank" in record else ""
+    return f"{Place(**places[-1])}{rank}"
 
 
 def grade_learner(submission: Path, katas: list[curriculum.Kata], timeout: float) -> LearnerGrade:
@@ -408,13 +399,15 @@ def write_reports(
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"grades.{ext}" for ext in ("csv", "json", "xml", "html")]
     columns = ["learner", "kata", "status", "passed", "total", "first_failing_step", "seconds",
-               "reason", "failing_test", "failed_tests", "log"]  # fmt: skip
+               "reason", "failing_test", "where", "failed_tests", "log"]  # fmt: skip
     with open(paths[0], "w", newline="", encoding="utf-8") as out:
         writer = csv.writer(out)
         writer.writerow(columns)
         for g in grades:
             if g.problem:
-                writer.writerow([g.learner, "", "not graded", 0, 0, "", 0, g.problem, "", "", ""])
+                writer.writerow(
+                    [g.learner, "", "not graded", 0, 0, "", 0, g.problem, "", "", "", ""]
+                )
             for k in g.katas:
                 row = {**asdict(k), "learner": g.learner, "failed_tests": " ".join(k.failed_tests)}
                 writer.writerow([row[c] for c in columns])
@@ -571,7 +564,7 @@ tests or tooling).</p>
 <p class="legend"><span class="ok">8/8 ok</span> passes · <span class="part">5/8</span> some
 tests pass · <span class="bad">0/8</span> none pass · <span class="bad">broken</span> does not
 parse · <span class="none">-</span> not submitted. Click a cell: the failing test, its whole
-message and the end of its log.</p>
+message, the learner's line it failed at and the end of its log.</p>
 <div class="scroll"><table class="grid"><thead><tr><th>learner</th>{head}<th>katas passed</th>
 </tr></thead><tbody>
 {chr(10).join(rows)}
@@ -613,6 +606,8 @@ def _learner_html(index: int, grade: LearnerGrade, titles: dict[str, str], count
         facts = [("first failing step", _e(k.first_failing_step or "-"))]
         if k.failing_test:
             facts.append(("first failing test", f"<code>{_e(k.failing_test)}</code>"))
+        if k.where:
+            facts.append(("in their code", f"<code>{_e(k.where)}</code>"))
         facts.append(("why", f"<pre class='reason'>{_e(k.reason)}</pre>"))
         others = k.failed_tests[1:]
         if others:

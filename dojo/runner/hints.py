@@ -10,7 +10,7 @@ from __future__ import annotations
 from dojo import curriculum
 from dojo.commands import dojo
 from dojo.lang import t
-from dojo.runner import progress, runs
+from dojo.runner import learn, progress, runs
 from dojo.runner.term import fail, paint, wrap
 
 
@@ -20,11 +20,9 @@ def default_step(kata: curriculum.Kata) -> tuple[int | None, str]:
     if run is None:
         print(f"Running {kata.id}'s tests to find the first failing step...", flush=True)
         result = runs.run_kata(kata, capture=True)
-        passed = progress.record_run(
-            kata, result.passed, result.summary(), progress.fingerprint(kata)
-        )
+        state = learn.remember(result)
         run = result.summary()
-        if passed:
+        if result.passed and progress.is_current(state, kata):
             print(f"{kata.id} passes: it stays your current kata until `{dojo()} next`.")
     if run.get("exit") == 0:
         return None, "why passes"

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from dojo import curriculum, lang
+from dojo import curriculum
 from dojo.commands import dojo
 from dojo.lang import t
 from dojo.runner import progress, runs
@@ -67,23 +67,6 @@ def show_list(as_json: bool = False) -> int:
     return 0
 
 
-# The runner's sentences not (yet) in dojo.lang's table, in both languages.
-_SAID = {
-    "interrupted": {
-        "en": "Interrupted after {seconds:.0f} s: {count} test(s) had finished; what they found is above.",
-        "zh": "已中断（{seconds:.0f} 秒）：{count} 个测试已完成，结果见上。",
-    },
-    "unchanged since": {
-        "en": "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",
-        "zh": "（上次运行的结果，{at}：此后没有改动；`{check}` 重新运行测试）",
-    },
-}
-
-
-def _said(key: str, **values: object) -> str:
-    return _SAID[key][lang.current()].format(**values)
-
-
 def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False) -> runs.RunResult:
     """Run one kata's tests; record the outcome (not for ``--solutions``, which tests the reference).
     Ctrl-C shows what the tests that had finished found, then ends as an interrupt."""
@@ -100,17 +83,22 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
         partial = interrupted.result
         digest = partial.digest()
         print(("\n" + digest) if digest else "", flush=True)
-        finished = len({r["test"] for r in partial.records if r["when"] == "call"})
-        print(paint(_said("interrupted", seconds=partial.seconds, count=finished), "yellow"))
+        print(paint(partial.describe_interrupted(), "yellow"))
         raise KeyboardInterrupt from None
     if not solutions:
-        progress.record_run(
-            kata, result.passed, result.summary(), progress.fingerprint(kata), result.records
-        )
+        result.state = remember(result)
     if capture and result.broken:  # pytest itself may have said why (a conftest, an option)
         print(result.output, end="")
     _show(result)
     return result
+
+
+def remember(result: runs.RunResult) -> progress.State:
+    """Record a run of the learner's kata in the progress file (what the run tested: the files
+    as they were when it started); the progress file as it saved it."""
+    return progress.record_run(
+        result.kata, result.passed, result.summary(), result.fingerprint, result.records
+    )
 
 
 def _show(result: runs.RunResult) -> None:
@@ -125,7 +113,7 @@ def _last_run(state: progress.State, kata: curriculum.Kata) -> runs.RunResult | 
     if not run or "records" not in run or run.get("exit") in (None, 0):
         return None
     print(paint(f"\n{kata.id} · {kata.title}", "bold"))
-    print(_said("unchanged since", at=run.get("at", "?"), check=f"{dojo()} check {kata.id}"))
+    print(t("unchanged since", at=run.get("at", "?"), check=f"{dojo()} check {kata.id}"))
     return runs.RunResult(kata, run["exit"], run["records"])
 
 
@@ -138,14 +126,14 @@ def start() -> int:
         return _all_done(state)
     if state.is_done(kata) and progress.passed_unchanged(state, kata):
         print("\n" + t("passes unchanged", kata=f"{kata.id} · {kata.title}"))
-        return _after_pass(kata)
+        return _after_pass(kata, state)
     result = _last_run(state, kata)  # nothing changed: minutes of tests would say the same
     if result is not None:
         _show(result)
     else:
         result = check(kata)
     if result.passed:
-        return _after_pass(kata)
+        return _after_pass(kata, result.state or state)
     step = result.first_failing_step()
     where = runs.describe_step(kata, step) if step else t("the first failing step")
     print(
@@ -159,10 +147,10 @@ def start() -> int:
     return 0
 
 
-def _after_pass(kata: curriculum.Kata) -> int:
-    upcoming = progress.following(progress.load(), kata)
+def _after_pass(kata: curriculum.Kata, state: progress.State) -> int:
+    upcoming = progress.following(state, kata)
     if upcoming is None:
-        return _all_done(progress.load())
+        return _all_done(state)
     print(t("next moves on", next=f"{dojo()} next", kata=f"{upcoming.id} · {upcoming.title}"))
     return 0
 
@@ -179,9 +167,8 @@ def _all_done(state: progress.State) -> int:
 def check_command(kata: curriculum.Kata, solutions: bool = False) -> int:
     result = check(kata, solutions)
     if result.passed and not solutions:
-        now = progress.current(progress.load())
-        if now is not None and now.id == kata.id:
-            _after_pass(kata)
+        if progress.is_current(result.state, kata):  # it stays current until `dojo next`
+            _after_pass(kata, result.state)
     elif not result.passed and not solutions:
         print(t("hint gives a nudge", hint=f"{dojo()} hint {kata.id}"))
     return 0 if result.passed else 1
@@ -226,9 +213,10 @@ def next_kata() -> int:
         if not result.passed:
             print(t("stay", kata=kata.id, hint=f"{dojo()} hint", goto=f"{dojo()} goto kNN"))
             return 1
-    upcoming = progress.following(progress.load(), kata)
+        state = result.state
+    upcoming = progress.following(state, kata)
     if upcoming is None:
-        return _all_done(progress.load())
+        return _all_done(state)
     with progress.editing() as state:
         state.focus = upcoming.id
     print("\n" + t("done, now", kata=kata.id, upcoming=f"{upcoming.id} · {upcoming.title}"))

@@ -105,6 +105,10 @@ def current(state: State) -> curriculum.Kata | None:
     return next((k for k in katas if not state.is_done(k)), None)
 
 
+def is_current(state: State | None, kata: curriculum.Kata) -> bool:
+    return state is not None and (now := current(state)) is not None and now.id == kata.id
+
+
 def following(state: State, kata: curriculum.Kata) -> curriculum.Kata | None:
     """The first pending kata after ``kata``, wrapping round to an earlier one left pending."""
     katas = available_katas()
@@ -149,10 +153,11 @@ def record_run(
     summary: dict,
     fingerprint_: str,
     records: list[dict] | None = None,
-) -> bool:
+) -> State:
     """Remember a test run of ``kata`` (with ``records``, each test's outcome: what the learner
-    was shown); mark it done or pending. True if it was current and passed (it then stays
-    current, pinned, until the learner moves on)."""
+    was shown) of the files whose ``fingerprint_`` was taken before it ran; mark it done or
+    pending. The state as saved: a kata that was current and passed stays current, pinned,
+    until the learner moves on."""
     with editing() as state:
         was_current = (now := current(state)) is not None and now.id == kata.id
         state.runs[kata.id] = {**summary, "fingerprint": fingerprint_, "at": _now()}
@@ -164,7 +169,7 @@ def record_run(
                 state.focus = kata.id
         else:
             state.done.pop(kata.id, None)
-    return passed and was_current
+    return state
 
 
 def _kept(record: dict) -> dict:

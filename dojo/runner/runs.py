@@ -1,8 +1,10 @@
 """Running one kata's tests for the learner, and telling them what happened.
 
 pytest prints a line of progress; the outcomes come back through ``dojo.runner.testlog``, and the
-runner turns them into a digest: the first real failure in full, one line for each other one,
-the steps not written yet, and the first failing step (``dojo.steps``).
+runner renders them, in the learner's language: the first real failure in full, one line for
+each other one with the learner's own line, the steps not written yet with the first one's hint,
+the first failing step (``dojo.curriculum.steps``), and where the ranks waited when Ctrl-C
+stopped the run.
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass, field
 
-from dojo import curriculum, lang
-from dojo.commands import python
+from dojo import curriculum
+from dojo.commands import dojo, python
+from dojo.curriculum import steps
 from dojo.harness import impl
 from dojo.lang import t
-from dojo.runner import testlog
-from dojo.runner.steps import TODO_PATTERN, steps_of_failure
+from dojo.runner import progress, testlog
+from dojo.runner.term import display_width, wrap
+from dojo.spec.report import Place
+from dojo.todo import KataTodo
 
 PYTEST_EXIT_NO_TESTS = 5
 
@@ -38,6 +42,8 @@ class RunResult:
     records: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     output: str = ""  # only when captured
+    fingerprint: str = ""  # of the files the run tested, taken before it started
+    state: progress.State | None = None  # the progress file as recording this run left it
 
     @property
     def passed(self) -> bool:
@@ -56,12 +62,18 @@ class RunResult:
         """Failures outside a test's body: the file did not import, a fixture failed."""
         return [r for r in self.records if r["outcome"] == "failed" and r["when"] != "call"]
 
+    @property
+    def interruption(self) -> dict | None:
+        """What Ctrl-C stopped: the test, and where its ranks waited."""
+        return next((r for r in self.records if r["outcome"] == "interrupted"), None)
+
     @functools.cached_property
     def failing_steps(self) -> list[int]:
         found = set()
         for record in self.records:
             if record["outcome"] == "failed":
-                found |= steps_of_failure(self.kata, record)
+                todo = testlog.todo_of(record)
+                found |= steps.of_failure(self.kata.id, todo, record.get("steps", ()))
         return sorted(found)
 
     def first_failing_step(self) -> int | None:
@@ -78,44 +90,22 @@ class RunResult:
 
     def digest(self, shown: int = 6) -> str:
         """The failures, for a learner: the first real one in full (where, and the message), one
-        line for each other, and the steps not written yet counted, not repeated."""
+        line for each other with the learner's own line, the steps not written yet counted (the
+        first one with where to write it and its hint), and what Ctrl-C stopped."""
         real, todos = [], {}
         for record in self.records:
-            if record["outcome"] != "failed":
-                continue
-            todo = TODO_PATTERN.search(record["text"])
-            if todo and record["when"] == "call":
-                todos.setdefault(int(todo.group(2)), []).append(record)
-            else:
+            todo = testlog.todo_of(record)
+            if todo is not None and record["when"] == "call":
+                todos.setdefault((todo.kata, todo.step), []).append(todo)
+            elif record["outcome"] == "failed":
                 real.append(record)
-        lines = []
-        if real:
-            first = real[0]
-            lines.append(
-                f"FAILED {_name(first)}"
-                + (f" ({first['when']})" if first["when"] != "call" else "")
-            )
-            lines += ["  " + line for line in first["text"].rstrip().splitlines()]
-            groups: dict[str, list[str]] = {}
-            for record in real[1:]:
-                groups.setdefault(_message(record), []).append(_name(record))
-            for message, names in list(groups.items())[:shown]:
-                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-                if message == _message(first):
-                    lines.append(f"FAILED {names[0]}{more}: the same error")
-                else:  # the whole message: its end is often the advice
-                    lines += _wrapped(f"FAILED {names[0]}{more}: {message}")
-            if len(groups) > shown:
-                lines.append("... and more failing tests with other errors")
+        lines = _failures(real, shown)
         if todos:
-            lines.append(t("not implemented header"))
-            for step, found in sorted(todos.items()):
-                counted = t(
-                    "tests counted plural" if len(found) > 1 else "tests counted", count=len(found)
-                )
-                lines.append(f"  {describe_step(self.kata, step)}: {counted}")
+            lines += _todos(self.kata, todos)
         if self.not_run:
-            lines.append(_said("stopped", count=self.not_run))
+            lines += _wrapped(t("stopped at deadlock", count=self.not_run))
+        if self.interruption is not None:
+            lines += _interrupted(self.interruption)
         if real or todos:
             lines.append(
                 t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
@@ -132,7 +122,7 @@ class RunResult:
                 skipped=t("skipped", count=skipped) if skipped else "",
             )  # fmt: skip
         if self.returncode == PYTEST_EXIT_NO_TESTS:
-            return f"{k.id}: pytest found no tests in {spec_file(k)}."
+            return t("no tests", kata=k.id, file=spec_file(k))
         skipped = {r["test"] for r in self.records if r["outcome"] == "skipped"}
         ran = {r["test"] for r in self.records if r["when"] not in ("collect", "session")}
         total = len(ran - skipped) + self.not_run
@@ -141,25 +131,98 @@ class RunResult:
             skipped=t("skipped", count=len(skipped)) if skipped else "",
         )  # fmt: skip
         if self.broken:
-            line += f"; {len(self.broken)} could not start (the error above: does katas/{k.module}.py import?)"
+            line += t("could not start", count=len(self.broken), file=f"katas/{k.module}.py")
         step = self.first_failing_step()
         if step is not None and not self.broken:
             line += t("first failing step", step=describe_step(k, step))
         return line + t("full stop")
 
-
-# The runner's sentences not (yet) in dojo.lang's table, in both languages.
-_SAID = {
-    "stopped": {
-        "en": "Stopped at that deadlock: the {count} test(s) after it did not run (most would wait "
-        "for the same one). Fix it, then run the tests again.",
-        "zh": "在这个死锁处停止：其后的 {count} 个测试没有运行（大多会卡在同一处）。修好它，再运行测试。",
-    },
-}
+    def describe_interrupted(self) -> str:
+        """One line after Ctrl-C: how far the run got, and that it did not finish."""
+        finished = {r["test"] for r in self.records if r["when"] == "call"}
+        return t(
+            "interrupted", seconds=f"{self.seconds:.0f}", count=len(finished), kata=self.kata.id,
+            passed=self.count("passed"), failed=self.count("failed"),
+        )  # fmt: skip
 
 
-def _said(key: str, **values: object) -> str:
-    return _SAID[key][lang.current()].format(**values)
+def _failures(real: list[dict], shown: int) -> list[str]:
+    """The first failure whole, as the learner's report wrote it; each other on a line (those
+    with the same message together) with the learner's own line."""
+    if not real:
+        return []
+    first, lines = real[0], []
+    lines.append(
+        f"FAILED {_name(first)}" + (f" ({first['when']})" if first["when"] != "call" else "")
+    )
+    for line in first.get("text", "").rstrip().splitlines():
+        lines += _wrapped("  " + line)
+    groups: dict[str, list[dict]] = {}
+    for record in real[1:]:
+        groups.setdefault(_message(record), []).append(record)
+    for message, records in list(groups.items())[:shown]:
+        more = t("and more", count=len(records) - 1) if len(records) > 1 else ""
+        if message == _message(first):
+            lines.append(f"FAILED {_name(records[0])}{more}: {t('the same error')}")
+        else:  # the whole message: its end is often the advice
+            lines += _wrapped(f"FAILED {_name(records[0])}{more}: {message}")
+        where = _where(records[0])  # the first's is in its text already
+        if where and (message != _message(first) or where != _where(first)):
+            lines += _wrapped("    " + where)
+    if len(groups) > shown:
+        lines.append(t("more errors"))
+    return lines
+
+
+def _where(record: dict) -> str:
+    """The learner's own line of a failure, and the rank it failed on (where known)."""
+    places = record.get("where") or ()
+    if not places:
+        return ""
+    said = t("your code", place=Place(**places[-1]))
+    return said + (t("on rank", rank=record["rank"]) if "rank" in record else "")
+
+
+def _todos(kata: curriculum.Kata, todos: dict[tuple[str, int], list[KataTodo]]) -> list[str]:
+    """The steps not written yet, each with its tests counted; the first with where to write it
+    and the gentlest hint (a kata whose tests use an earlier kata's code may stop at that one's)."""
+    lines = [t("not implemented header")]
+    for (kata_id, number), found in sorted(todos.items()):
+        owner = kata if kata_id == kata.id else curriculum.find(kata_id)
+        step = describe_step(owner, number)
+        if owner.id != kata.id:
+            step = f"{owner.id} {step}"
+        # the todos' own words, where they say more than the step's title (they are English)
+        whats = sorted({todo.what for todo in found} - {"", _english_title(owner, number)})
+        if whats:
+            step += t("todo also", whats="; ".join(whats))
+        counted = t("tests counted plural" if len(found) > 1 else "tests counted", count=len(found))
+        lines.append(t("todo counted", step=step, counted=counted))
+        if owner.id != kata.id:
+            lines.append("    " + t("uses earlier code", kata=kata.id, other=owner.id))
+    kata_id, number = min(todos)  # an earlier kata's step first: this one's tests need it
+    owner = curriculum.find(kata_id)
+    lines.append(t("todo write", step=number, file=f"katas/{owner.module}.py"))
+    with contextlib.suppress(KeyError, IndexError):
+        hint = owner.step(number).hints[0]
+        lines += _wrapped(t("todo hint", hint=hint, more=f"{dojo()} hint {owner.id}"))
+    return lines
+
+
+def _english_title(kata: curriculum.Kata, number: int) -> str:
+    english = next(k for k in curriculum.katas("en") if k.id == kata.id)
+    return next((s.title for s in english.steps if s.number == number), "")
+
+
+def _interrupted(record: dict) -> list[str]:
+    """What Ctrl-C stopped, and where its ranks waited (the harness's report, as a program's)."""
+    lines = [t("interrupted in", test=_name(record) or "?")]
+    for line in record.get("text", "").rstrip().splitlines():
+        lines += _wrapped("  " + line)
+    where = _where(record)
+    if where:
+        lines += _wrapped("  " + where.strip())
+    return lines
 
 
 def _name(record: dict) -> str:
@@ -167,20 +230,20 @@ def _name(record: dict) -> str:
 
 
 def _message(record: dict) -> str:
-    """A failure's message, whole (pytest's ``E`` line where the log has none)."""
-    if record.get("message"):
-        return record["message"]
-    for line in record["text"].splitlines():
-        if line.startswith("E "):
-            return line[1:].strip()
-    return (record["text"].strip().splitlines() or [""])[-1]
+    """A failure's message on one line: the exception's first line (the log holds it whole)."""
+    message = record.get("message") or (record.get("text", "").strip().splitlines() or [""])[-1]
+    return (message.strip().splitlines() or [""])[0]
 
 
-def _wrapped(line: str) -> list[str]:
+def _wrapped(line: str, more: str = "    ") -> list[str]:
+    """A line cut at spaces to the terminal's width (never inside a word or an identifier), its
+    continuations indented ``more`` beyond its own indentation."""
     width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
-    return textwrap.wrap(line, width=width, subsequent_indent="    ", break_long_words=False) or [
-        line
-    ]
+    if display_width(line) <= width:
+        return [line]
+    indent = line[: len(line) - len(line.lstrip())]
+    first, *rest = wrap(line.strip(), width=width - len(indent) - len(more))
+    return [indent + first, *(indent + more + piece for piece in rest)]
 
 
 def describe_step(kata: curriculum.Kata, number: int) -> str:
@@ -218,6 +281,8 @@ class Running:
 
     def __init__(self, kata: curriculum.Kata, solutions: bool = False, capture: bool = False):
         self.kata, self.started = kata, time.monotonic()
+        # what the run tests, before it starts: a save during the run is not the code it tested
+        self.fingerprint = progress.fingerprint(kata)
         _forget_bytecode(kata)
         handle, self.log = tempfile.mkstemp(prefix="dojo-run-", suffix=".jsonl")
         os.close(handle)
@@ -247,8 +312,9 @@ class Running:
             self.process.pid, getattr(signal, "SIGKILL", signal.SIGTERM)
         )  # anything it left
         records = self._read_log()
+        seconds = time.monotonic() - self.started
         return RunResult(
-            self.kata, self.process.returncode, records, time.monotonic() - self.started, output
+            self.kata, self.process.returncode, records, seconds, output, self.fingerprint
         )
 
     def stop(self) -> list[dict]:
@@ -308,4 +374,4 @@ def run_kata(kata: curriculum.Kata, solutions: bool = False, capture: bool = Fal
     except KeyboardInterrupt:
         records = running.stop()
         seconds = time.monotonic() - running.started
-        raise Interrupted(RunResult(kata, 130, records, seconds)) from None
+        raise Interrupted(RunResult(kata, 130, records, seconds, "", running.fingerprint)) from None

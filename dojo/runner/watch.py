@@ -135,19 +135,13 @@ class Watcher:
 
     def finish(self) -> None:
         result, self.running = self.running.result(), None
-        progress.record_run(
-            self.kata,
-            result.passed,
-            result.summary(),
-            progress.fingerprint(self.kata),
-            result.records,
-        )
+        state = learn.remember(result)
         self.last = result
         digest = result.digest()
         print(("\n" + digest) if digest else "")
         print(paint(result.describe(), "green" if result.passed else "red"))
         if result.passed:
-            upcoming = progress.following(progress.load(), self.kata)
+            upcoming = progress.following(state, self.kata)
             after = (
                 f"[n] next: {upcoming.id} · {upcoming.title}"
                 if upcoming

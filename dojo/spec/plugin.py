@@ -19,12 +19,12 @@ import pytest
 
 from dojo import curriculum
 from dojo.commands import dojo
+from dojo.curriculum.steps import find_todo
 from dojo.harness import impl
 from dojo.harness.world import run_world
 from dojo.lang import t
 from dojo.spec.report import compact
 from dojo.spec.report import wanted as report_for_learners
-from dojo.todo import find_todo
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -140,7 +140,7 @@ def _kata_of(item: pytest.Item) -> curriculum.Kata | None:
 
 def _todo_report(todo) -> str:
     """One line for the todo, where to write it, and the step's first (gentlest) hint, in the
-    learner's language (the todo's own words stay in it: the runner reads them)."""
+    learner's language (the runner renders its own from the test log's record of the todo)."""
     try:
         kata = curriculum.find(todo.kata)
         step = kata.step(todo.step)

@@ -10,16 +10,22 @@ diagnosis away. The plugin replaces it, for the learner's runs, with:
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
 ``pytest --tb=long`` (or ``--tb=short``, ``--solutions``) brings pytest's full report back.
+
+``places`` finds the learner's own lines behind a failure for the runner's test log, wherever
+the harness quoted them: a rank's traceback, the stacks of ranks stuck in a deadlock.
 """
 
 from __future__ import annotations
 
 import linecache
 import os
+import re
+from dataclasses import dataclass
 
 import pytest
 
 from dojo import curriculum
+from dojo.curriculum import steps
 
 _EXPLANATION_LINES = 12  # pytest's "assert a == b" diff: useful, but not at any length
 
@@ -49,14 +55,14 @@ def compact(item: pytest.Item, excinfo: pytest.ExceptionInfo, kata: curriculum.K
 def _heading(item: pytest.Item, kata: curriculum.Kata | None) -> str:
     path, line, _ = item.location
     where = f"{path}:{(line or 0) + 1}"
-    steps = sorted(int(m.args[0]) for m in item.iter_markers("step") if m.args)
-    if kata is None or not steps:
+    marked = steps.of_test(item)
+    if kata is None or not marked:
         return f"checked by {where}"
     try:
-        title = kata.step(steps[0]).title
+        title = kata.step(marked[0]).title
     except KeyError:
-        return f"step {steps[0]} ({where})"
-    return f"step {steps[0]} · {title} ({where})"
+        return f"step {marked[0]} ({where})"
+    return f"step {marked[0]} · {title} ({where})"
 
 
 def _is_world_report(excinfo: pytest.ExceptionInfo) -> bool:
@@ -65,6 +71,7 @@ def _is_world_report(excinfo: pytest.ExceptionInfo) -> bool:
 
 
 def _in_learners_file(path: str) -> bool:
+    path = os.path.join(str(curriculum.ROOT), path)  # a path the harness shows relative to it
     return os.path.abspath(path).startswith(os.path.join(str(curriculum.ROOT), "katas") + os.sep)
 
 
@@ -76,3 +83,56 @@ def _learner_frames(excinfo: pytest.ExceptionInfo) -> list[tuple[str, int, str]]
         for entry in excinfo.traceback
         if _in_learners_file(str(entry.path))
     ]
+
+
+@dataclass(frozen=True)
+class Place:
+    """A line of the learner's own code: ``katas/k04_allreduce.py:92, in average_gradients``."""
+
+    file: str  # relative to the checkout
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}, in {self.function}"
+
+
+# A frame as Python's tracebacks and the harness's stacks of stuck ranks show it.
+_QUOTED_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def places(excinfo: pytest.ExceptionInfo) -> list[Place]:
+    """The learner's own lines behind a failure, most recent call last: those of the first
+    traceback or stack quoted in its messages that holds any (a rank's traceback, the stack of a
+    deadlock's first stuck rank: the harness shows the ranks stuck in the learner's code first),
+    else those of this process's own traceback."""
+    for stack in _quoted_stacks(excinfo.value):
+        mine = [place for place in stack if _in_learners_file(place.file)]
+        if mine:
+            return mine
+    return [
+        Place(os.path.relpath(path, curriculum.ROOT), line, function)
+        for path, line, function in _learner_frames(excinfo)
+    ]
+
+
+def _quoted_stacks(error: BaseException) -> list[list[Place]]:
+    """Each run of frames quoted in the messages of ``error`` and its causes, in order."""
+    stacks, seen = [], set()
+    while error is not None and id(error) not in seen and len(seen) < 10:
+        seen.add(id(error))
+        stack: list[Place] = []
+        for text in str(error).splitlines():
+            frame = _QUOTED_FRAME.match(text)
+            if frame:
+                path = frame["file"]
+                if os.path.isabs(path):
+                    path = os.path.relpath(path, curriculum.ROOT)
+                stack.append(Place(path, int(frame["line"]), frame["function"]))
+            elif stack and not text.startswith("    "):  # a frame's source line goes on
+                stacks.append(stack)
+                stack = []
+        if stack:
+            stacks.append(stack)
+        error = error.__cause__ or error.__context__
+    return stacks

@@ -135,6 +135,9 @@ def test_a_class_is_graded_against_our_own_specs_and_nothing_is_left_behind(tmp_
         in by[("cy", "k04")]["reason"]
     ), by[("cy", "k04")]
     assert "deadlock" in by[("cy", "k04")]["log"], "the end of the failure's log"
+    assert by[("cy", "k04")]["where"].startswith("katas/k04_allreduce.py:"), (
+        "the line of cy's own code the stuck ranks wait at"
+    )
 
     assert {p.name: _digest(p) for p in submissions} == before, "grading changed a submission"
     left = []
@@ -195,6 +198,7 @@ def _graded_class():
         LONG + "\n\nrank 1 waits in all_reduce", "test_average_gradients[4]",
         ["test_average_gradients[4]", "test_average_skips_none"],
         "tests/test_k04_allreduce.py:250: in _run_average\nE   " + LONG + "\nTHE LOG'S LAST LINE",
+        "katas/k04_allreduce.py:99, in average_gradients (rank 1)",
     )  # fmt: skip
     return [
         LearnerGrade("ada", "/class/ada", [KataGrade("k04", "passed", 8, 8, seconds=9.0),
@@ -226,6 +230,7 @@ def test_every_report_holds_each_reason_whole_with_the_failing_test_and_its_log(
     assert cy["reason"].startswith(LONG) and cy["reason"].endswith("rank 1 waits in all_reduce")
     assert cy["failing_test"] == "test_average_gradients[4]" and cy["log"].endswith("LAST LINE")
     assert cy["failed_tests"] == "test_average_gradients[4] test_average_skips_none"
+    assert cy["where"] == "katas/k04_allreduce.py:99, in average_gradients (rank 1)"
     learners = json.loads((tmp_path / "grades.json").read_text())
     assert learners[1]["katas"][0]["reason"].endswith("waits in all_reduce"), learners[1]
     assert learners[1]["katas"][0]["log"].endswith("LAST LINE")
@@ -238,6 +243,10 @@ def test_every_report_holds_each_reason_whole_with_the_failing_test_and_its_log(
     assert LONG in page.replace("&#x27;", "'").replace("&quot;", '"'), "the HTML holds it whole"
     assert "<details class='kata part' id='g1-k04'>" in page, "behind a click: <details>"
     assert "THE LOG&#x27;S LAST LINE" in page and "test_average_skips_none" in page
+    assert (
+        "<dt>in their code</dt><dd><code>katas/k04_allreduce.py:99, in average_gradients (rank 1)"
+        in page
+    ), "the learner's own line, not only the end of the spec's log"
     assert "cy &lt;b&gt;" in page and "cy <b>" not in page, "a learner's text is escaped"
     assert "<div class='big'>3 of 6</div>" in page, "class totals: katas passed of learner x kata"
     assert "<td class='num'>1 of 3</td><td class='num'>33%</td>" in page, "k04's pass rate"
@@ -247,34 +256,24 @@ def test_every_report_holds_each_reason_whole_with_the_failing_test_and_its_log(
         assert external not in page, f"the page must be self-contained: it holds {external!r}"
 
 
-def test_a_failures_whole_message_comes_from_its_log_every_line_of_it():
+def test_a_failures_reason_and_line_come_from_its_record():
     from dojo import curriculum
     from dojo.runner import grade, runs
 
-    text = (
-        "tests/test_k04_allreduce.py:250: in _run_average\n    raise AssertionError(\nE   "
-        "AssertionError: first line\nE   \nE   second paragraph\nE     indented"
-    )
+    whole = "AssertionError: first line\n\nsecond paragraph\n  indented"
+    place = {"file": "katas/k04_allreduce.py", "line": 99, "function": "average_gradients"}
     record = {"test": "tests/test_k04_allreduce.py::test_a", "when": "call", "outcome": "failed",
-              "text": text, "message": "AssertionError: first line", "steps": [3]}  # fmt: skip
+              "text": "tests/test_k04_allreduce.py:250: in _run_average\nE   cut", "message": whole,
+              "steps": [3], "rank": 2, "where": [place]}  # fmt: skip
     k04 = curriculum.find("k04")
-    assert grade._first_reason(runs.RunResult(k04, 1, [record])) == (
-        "AssertionError: first line\n\nsecond paragraph\n  indented"
+    assert grade._first_reason(runs.RunResult(k04, 1, [record])) == whole, (
+        "the message whole, as the log recorded it"
     )
-    cut = {**record, "text": "E   second paragraph", "message": "AssertionError: first line"}
-    assert grade._whole_message(cut) == "AssertionError: first line\n...\nsecond paragraph"
-    learners = (
-        "step 3 · average every gradient over the ranks (tests/test_k04_allreduce.py:342)\n"
-        "AssertionError: first line\n\nsecond paragraph\nin your code (most recent call last):\n"
-        "  katas/k04_allreduce.py:99, in average_gradients"
-    )
-    assert grade._whole_message({**record, "text": learners}) == (
-        "AssertionError: first line\n\nsecond paragraph"
-    ), (
-        "the learner's short form (dojo.spec.report) holds the message between its heading and frames"
-    )
-    other = {**record, "text": "not implemented yet: k01 step 4 (spawn, collect, join)"}
+    assert grade._where(record) == "katas/k04_allreduce.py:99, in average_gradients (rank 2)"
+    other = {**record, "todo": {"kata": "k01", "step": 4, "what": "spawn, collect, join"}}
     reason = grade._first_reason(runs.RunResult(curriculum.find("k02"), 1, [other]))
     assert (
-        reason.startswith("not implemented yet: k01 step 4") and "k02's tests use k01's" in reason
-    )
+        reason.startswith("not implemented yet: k01 step 4 (spawn, collect, join)")
+        and "k02's tests use k01's" in reason
+        and "katas/k01_spawn.py" in reason
+    ), reason

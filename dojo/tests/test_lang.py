@@ -50,3 +50,18 @@ def test_hints_wrap_by_columns_and_never_inside_an_identifier():
     joined = "".join(line.strip() for line in lines)
     assert "make_replicas_identical" in joined and "shard_indices" in joined, lines
     assert wrap("one two three", width=8) == ["one two", "three"]
+
+
+def test_a_todo_reads_in_the_learners_language_without_english_kept_for_a_parser(monkeypatch):
+    from dojo import curriculum
+    from dojo.spec.plugin import _todo_report
+    from dojo.todo import KataTodo
+
+    todo = KataTodo("k01", 2, "the greeting")
+    monkeypatch.setenv("DOJO_LANG", "zh")
+    said = _todo_report(todo)
+    title = curriculum.find("k01").step(2).title
+    assert said.startswith(f"尚未实现：k01 第 2 步（{title}）\n"), said
+    assert "not implemented yet" not in said, "the runner reads the log's record, not this text"
+    monkeypatch.setenv("DOJO_LANG", "en")
+    assert _todo_report(todo).startswith("not implemented yet: k01 step 2 (the greeting)\n")

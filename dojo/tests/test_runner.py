@@ -101,6 +101,7 @@ def learner_env(**extra: str) -> dict[str, str]:
         if k not in ("CI", "DOJO_IMPL", "NO_COLOR", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")
     }
     env["DOJO_LANG"] = "en"  # whatever this machine's locale: these tests read English
+    env["COLUMNS"] = "100"  # the width the runner wraps its lines to (xdist's workers say 80)
     env.update(extra)
     return env
 
@@ -403,6 +404,135 @@ def test_check_stops_at_a_deadlock_and_dojo_shows_an_unchanged_kata_without_runn
     solved = dojo(root)
     assert "nothing has changed since" not in solved.stdout, solved.stdout
     assert f"{second} passes" in solved.stdout and (root / "second-ran").exists(), solved.stdout
+
+
+WORLD_KATA = '''"""A stand-in kata whose functions run in the ranks of a world."""
+import torch.distributed as dist
+
+from dojo.todo import KataTodo
+
+
+def greet(rank):
+    raise KataTodo("{kata}", 2, "say hello")
+
+
+def divide(rank):
+    return 1 / (rank - rank)
+
+
+def wait_for_peers(rank):
+    if rank == 0:
+        dist.barrier()  # rank 1 never comes
+    return rank
+'''
+
+WORLD_SPEC = """
+import pytest
+
+from dojo.harness.world import run_world
+
+
+def _greet(rank, world_size):
+    from katas.{module} import greet
+
+    return greet(rank)
+
+
+def _divide(rank, world_size):
+    from katas.{module} import divide
+
+    return divide(rank)
+
+
+def _wait(rank, world_size):
+    from katas.{module} import wait_for_peers
+
+    return wait_for_peers(rank)
+
+
+@pytest.mark.step(2)
+def test_todo_in_a_rank():
+    run_world(_greet, 2)
+
+
+@pytest.mark.step(1)
+def test_error_in_a_rank():
+    run_world(_divide, 2)
+
+
+@pytest.mark.step(3)
+def test_deadlock():
+    run_world(_wait, 2)
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_run_keeps_what_its_tests_said_and_every_failure_shows_the_learners_line(tmp_path):
+    root = learner_copy(tmp_path)
+    second, module = add_stand_in_kata(root)
+    kata = WORLD_KATA.format(kata=second)
+    (root / "katas" / f"{module}.py").write_text(kata)
+    (root / "tests" / f"test_{module}.py").write_text(WORLD_SPEC.format(module=module))
+    line_of = {text.strip(): number for number, text in enumerate(kata.splitlines(), start=1)}
+    divide, barrier = (
+        line_of["return 1 / (rank - rank)"],
+        line_of["dist.barrier()  # rank 1 never comes"],
+    )
+
+    done = dojo(root, "check", second, timeout=360)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert "ZeroDivisionError: division by zero" in out, out
+    assert "FAILED test_deadlock: dojo.harness.world.WorldDeadlock: deadlock: rank(s) 0" in out, out
+    assert f"your code: katas/{module}.py:{barrier}, in wait_for_peers" in out, (
+        f"a deadlock shown on one line carries the learner's line:\n{out}"
+    )
+    step = curriculum.find(second).step(2)
+    assert f"step 2 · {step.title} (also: say hello): 1 test" in out, out
+    assert f"-> write step 2 in katas/{module}.py" in out and step.hints[0][:30] in out, (
+        f"the first unwritten step's hint:\n{out}"
+    )
+
+    # The todo crossed the rank's pipe whole, and the log kept it so (the progress file keeps
+    # what the learner was shown)
+    kept = json.loads((root / ".dojo" / "progress.json").read_text())["runs"][second]["records"]
+    by = {r["test"].split("::")[-1]: r for r in kept if r["when"] == "call"}
+    assert by["test_todo_in_a_rank"]["todo"] == {"kata": second, "step": 2, "what": "say hello"}
+    failed = by["test_error_in_a_rank"]
+    assert failed["rank"] in (0, 1) and failed["steps"] == [1], failed
+    assert failed["where"][-1] == {
+        "file": f"katas/{module}.py",
+        "line": divide,
+        "function": "divide",
+    }
+    hung = by["test_deadlock"]
+    assert hung["deadlock"] and hung["where"][-1]["line"] == barrier, hung
+    assert "rank" not in hung, "a deadlock's ranks are named in its message, not one rank"
+
+
+SAVED_DURING_THE_RUN = """
+def test_value():
+    from katas.{module} import VALUE
+
+    assert VALUE == 1, f"VALUE is {{VALUE}}, expected 1"
+    with open("katas/{module}.py", "w") as kata:  # the learner saves while the tests still run
+        kata.write("VALUE = 0\\n")
+"""
+
+
+def test_a_save_during_a_run_is_not_recorded_as_the_code_that_passed(tmp_path):
+    root = learner_copy(tmp_path)
+    second, module = add_stand_in_kata(root, value=1)
+    (root / "tests" / f"test_{module}.py").write_text(SAVED_DURING_THE_RUN.format(module=module))
+    assert dojo(root, "goto", second).returncode == 0
+    passed = dojo(root, "check", second)
+    assert passed.returncode == 0 and f"{second} passes" in passed.stdout, passed.stdout
+    assert "VALUE = 0" in (root / "katas" / f"{module}.py").read_text()
+    again = dojo(root)
+    assert "nothing changed since it did" not in again.stdout, (
+        f"the code saved during the run was recorded as the code that passed:\n{again.stdout}"
+    )
+    assert "VALUE is 0, expected 1" in again.stdout, again.stdout
 
 
 def test_progress_file_that_is_damaged_is_kept_and_replaced(tmp_path):

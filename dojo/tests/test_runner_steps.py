@@ -1,19 +1,26 @@
-"""How the runner reads a test run: which step a failure is about, and the digest a learner sees.
+"""How the runner reads a test run: which step a failure is about, and the digest a learner sees,
+rendered from the test log's records (``dojo.runner.testlog``), never from their English text.
 In-process and read-only, on k01's shipped files."""
 
 from __future__ import annotations
 
+import pytest
+
 from dojo import curriculum
 from dojo.dev.consistency import coverage_problems
 from dojo.runner.runs import RunResult
-from dojo.runner.steps import steps_of_failure
 
 K01 = curriculum.find("k01")
 TEST = "tests/test_k01_spawn.py"
 
 
+@pytest.fixture(autouse=True)
+def a_terminal_100_columns_wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # the runner wraps its lines to it (xdist's says 80)
+
+
 def record(
-    test: str, outcome: str = "failed", text: str = "", when: str = "call", steps=(1,)
+    test: str, outcome: str = "failed", text: str = "", when: str = "call", steps=(1,), **more
 ) -> dict:
     return {
         "test": f"{TEST}::{test}",
@@ -21,28 +28,26 @@ def record(
         "outcome": outcome,
         "text": text,
         "steps": list(steps),
+        **more,
     }
 
 
+def todo(kata: str, step: int, what: str) -> dict:
+    """A todo's record as the test log writes it (its text is the plugin's, in any language)."""
+    return {"todo": {"kata": kata, "step": step, "what": what}, "text": "尚未实现：..."}
+
+
 def test_a_failure_belongs_to_its_todo_or_else_to_its_tests_step_marker():
-    todo = record(
-        "test_launch_names_the_rank_that_failed",
-        text="not implemented yet: k01 step 2 (the greeting)",
-        steps=[4],
-    )
-    assert steps_of_failure(K01, todo) == {2}, (
+    ran_into = record("test_launch_names_the_rank_that_failed", steps=[4], **todo("k01", 2, "x"))
+    assert RunResult(K01, 1, [ran_into]).failing_steps == [2], (
         "an unwritten step names itself, whichever test ran into it"
     )
-    wrong = record(
-        "test_launch_names_the_rank_that_failed",
-        text="E   AssertionError: expected RankProcessFailed",
-        steps=[4],
-    )
-    assert steps_of_failure(K01, wrong) == {4}, (
+    wrong = record("test_launch_names_the_rank_that_failed", message="AssertionError", steps=[4])
+    assert RunResult(K01, 1, [wrong]).failing_steps == [4], (
         "a real failure belongs to the step its test is marked with"
     )
-    other = record("test_x", text="not implemented yet: k02 step 1 (set MASTER_ADDR)", steps=[3])
-    assert steps_of_failure(K01, other) == {3}, (
+    other = record("test_x", steps=[3], **todo("k02", 1, "set MASTER_ADDR"))
+    assert RunResult(K01, 1, [other]).failing_steps == [3], (
         "another kata's todo says nothing about this kata's steps"
     )
 
@@ -64,7 +69,7 @@ def test_coverage_names_unmarked_tests_and_steps_without_a_test():
     assert "no test checks step 4 (spawn, collect, join)" in problems, problems
 
 
-def test_the_digest_shows_the_first_real_failure_in_full_and_counts_the_todos():
+def test_the_digest_shows_the_first_real_failure_in_full_and_the_todos_with_the_first_hint():
     result = RunResult(
         K01,
         1,
@@ -74,16 +79,11 @@ def test_the_digest_shows_the_first_real_failure_in_full_and_counts_the_todos():
                 "test_global_rank[1-0-3-3]",
                 text="tests/test_k01_spawn.py:27: in test_global_rank\nE   AssertionError: returned 1, expected 3",
             ),
-            record("test_global_rank[1-2-3-5]", text="E   AssertionError: returned 3, expected 5"),
-            record("test_greet", text="not implemented yet: k01 step 2 (the greeting)"),
-            record(
-                "test_launch_spawns_and_collects_in_rank_order",
-                text="not implemented yet: k01 step 4 (spawn, collect, join)",
-            ),
-            record(
-                "test_launch_names_the_rank_that_failed",
-                text="not implemented yet: k01 step 4 (spawn, collect, join)",
-            ),
+            record("test_global_rank[1-2-3-5]", message="AssertionError: returned 3, expected 5"),
+            record("test_greet", **todo("k01", 2, "the greeting")),
+            record("test_launch_spawns", **todo("k01", 4, "spawn, collect, join")),
+            record("test_launch_names_the_rank", **todo("k01", 4, "spawn, collect, join")),
+            record("test_launch_another", **todo("k01", 4, "a todo's own words")),
             record("test_cuda", "skipped"),
         ],
     )
@@ -95,14 +95,121 @@ def test_the_digest_shows_the_first_real_failure_in_full_and_counts_the_todos():
     assert "FAILED test_global_rank[1-2-3-5]: AssertionError: returned 3, expected 5" in digest, (
         digest
     )
-    assert (
-        "step 2 · the greeting: 1 test" in digest
-        and "step 4 · spawn, collect, join: 2 tests" in digest
-    ), digest
+    assert "step 2 · the greeting: 1 test\n" in digest, "the todo's words are its step's title"
+    assert "step 4 · spawn, collect, join (also: a todo's own words): 3 tests" in digest, (
+        "a todo's own words where they say more than the step's title"
+    )
+    hint = K01.step(2).hints[0]
+    assert "-> write step 2 in katas/k01_spawn.py" in digest, digest
+    assert f"hint: {hint[:30]}" in digest and "hint k01)" in digest, (
+        f"the first unwritten step's gentlest hint, as the plugin's own report gives it:\n{digest}"
+    )
+    assert "尚未实现" not in digest, "rendered from the record, not the plugin's text"
     assert result.first_failing_step() == 1
     assert result.describe().startswith(
-        "k01: 1 of 6 tests pass (1 skipped). First failing step: step 1"
+        "k01: 1 of 7 tests pass (1 skipped). First failing step: step 1"
     ), result.describe()
+
+
+def test_a_todo_of_an_earlier_kata_is_named_with_that_kata_and_its_file():
+    k02 = curriculum.find("k02")
+    result = RunResult(k02, 1, [record("test_run", steps=[3], **todo("k01", 4, "spawn"))])
+    digest = result.digest()
+    assert "k01 step 4 · spawn, collect, join" in digest, digest
+    assert "(k02's tests use k01's code: write that step first)" in digest, digest
+    assert "-> write step 4 in katas/k01_spawn.py" in digest, digest
+    assert result.first_failing_step() == 3, "k02's own step: the test's marker"
+
+
+DEADLOCK = (
+    "dojo.harness.world.WorldDeadlock: deadlock: rank(s) 0 waits inside torch.distributed calls, "
+    "making no progress for 3 s, after rank(s) 1 returned: a call its peers never make."
+)
+
+
+def test_every_failure_in_the_summary_carries_the_learners_own_line():
+    place = {"file": "katas/k01_spawn.py", "line": 149, "function": "launch"}
+    result = RunResult(
+        K01,
+        1,
+        [
+            record("test_first", message="AssertionError: the first failure, in full"),
+            record("test_hangs", message=DEADLOCK, deadlock=True, where=[place]),
+            record("test_raises", message="ZeroDivisionError: division by zero", rank=2,
+                   where=[{**place, "line": 90}, {**place, "line": 100, "function": "greet"}]),
+        ],
+    )  # fmt: skip
+    lines = result.digest().splitlines()
+    hang = next(i for i, line in enumerate(lines) if line.startswith("FAILED test_hangs"))
+    below = lines[hang + 1 : hang + 4]
+    assert "    your code: katas/k01_spawn.py:149, in launch" in below, "\n".join(lines)
+    assert "    your code: katas/k01_spawn.py:100, in greet (rank 2)" in lines, (
+        "the innermost of the learner's lines, and the rank that raised:\n" + "\n".join(lines)
+    )
+
+
+def test_after_ctrl_c_the_summary_says_what_stopped_and_does_not_read_as_a_pass():
+    stuck = "interrupted: rank 0 waits in wait (katas/k01_spawn.py:99, launch); rank 1 returned"
+    result = RunResult(
+        K01,
+        130,
+        [
+            record("test_a", "passed"),
+            record("test_b", "passed"),
+            {
+                "test": f"{TEST}::test_c",
+                "when": "session",
+                "outcome": "interrupted",
+                "text": stuck,
+                "where": [{"file": "katas/k01_spawn.py", "line": 99, "function": "launch"}],
+            },
+        ],  # fmt: skip
+        seconds=12.3,
+    )
+    digest = result.digest()
+    assert f"Ctrl-C stopped test_c:\n  {stuck}" in digest, digest
+    line = result.describe_interrupted()
+    assert line == (
+        "Interrupted after 12 s: 2 test(s) had finished (2 passed, 0 failed) and the others did "
+        "not run, so k01 does not pass yet."
+    ), line
+
+
+def test_the_digest_speaks_the_learners_language(monkeypatch):
+    monkeypatch.setenv("DOJO_LANG", "zh")
+    k01 = curriculum.find("k01")
+    place = {"file": "katas/k01_spawn.py", "line": 149, "function": "launch"}
+    result = RunResult(
+        k01,
+        1,
+        [
+            record("test_first", message="AssertionError: one"),
+            record("test_second", message="AssertionError: two", where=[place], rank=1),
+            record("test_greet", **todo("k01", 2, "the greeting")),
+        ],
+    )
+    digest = result.digest()
+    assert "你的代码：katas/k01_spawn.py:149, in launch（rank 1）" in digest, digest
+    assert f"第 2 步 · {k01.step(2).title}" in digest and "尚未实现：" in digest, digest
+    assert f"提示：{k01.step(2).hints[0][:20]}" in digest, digest
+    assert "not implemented" not in digest and "your code" not in digest, digest
+
+
+def test_the_first_failure_is_wrapped_like_the_others(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "82")
+    words = " ".join(f"launched{n}" for n in range(40))
+    text = f"step 2 · the greeting (tests/test_k01_spawn.py:141)\nAssertionError: {words}"
+    result = RunResult(
+        K01, 1, [record("test_a", text=text), record("test_b", message=f"ValueError: {words}")]
+    )
+    lines = result.digest().splitlines()
+    assert all(len(line) <= 80 for line in lines if " " in line.strip()), "\n".join(lines)
+    said = " ".join(" ".join(lines).split())
+    assert f"AssertionError: {words}" in said and f"ValueError: {words}" in said, (
+        "a line is cut between words, never inside one"
+    )
+    first = next(i for i, line in enumerate(lines) if line.startswith("  AssertionError: "))
+    assert lines[first + 1].startswith("      launched"), "a cut line's rest is indented"
 
 
 def test_a_kata_file_that_does_not_import_is_said_plainly():

@@ -235,3 +235,66 @@ def test_ctrl_c_during_check_stops_the_tests_and_everything_they_started(tmp_pat
             os.killpg(check.pid, signal.SIGKILL)
             check.wait()
         kill_leftovers(root)
+
+
+HANGING_KATA = '''"""A stand-in kata whose rank 0 hangs outside torch.distributed (no deadlock to catch)."""
+import time
+
+
+def wait(rank, mark):
+    if rank == 0:
+        open(mark, "w").close()  # tells the runner's tests it hangs now
+        time.sleep(300)
+    return rank
+'''
+
+HANGING_SPEC = """
+from dojo.harness.world import run_world
+
+
+def _wait(rank, world_size, mark):
+    from katas.{module} import wait
+
+    return wait(rank, mark)
+
+
+def test_a_first_one_passes():
+    pass
+
+
+def test_hangs():
+    run_world(_wait, 2, {mark!r}, deadline=120, straggler=120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_hang_says_where_the_ranks_waited_and_never_reads_as_a_pass(tmp_path):
+    root = learner_copy(tmp_path)
+    second, module = add_stand_in_kata(root)
+    (root / "katas" / f"{module}.py").write_text(HANGING_KATA)
+    mark = str(root / "stand-in-hangs")
+    (root / "tests" / f"test_{module}.py").write_text(HANGING_SPEC.format(module=module, mark=mark))
+    check = subprocess.Popen(
+        [sys.executable, "-m", "dojo", "check", second],
+        cwd=root, env=learner_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=hears_ctrl_c,
+    )  # fmt: skip
+    try:
+        wait_for_hang(root)
+        os.kill(check.pid, signal.SIGINT)
+        output = check.communicate(timeout=60)[0]
+        assert check.returncode == 130, output
+        sleeping = 1 + HANGING_KATA.splitlines().index("        time.sleep(300)")
+        assert "Ctrl-C stopped test_hangs:" in output, output
+        assert f"rank 0 waits in wait (katas/{module}.py:{sleeping}, wait)" in output, (
+            f"Ctrl-C must say where the ranks waited, as a program does:\n{output}"
+        )
+        assert "1 passed in" not in output and "does not pass yet" in output, (
+            f"after Ctrl-C, the tests that passed must not read as the kata passing:\n{output}"
+        )
+        assert not wait_until_gone(root, seconds=10), "Ctrl-C left processes running"
+    finally:
+        if check.poll() is None:
+            os.killpg(check.pid, signal.SIGKILL)
+            check.wait()
+        kill_leftovers(root)

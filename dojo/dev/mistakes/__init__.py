@@ -23,14 +23,13 @@ the reference with that one piece swapped in:
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
 
 from dojo import curriculum
-from dojo.curriculum import stubs
+from dojo.curriculum import steps, stubs
 
 
 @dataclass
@@ -71,32 +70,11 @@ def swaps(kata: curriculum.Kata, entry: Mistake | RightAnswer) -> dict[str, str]
 @functools.cache  # asked for every test of every entry: parse each stub once
 def stub_steps(kata: curriculum.Kata) -> dict[str, int]:
     """Function or class name -> the (lowest) step whose todo it raises in the shipped stub."""
-    tree = ast.parse(stubs.stub(kata))
     found: dict[str, int] = {}
-
-    def visit(node: ast.AST, owner: str | None) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
-                visit(child, owner or child.name)
-                if isinstance(child, ast.FunctionDef):
-                    for step in _todo_steps(child):
-                        for name in {child.name, owner or child.name}:
-                            found[name] = min(step, found.get(name, step))
-            else:
-                visit(child, owner)
-
-    visit(tree, None)
+    for todo in steps.raised(stubs.stub(kata)):
+        for name in todo.within:
+            found[name] = min(todo.step, found.get(name, todo.step))
     return found
-
-
-def _todo_steps(function: ast.FunctionDef) -> list[int]:
-    steps = []
-    for node in ast.walk(function):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo":
-            values = [a.value for a in node.args[:2] if isinstance(a, ast.Constant)]
-            if len(values) == 2 and isinstance(values[1], int):
-                steps.append(values[1])
-    return steps
 
 
 def right_answer_steps(kata: curriculum.Kata, answer: RightAnswer) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import pytest
 
 from dojo import curriculum
+from dojo.curriculum import steps
 from dojo.dev import mistakes, reach, swaps
 from dojo.dev.mistakes import Mistake, RightAnswer
 from dojo.harness import impl
@@ -82,32 +83,22 @@ def _kata_of(path) -> curriculum.Kata | None:
         return None
 
 
-def _steps_of(node) -> set[int]:
-    return {int(mark.args[0]) for mark in node.iter_markers("step") if mark.args}
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     kata = _kata_of(metafunc.definition.path)
     catalogue = mistakes.load(kata) if kata else None
     if catalogue is None:
         return
     name = metafunc.function.__name__
-    steps = _steps_of(metafunc.definition) | {
-        int(inner.args[0])
-        for mark in metafunc.definition.iter_markers("parametrize")
-        for value in mark.args[1]
-        for inner in getattr(value, "marks", ())
-        if inner.name == "step"
-    }
+    marked = set(steps.of_any_case(metafunc.definition))
     variants = [
         Variant(kata, m)
         for m in catalogue.MISTAKES
         if any(t.split("[")[0] == name for t in m.fails)
-        or max(steps, default=0) >= _first_step(kata, m)
+        or max(marked, default=0) >= _first_step(kata, m)
     ] + [
         Variant(kata, a)
         for a in catalogue.RIGHT_ANSWERS
-        if set(mistakes.right_answer_steps(kata, a)) & steps
+        if set(mistakes.right_answer_steps(kata, a)) & marked
     ]
     if variants:
         metafunc.parametrize("dojo_variant", variants, ids=[v.id for v in variants], indirect=True)
@@ -161,10 +152,12 @@ def _wanted(item: pytest.Item, variant: Variant) -> bool:
         # right answer
         if item.get_closest_marker("slow"):
             return False
-        return max(_steps_of(item), default=0) >= _first_step(variant.kata, variant.entry)
+        return max(steps.of_test(item), default=0) >= _first_step(variant.kata, variant.entry)
     if item.get_closest_marker("slow"):  # a right answer runs its step's quick tests; the slow
         return False  # ones (real torchrun, real hosts) run once, against the reference
-    return bool(_steps_of(item) & set(mistakes.right_answer_steps(variant.kata, variant.entry)))
+    return bool(
+        set(steps.of_test(item)) & set(mistakes.right_answer_steps(variant.kata, variant.entry))
+    )
 
 
 def pytest_collection_modifyitems(
