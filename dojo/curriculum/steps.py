@@ -50,7 +50,7 @@ def raised(source: str) -> list[Raised]:
             within = (*within, node.name)
             if not function and not isinstance(node, ast.ClassDef):
                 function = ".".join(within)
-        elif _is_todo(node):
+        elif is_todo_call(node):
             todo = _literal_todo(node)
             if todo is not None:
                 found.append(Raised(*todo, node.lineno, within, function))
@@ -67,7 +67,8 @@ def first_unwritten(source: str, kata: str) -> Raised | None:
     return min(mine, key=lambda todo: (todo.step, todo.line)) if mine else None
 
 
-def _is_todo(node: ast.AST) -> bool:
+def is_todo_call(node: ast.AST) -> bool:
+    """Whether ``node`` is a call of ``KataTodo(...)`` (however its arguments are written)."""
     return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dojo import curriculum
 from dojo.commands import dojo
-from dojo.curriculum import stubs
+from dojo.curriculum import steps, stubs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,7 +91,7 @@ def _kata_problems(kata: curriculum.Kata) -> list[str]:
     tree = ast.parse(source)
     found += region_problems(kata, stubs.regions(source, _shown(kata.solution_file)))
     found += lesson_problems(kata, tree)
-    if any(map(_is_todo, ast.walk(tree))):
+    if any(map(steps.is_todo_call, ast.walk(tree))):
         found.append(f"solutions/{kata.module}.py raises a KataTodo: a solution must be complete")
     found += chinese_problems(kata, stub)
     return found
@@ -197,7 +197,9 @@ def _todo_functions(tree: ast.Module) -> dict[str, str]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = f"{prefix}{child.name}"
                 visit(child, f"{name}.")
-                if not isinstance(child, ast.ClassDef) and any(map(_is_todo, ast.walk(child))):
+                if not isinstance(child, ast.ClassDef) and any(
+                    map(steps.is_todo_call, ast.walk(child))
+                ):
                     body = child.body[1:] if ast.get_docstring(child) is not None else child.body
                     found[name] = "".join(ast.dump(_without_todo_texts(s)) for s in body)
 
@@ -207,13 +209,9 @@ def _todo_functions(tree: ast.Module) -> dict[str, str]:
 
 def _without_todo_texts(statement: ast.stmt) -> ast.stmt:
     for node in ast.walk(statement):
-        if _is_todo(node):
+        if steps.is_todo_call(node):
             node.args = []
     return statement
-
-
-def _is_todo(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KataTodo"
 
 
 # ------------------------------------------------------------------------ the Chinese lessons
