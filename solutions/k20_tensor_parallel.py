@@ -82,7 +82,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dojo.console import run_program, say
+from dojo.console import run_program, say, verdict
 from dojo.devices import rank_device
 from dojo.launch import add_launch_arguments, launch_world
 from dojo.toy_models import MLP, Attention, make_tokens, make_transformer
@@ -384,14 +384,11 @@ def main(argv=None) -> int:
                 f"dense layer: output {gaps['output']:.1e}, input gradient {gaps['input grad']:.1e}",
             )
     worst = max(g for r in results for gaps in r["gaps"].values() for g in gaps.values())
-    close = worst < 1e-4
-    say(
-        None,
-        f"every rank's output and input gradient equal the dense block's (largest gap {worst:.1e})"
-        if close
-        else f"the split layers differ from the dense ones by up to {worst:.1e}",
+    return verdict(
+        worst,
+        "every rank's output and input gradient equal the dense block's",
+        "the split layers differ from the dense ones",
     )
-    return 0 if close else 1
 
 
 if __name__ == "__main__":
