@@ -3,7 +3,7 @@ keeps the floors apart: ``dojo/dev/imports.py``).
 
 The kata API, at the top: what ``katas/`` and ``solutions/`` import, and nothing else of dojo
     todo       KataTodo, the "not implemented yet" a stub raises
-    console    a kata program's output (``say``) and exit (``run_program``)
+    console    a kata program's output (``say``, ``verdict``) and exit (``run_program``)
     launch     a program's ranks: ``launch_world`` and its command-line options
     devices    which backend and device a world runs on
     data       the offline digits (and MNIST) for the training katas

@@ -1,4 +1,5 @@
-"""Output for the katas' programs: whole rank-prefixed lines, and a clean exit on every path.
+"""Output for the katas' programs: whole rank-prefixed lines, a verdict on the result, and a
+clean exit on every path.
 
 Several processes writing to one terminal interleave mid-line when they print in pieces. ``say``
 writes each line with a single ``os.write`` of the whole line, which the OS never splits for
@@ -30,6 +31,14 @@ def say(rank: int | None, *parts: object) -> None:
         os.write(sys.stdout.fileno(), data.encode())
     except BrokenPipeError:  # `python -m katas.k04_allreduce | head`: the reader has gone
         pass
+
+
+def verdict(gap: float, agree: str, differ: str, tolerance: float = 1e-4) -> int:
+    """A program's last line on its largest gap to the expected result, and its exit status:
+    ``agree`` and the gap when it is below ``tolerance`` (0), else ``differ`` by how much (1)."""
+    agrees = gap < tolerance  # a NaN gap never agrees
+    say(None, f"{agree} (largest gap {gap:.1e})" if agrees else f"{differ} by up to {gap:.1e}")
+    return 0 if agrees else 1
 
 
 def run_program(

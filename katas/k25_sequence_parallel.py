@@ -110,7 +110,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dojo.console import run_program, say
+from dojo.console import run_program, say, verdict
 from dojo.devices import rank_device
 from dojo.launch import add_launch_arguments, launch_world
 from dojo.todo import KataTodo
@@ -553,15 +553,12 @@ def main(argv=None) -> int:
             f"{result['formula']}; the dense block on one process: {result['dense saved']})",
         )
     worst = max(g for r in results for g in r["gaps"].values())
-    close = worst < 1e-4
-    say(
-        None,
-        f"every rank's positions and gradients equal the dense block's (largest gap {worst:.1e}), "
-        "the LayerNorms' after the sync"
-        if close
-        else f"the split block differs from the dense one by up to {worst:.1e}",
+    return verdict(
+        worst,
+        "every rank's positions and gradients equal the dense block's, the LayerNorms' "
+        "after the sync",
+        "the split block differs from the dense one",
     )
-    return 0 if close else 1
 
 
 if __name__ == "__main__":

@@ -236,6 +236,17 @@ def cpu_copy(state):
     return copy.deepcopy(state)
 
 
+def same(a, b) -> bool:
+    """Two states (nests of dicts, lists and tensors) equal bit for bit, shapes and keys included."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 class Run:
     """One rank's training, but the loop: each step's batch and update, the simulated crash,
     and what the rank returns."""
@@ -292,16 +303,6 @@ def train_with_the_classic_hang(
         run.step(ddp, optimizer, step)
         if rank == 0 and (step + 1) % save_every == 0:  # "only rank 0 saves": a collective inside
             save_checkpoint(checkpoint, ddp, optimizer, step + 1)
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _losses(result: dict) -> str:
@@ -408,8 +409,8 @@ def main(argv=None) -> int:
             f"{_losses(resumed[0])}",
         )
         for rank, (a, b) in enumerate(zip(whole, resumed)):
-            weights = _same(a["state"], b["state"])
-            momentum = _same(a["optimizer"], b["optimizer"])
+            weights = same(a["state"], b["state"])
+            momentum = same(a["optimizer"], b["optimizer"])
             verdict = (
                 "the very same weights and momentum as the uninterrupted run, bit for bit"
                 if weights and momentum

@@ -82,7 +82,6 @@ RUN IT
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import re
 import signal
@@ -105,6 +104,9 @@ from dojo.devices import choose_for_this_machine, rank_device
 from dojo.launch import add_launch_arguments, launch_world
 from dojo.todo import find_todo
 from dojo.toy_models import MODELS, loss, make_batch, make_model
+
+from .k15_checkpoints import Run as K15Run
+from .k15_checkpoints import same, wrap
 
 SNAPSHOT_KEYS = ("model", "optimizer", "epoch")
 STEPS_PER_EPOCH = 4
@@ -235,12 +237,6 @@ class Fault:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def wrap(model: nn.Module) -> DistributedDataParallel:
-    """torch's DDP around ``model`` (on its device)."""
-    device = next(model.parameters()).device
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-
-
 def batch_for(model_name: str, epoch: int, step: int, rank: int, world_size: int):
     """This rank's share of the global batch of ``step`` in ``epoch``: the same data whenever
     that step runs, before or after a restart."""
@@ -250,30 +246,13 @@ def batch_for(model_name: str, epoch: int, step: int, rank: int, world_size: int
     return inputs[part], targets[part]
 
 
-def cpu_copy(state):
-    """A state_dict (or any nest of dicts, lists and tensors) copied to the CPU."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu().clone()
-    if isinstance(state, dict):
-        return {key: cpu_copy(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(cpu_copy(value) for value in state)
-    return copy.deepcopy(state)
-
-
-class Run:
-    """One rank's training, but the loop: an epoch's steps, the injected fault, the progress
-    rank 0 shows, and what the rank returns."""
+class Run(K15Run):
+    """One rank's training, but the loop, by epochs: an epoch's steps, the injected fault and the
+    progress rank 0 shows; what the rank returns is k15's (``result``)."""
 
     def __init__(self, rank: int, world_size: int, model_name: str, fault: Fault | None):
-        self.rank, self.world_size, self.model_name, self.fault = (
-            rank,
-            world_size,
-            model_name,
-            fault,
-        )
-        self.trained: list[int] = []
-        self.losses: list[float] = []
+        super().__init__(rank, world_size, model_name, interrupt_at=None)
+        self.fault = fault
 
     def epoch(self, model: nn.Module, optimizer, epoch: int) -> float:
         """One epoch of ``STEPS_PER_EPOCH`` steps; returns this rank's mean loss."""
@@ -293,16 +272,6 @@ class Run:
         if self.rank == 0:
             say(self.rank, f"epoch {epoch}: mean loss {self.losses[-1]:.4f}")
         return self.losses[-1]
-
-    def result(self, model: nn.Module, optimizer, start: int) -> dict:
-        inner = model.module if isinstance(model, DistributedDataParallel) else model
-        return {
-            "state": cpu_copy(inner.state_dict()),
-            "optimizer": cpu_copy(optimizer.state_dict()),
-            "started_at": start,
-            "trained": list(self.trained),
-            "losses": list(self.losses),
-        }
 
 
 def train_one_thread(rank: int, world_size: int, *args, **kwargs) -> dict:
@@ -381,16 +350,6 @@ def _marker(snapshot: str) -> str:
 
 
 # --------------------------------------------------------------------------- the driver
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 _AGENT_LOG = re.compile(r"^[DIWE]\d{4} [\d:.]+ \d+ \S+\] (.*)$")  # torchrun's log lines
@@ -507,8 +466,8 @@ def drive(args) -> int:
             f"epochs {result['trained']}",
         )
         if whole is not None:
-            weights = _same(whole[0]["state"], result["state"])
-            moments = _same(whole[0]["optimizer"], result["optimizer"])
+            weights = same(whole[0]["state"], result["state"])
+            moments = same(whole[0]["optimizer"], result["optimizer"])
             verdict = (
                 "the very same weights and optimizer state as the uninterrupted run, bit for bit"
                 if weights and moments

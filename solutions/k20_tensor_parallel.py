@@ -82,7 +82,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dojo.console import run_program, say
+from dojo.console import run_program, say, verdict
 from dojo.devices import rank_device
 from dojo.launch import add_launch_arguments, launch_world
 from dojo.toy_models import MLP, Attention, make_tokens, make_transformer
@@ -164,12 +164,9 @@ def shard_range(features: int, group: dist.ProcessGroup | None, what: str) -> tu
     # END STEP 2
 
 
-class ColumnParallelLinear(nn.Module):
-    """``linear`` split by output features: this rank computes its slice of the output.
-
-    ``ColumnParallelLinear(linear, process_group=None)``: input the full ``x`` (the same on
-    every rank of the group), output ``linear(x)[..., this rank's features]``.
-    """
+class _ShardedLinear(nn.Module):
+    """This rank's slice of ``linear``, as parameters of its own: the subclass's ``_shard`` says
+    which slice (``weight``, ``bias``; a bias may be None) of the layer split over the group."""
 
     def __init__(self, linear: nn.Linear, process_group: dist.ProcessGroup | None = None):
         super().__init__()
@@ -178,6 +175,14 @@ class ColumnParallelLinear(nn.Module):
         weight, bias = self._shard(linear)
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``linear`` split by output features: this rank computes its slice of the output.
+
+    ``ColumnParallelLinear(linear, process_group=None)``: input the full ``x`` (the same on
+    every rank of the group), output ``linear(x)[..., this rank's features]``.
+    """
 
     def _shard(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows of ``linear.weight`` and entries of its bias (copies), or ValueError."""
@@ -204,20 +209,12 @@ class ColumnParallelLinear(nn.Module):
         # END STEP 2
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``linear`` split by input features: partial products summed over the group, bias once.
 
     ``RowParallelLinear(linear, process_group=None)``: input ``x[..., this rank's features]``
     (a column-parallel layer's output), output the full ``linear(x)`` on every rank.
     """
-
-    def __init__(self, linear: nn.Linear, process_group: dist.ProcessGroup | None = None):
-        super().__init__()
-        self.process_group = process_group
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, bias = self._shard(linear)
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
 
     def _shard(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's columns of ``linear.weight`` and the whole bias (copies), or ValueError."""
@@ -387,14 +384,11 @@ def main(argv=None) -> int:
                 f"dense layer: output {gaps['output']:.1e}, input gradient {gaps['input grad']:.1e}",
             )
     worst = max(g for r in results for gaps in r["gaps"].values() for g in gaps.values())
-    close = worst < 1e-4
-    say(
-        None,
-        f"every rank's output and input gradient equal the dense block's (largest gap {worst:.1e})"
-        if close
-        else f"the split layers differ from the dense ones by up to {worst:.1e}",
+    return verdict(
+        worst,
+        "every rank's output and input gradient equal the dense block's",
+        "the split layers differ from the dense ones",
     )
-    return 0 if close else 1
 
 
 if __name__ == "__main__":

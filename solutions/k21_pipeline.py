@@ -367,6 +367,26 @@ def train_pipeline(
     return {"loss": run.loss, "peak": run.peak_activations, "grads": grads}
 
 
+def against_one_process(results: list[dict], blocks: int, micro_batches: int, seed: int) -> int:
+    """Say the loss and how far the ranks' gradients are from one process's on the whole batch
+    (``train_pipeline``'s model of ``blocks`` blocks and tokens); the program's exit status."""
+    model = make_transformer(seed, blocks=blocks)
+    tokens, targets = make_tokens(2 * micro_batches, seed)
+    transformer_loss(model(tokens), targets).backward()
+    whole = {n: p.grad for n, p in model.named_parameters()}
+    gap = max(
+        (grad.double() - whole[name].double()).abs().max().item()
+        for result in results
+        for name, grad in result["grads"].items()
+    )
+    say(
+        None,
+        f"loss {results[-1]['loss']:.6f}; gradients against one process on the whole batch: "
+        f"largest difference {gap:.2g}",
+    )
+    return 0 if gap < 1e-5 else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Pipeline parallel: GPipe and 1F1B schedules.")
     add_launch_arguments(parser, world_size=2)
@@ -393,23 +413,10 @@ def main(argv=None) -> int:
     results = launch_world(
         train_pipeline, p, args.schedule, m, args.seed, backend=args.backend, device=args.device
     )
-    model = make_transformer(args.seed, blocks=4)
-    tokens, targets = make_tokens(2 * m, args.seed)
-    transformer_loss(model(tokens), targets).backward()
-    whole = {n: p.grad for n, p in model.named_parameters()}
-    gap = max(
-        (grad.double() - whole[name].double()).abs().max().item()
-        for result in results
-        for name, grad in result["grads"].items()
-    )
     for r, result in enumerate(results):
         held = f"{result['peak']} micro-batch" + ("'s" if result["peak"] == 1 else "es'")
         say(None, f"rank {r} held at most {held} activations at once")
-    say(
-        None,
-        f"loss {results[-1]['loss']:.6f}; gradients against one process on the whole batch: largest difference {gap:.2g}",
-    )
-    return 0 if gap < 1e-5 else 1
+    return against_one_process(results, blocks=4, micro_batches=m, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.profiler import record_function
 
-from dojo.console import run_program, say
+from dojo.console import run_program, say, verdict
 from dojo.devices import rank_device
 from dojo.launch import add_launch_arguments, launch_world
 
@@ -704,16 +704,12 @@ def main(argv=None) -> int:
             f"{max(blocks)}); largest gap to one process: output {gaps[0]:.1e}, gradients of "
             f"q {gaps[1]:.1e}, k {gaps[2]:.1e}, v {gaps[3]:.1e}",
         )
-    close = worst < 1e-4
-    say(
-        None,
-        ("both splits equal" if args.split == "both" else f"the {args.split} split equals")
-        + " scaled_dot_product_attention on one process, forward and backward "
-        f"(largest gap {worst:.1e})"
-        if close
-        else f"the ring differs from scaled_dot_product_attention by up to {worst:.1e}",
+    equal = "both splits equal" if args.split == "both" else f"the {args.split} split equals"
+    return verdict(
+        worst,
+        f"{equal} scaled_dot_product_attention on one process, forward and backward",
+        "the ring differs from scaled_dot_product_attention",
     )
-    return 0 if close else 1
 
 
 if __name__ == "__main__":

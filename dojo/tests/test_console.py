@@ -1,8 +1,9 @@
-"""A kata program that runs into an unwritten step names the first step still to write."""
+"""A kata program's last words: the first step still to write when it runs into an unwritten
+one, and its verdict on how far its result is from the expected one."""
 
 from __future__ import annotations
 
-from dojo.console import _todo_message
+from dojo.console import _todo_message, verdict
 from dojo.todo import KataTodo
 
 STUB = """
@@ -25,3 +26,18 @@ def test_the_program_names_the_first_unwritten_step_not_only_the_one_it_reached(
     stub.write_text(STUB.replace('raise KataTodo("k05", 1', "return None  #"))
     alone = _todo_message(KataTodo("k05", 4, "the training loop"), str(stub))
     assert "still has" not in alone, "with the earlier steps written, the step reached is the one"
+
+
+def test_a_verdict_says_the_gap_and_exits_with_0_only_within_the_tolerance(capfd):
+    statuses = [
+        verdict(gap, "the ranks agree", "the ranks differ") for gap in (3e-6, 0.5, float("nan"))
+    ]
+    assert statuses == [0, 1, 1], f"exit statuses {statuses}: 0 only below the tolerance (1e-4)"
+    assert verdict(0.5, "close enough", "too far", tolerance=1.0) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert lines == [
+        "[main] the ranks agree (largest gap 3.0e-06)",
+        "[main] the ranks differ by up to 5.0e-01",
+        "[main] the ranks differ by up to nan",
+        "[main] close enough (largest gap 5.0e-01)",
+    ], lines
