@@ -344,13 +344,14 @@ def _environment() -> list[Finding]:
 
 _GLOO_WORLDS = """
 import datetime, json, os, sys, threading, torch, torch.distributed as dist
+from dojo.harness.loopback import loopback_store
 
 def world(interface):
     # Two gloo ranks (threads of one process) all-reduce over this machine's TCP stack.
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
     if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store = loopback_store(world_size=2, wait_for_workers=False)  # nothing beyond the machine
     results = {}
     def rank(r):
         try:
@@ -376,6 +377,7 @@ def _start_gloo_worlds() -> subprocess.Popen:
     loopback = "lo0" if sys.platform == "darwin" else "lo"
     return subprocess.Popen(
         [sys.executable, "-c", _GLOO_WORLDS, loopback, "-"],
+        cwd=curriculum.ROOT,  # where it imports dojo from
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
