@@ -1,0 +1,121 @@
+"""The set-up's PyTorch build: whether the CPU-only index answers, and why not
+(``dojo/runner/torch_index.py``), and what ``make learn`` does about it (the Makefile)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dojo.curriculum import ROOT
+from dojo.runner.torch_index import unreachable
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_index_whose_name_does_not_resolve_says_so():
+    why = unreachable("http://download.pytorch.invalid/whl/cpu", 2)
+    assert why and why.startswith("its host name did not resolve in "), why
+
+
+def test_an_index_that_refuses_says_so():
+    why = unreachable(f"http://127.0.0.1:{_closed_port()}/whl/cpu", 2)
+    assert why and "refused" in why, why
+
+
+def test_an_index_that_never_answers_says_how_long_it_was_given():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, and never says a word
+        start = time.monotonic()
+        why = unreachable(f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu", 0.5)
+    assert why == "it did not answer within 0.5 s", why
+    assert time.monotonic() - start < 5, "the probe must not wait past its time"
+
+
+class _Index(http.server.BaseHTTPRequestHandler):
+    """An index with a page for torch, and nothing else."""
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/whl/cpu/torch/" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _answering_index():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/whl/cpu"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_index_that_answers_is_reachable():
+    with _answering_index() as index:
+        assert unreachable(index, 5) is None
+
+
+def _setup(tmp_path: Path, torch: str, index: str) -> subprocess.CompletedProcess:
+    """``make .venv/.installed TORCH=...`` in a copy of what the set-up reads, with pip replaced
+    by ``true``: what it decides and says, not the install."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    for name in ("Makefile", "pyproject.toml", "dojo/runner/torch_index.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH", "MAKE"))}
+    return subprocess.run(
+        ["make", ".venv/.installed", f"TORCH={torch}", f"TORCH_CPU_INDEX={index}",
+         f"PYTHON={sys.executable}", "PIP=true"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_torch_cpu_stops_when_its_index_cannot_be_reached(tmp_path):
+    index = f"http://127.0.0.1:{_closed_port()}/whl/cpu"
+    start = time.monotonic()
+    done = _setup(tmp_path, "cpu", index)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, f"TORCH=cpu went on without its index:\n{out}"
+    assert (
+        f"TORCH=cpu, but PyTorch's CPU-only index ({index}) cannot be reached: the connection was refused"
+        in out
+    ), out
+    for advice in ("TORCH=default", "TORCH_CPU_INDEX=URL"):
+        assert advice in out, f"the error should say what to do ({advice}):\n{out}"
+    assert not (tmp_path / ".venv").exists(), "nothing is installed before it stops"
+    assert time.monotonic() - start < 30, "it says so within seconds"
+
+
+@pytest.mark.slow  # it makes a venv: ~5-20 s
+def test_torch_auto_falls_back_and_says_why(tmp_path):
+    if Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi"):
+        pytest.skip("an NVIDIA GPU is seen here: TORCH=auto takes the default build at once")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("TORCH=auto asks for the CPU-only build on Linux only")
+    index = f"http://127.0.0.1:{_closed_port()}/whl/cpu"
+    done = _setup(tmp_path, "auto", index)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, f"TORCH=auto must fall back, not stop:\n{out}"
+    assert (
+        f"note: PyTorch's CPU-only index ({index}) cannot be reached: the connection was refused"
+        in out
+    ), out
+    assert "Installing the default build instead" in out, out
+    assert (tmp_path / ".venv" / ".installed").exists(), out
