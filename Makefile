@@ -15,6 +15,8 @@ TORCH           ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # Seconds to wait for that index's answer (pip would wait 180, then retry).
 TORCH_PROBE_S   ?= 5
+# The versions the suite was run on (its head says where): every install takes exactly these.
+CONSTRAINTS     := constraints.txt
 ifeq ($(filter $(TORCH),auto cpu default),)
 $(error TORCH=$(TORCH): say TORCH=cpu (the CPU-only build), TORCH=default (the default index's, CUDA on Linux) or TORCH=auto)
 endif
@@ -28,11 +30,11 @@ learn: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m dojo dev check
 
-# The environment is rebuilt only when pyproject.toml changes. Whether the
+# The environment is rebuilt only when pyproject.toml or the constraints change. Whether the
 # CPU-only index answers is asked first (dojo/runner/torch_index.py, with this system's Python):
 # TORCH=cpu stops there, before anything is installed, when it does not. torch comes first, from
 # the index the build picks; the project's own install then finds it there and keeps it.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python 3.10 or newer is needed, found " + sys.version.split()[0])'
 	@case "$(TORCH)" in \
 	  auto) if [ "$$(uname -s)" = Linux ] && ! [ -e /proc/driver/nvidia/version ] && \
@@ -55,12 +57,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) && $(PIP) install --quiet --upgrade pip || exit 1; \
 	if [ "$$build" = cpu ]; then \
 	  echo "Installing PyTorch's CPU-only build from $(TORCH_CPU_INDEX) (about 1.3 GB in all; TORCH=default for the CUDA one)"; \
-	  if ! $(PIP) install --quiet --index-url '$(TORCH_CPU_INDEX)' torch torchvision; then \
+	  if ! $(PIP) install --quiet --index-url '$(TORCH_CPU_INDEX)' --constraint $(CONSTRAINTS) torch torchvision; then \
 	    if [ "$(TORCH)" = cpu ]; then echo "error: TORCH=cpu, but installing PyTorch's CPU-only build failed (above); make $(GOAL) TORCH=default installs the default one" >&2; exit 1; fi; \
 	    echo "note: installing PyTorch's CPU-only build failed; installing the default build instead"; \
 	  fi; \
 	fi
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --constraint $(CONSTRAINTS) -e '.[dev]'
 	@touch $(STAMP)
 
 clean-venv:

@@ -76,7 +76,7 @@ def _setup(tmp_path: Path, torch: str, index: str) -> subprocess.CompletedProces
     by ``true``: what it decides and says, not the install."""
     if shutil.which("make") is None:
         pytest.skip("needs make")
-    for name in ("Makefile", "pyproject.toml", "dojo/runner/torch_index.py"):
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "dojo/runner/torch_index.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH", "MAKE"))}
