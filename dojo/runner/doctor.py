@@ -392,7 +392,10 @@ def _gloo_worlds(process: subprocess.Popen) -> list[Finding]:
         out, err = process.communicate()
     answers = {}
     for line in out.splitlines():
-        interface, results = json.loads(line)
+        try:
+            interface, results = json.loads(line)
+        except ValueError:  # gloo's own words (torch 2.10: "[Gloo] Rank 0 is connected to ...")
+            continue
         answers[interface] = results
     found = []
     for interface, topic, must in (
