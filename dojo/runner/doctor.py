@@ -71,6 +71,7 @@ def _torch() -> list[Finding]:
     else:
         build = "CPU-only build"
     found.append(Finding("ok", "torch", f"{torch.__version__}, {build}"))
+    found.append(_torch_release(torch.__version__))
     if not dist.is_available():
         return found + [
             Finding(
@@ -142,6 +143,55 @@ def _torch() -> list[Finding]:
                 )
             )
     return found
+
+
+def _torch_release(version: str) -> Finding:
+    """This torch against the ones the suite was run on: pyproject.toml's floor, the pin in
+    constraints.txt, and what some tests need beyond the floor (``NEWER_TORCH``)."""
+    from dojo.spec.testing import NEWER_TORCH, torch_older_than
+
+    floor, pinned = _declared_torch()
+    again = "`make clean-venv && make learn` installs " + (f"torch {pinned}" if pinned else "it")
+    if floor and torch_older_than(floor, version):
+        return Finding(
+            "FAIL",
+            "torch version",
+            f"{version} is older than {floor}, the oldest torch the suite was run on "
+            f"(pyproject.toml): some katas' tests fail there for torch's reasons, not yours. {again}",
+        )
+    skipped = [
+        f"{kata}'s tests of {what} need torch {needed} and skip here, saying so"
+        for needed, kata, what in NEWER_TORCH.values()
+        if torch_older_than(needed, version)
+    ]
+    if pinned and version.split("+")[0] == pinned:
+        return Finding("ok", "torch version", f"{pinned}, the torch the suite was run on")
+    text = f"{version}, not {pinned}, the torch the suite was run on (constraints.txt)"
+    if skipped:
+        text += ": " + "; ".join(skipped)
+    elif floor:
+        text += f"; the suite was also run on {floor} (README: which torch)"
+    return Finding("note", "torch version", f"{text}. {again}")
+
+
+def _declared_torch() -> tuple[str | None, str | None]:
+    """(pyproject.toml's floor for torch, constraints.txt's pin), None where not found."""
+    import re
+
+    from dojo.curriculum import tomllib
+
+    floor = pinned = None
+    try:
+        project = tomllib.loads((curriculum.ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+        for requirement in project["project"]["dependencies"]:
+            found = re.match(r"torch\s*>=\s*([\d.]+)", requirement)
+            floor = found.group(1) if found else floor
+        for line in (curriculum.ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+            found = re.match(r"torch==([\d.]+)\s*$", line.split(";")[0].strip())
+            pinned = found.group(1) if found else pinned
+    except (OSError, KeyError, ValueError):
+        pass
+    return floor, pinned
 
 
 def _nccl_version(torch) -> str:

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from dojo.curriculum import ROOT
+from dojo.runner import doctor
 from dojo.runner.torch_index import unreachable
+from dojo.spec.testing import needs_torch, torch_older_than
 
 
 def _closed_port() -> int:
@@ -119,3 +121,38 @@ def test_torch_auto_falls_back_and_says_why(tmp_path):
     ), out
     assert "Installing the default build instead" in out, out
     assert (tmp_path / ".venv" / ".installed").exists(), out
+
+
+def test_torch_versions_compare_by_release():
+    assert torch_older_than("2.12", "2.11.0+cu128")
+    assert not torch_older_than("2.12", "2.12.0")
+    assert not torch_older_than("2.12", "2.14.1+cpu")
+    assert not torch_older_than("2.10", "2.10.0a0+git1234")
+
+
+@needs_torch("gloo all_to_all")
+def test_needs_torch_lets_a_test_run_on_a_torch_that_has_it():
+    assert not torch_older_than("2.12")
+
+
+def test_needs_torch_skips_on_an_older_torch_saying_which_it_needs(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")
+    mark = needs_torch("gloo all_to_all")
+    assert mark.args == (True,)
+    assert mark.kwargs["reason"].startswith("k08 needs torch 2.12 or newer for all_to_all_rows"), (
+        mark.kwargs["reason"]
+    )
+    assert "this is torch 2.11.0+cu128" in mark.kwargs["reason"]
+
+
+def test_doctor_holds_this_torch_to_the_ones_the_suite_was_run_on():
+    floor, pinned = doctor._declared_torch()
+    assert floor and pinned, "pyproject.toml's torch floor and constraints.txt's pin are read"
+    assert doctor._torch_release(pinned).status == "ok"
+    older = doctor._torch_release("2.9.1+cu128")
+    assert older.status == "FAIL" and f"older than {floor}" in older.text, older.text
+    gloo = doctor._torch_release("2.11.0+cu128")
+    assert gloo.status == "note" and "k08's tests of all_to_all_rows" in gloo.text, gloo.text
+    assert "need torch 2.12" in gloo.text, gloo.text
