@@ -111,15 +111,7 @@ def _torch() -> list[Finding]:
             )
         )
         if torch.version.cuda and platform.system() == "Linux":
-            found.append(
-                Finding(
-                    "note",
-                    "torch build",
-                    "the CUDA build, with some GB of CUDA libraries no GPU here uses: "
-                    "`make clean-venv && make learn TORCH=cpu` installs the CPU-only build "
-                    "(about 1.3 GB in all)",
-                )
-            )
+            found.append(_cpu_build_advice())
     else:
         names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(gpus)}))
         if gpus >= WORLD:
@@ -143,6 +135,31 @@ def _torch() -> list[Finding]:
                 )
             )
     return found
+
+
+def _cpu_build_advice() -> Finding:
+    """The CUDA build on a machine without a GPU: the CPU-only one saves GBs, but only where its
+    index answers (``make learn TORCH=cpu`` stops where it does not): ask it before advising."""
+    from dojo.runner.torch_index import CPU_INDEX, unreachable
+
+    index = os.environ.get("TORCH_CPU_INDEX") or CPU_INDEX
+    text = "the CUDA build, with some GB of CUDA libraries no GPU here uses"
+    why = unreachable(index)
+    if why is None:
+        return Finding(
+            "note",
+            "torch build",
+            f"{text}: `make clean-venv && make learn TORCH=cpu` installs the CPU-only build "
+            f"(about 1.3 GB in all) from {index}, which answers from here",
+        )
+    return Finding(
+        "note",
+        "torch build",
+        f"{text}. The CPU-only build's index ({index}) cannot be reached from here: {why}. "
+        "So `make learn TORCH=cpu` would stop, saying so; this build runs on the CPU all the "
+        "same: keep it, or point TORCH_CPU_INDEX at a mirror of that index that answers (`make "
+        "clean-venv && make learn TORCH=cpu TORCH_CPU_INDEX=URL`)",
+    )
 
 
 def _torch_release(version: str) -> Finding:

@@ -147,6 +147,18 @@ def test_needs_torch_skips_on_an_older_torch_saying_which_it_needs(monkeypatch):
     assert "this is torch 2.11.0+cu128" in mark.kwargs["reason"]
 
 
+def test_doctor_advises_the_cpu_build_only_where_its_index_answers(monkeypatch):
+    with _answering_index() as index:
+        monkeypatch.setenv("TORCH_CPU_INDEX", index)
+        advice = doctor._cpu_build_advice()
+    assert "`make clean-venv && make learn TORCH=cpu` installs the CPU-only build" in advice.text
+    closed = f"http://127.0.0.1:{_closed_port()}/whl/cpu"
+    monkeypatch.setenv("TORCH_CPU_INDEX", closed)
+    advice = doctor._cpu_build_advice()
+    assert f"({closed}) cannot be reached from here: the connection was refused" in advice.text
+    assert "would stop" in advice.text and "keep it" in advice.text, advice.text
+
+
 def test_doctor_holds_this_torch_to_the_ones_the_suite_was_run_on():
     floor, pinned = doctor._declared_torch()
     assert floor and pinned, "pyproject.toml's torch floor and constraints.txt's pin are read"
