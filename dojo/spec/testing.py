@@ -19,6 +19,7 @@ from dojo.commands import python
 from dojo.console import EXIT_TODO
 from dojo.curriculum import ROOT
 from dojo.harness import impl
+from dojo.harness.loopback import keep_gloo_on_loopback
 from dojo.todo import find_todo
 
 # A program under test that makes no progress for this long ends with the harness's report of
@@ -50,6 +51,8 @@ def run_program(
         "DOJO_HANG_FAILS": "1",
         **(env or {}),
     }
+    # a world of this machine, the groups the program makes itself too (k01-k03's, k06's)
+    keep_gloo_on_loopback(environment)
     # An environment of the test's own may change what torch read as it was imported: a fresh
     # interpreter then, as the learner's.
     forked = env is None and os.environ.get(FRESH_PROGRAM_VAR, "") in ("", "0")
