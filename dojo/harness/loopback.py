@@ -30,6 +30,9 @@ def loopback_store(port: int = 0, world_size: int | None = None, **options):
         # as torch's own server does: a port whose last connections linger in TIME_WAIT is free
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind((LOOPBACK, port))
+        # listening already: a second socket can no longer bind the port (two bound, neither
+        # listening, can on Linux), so a port taken meanwhile fails here, "Address already in use"
+        listening.listen(128)
         port = listening.getsockname()[1]
     except BaseException:
         listening.close()
