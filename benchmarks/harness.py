@@ -66,10 +66,11 @@ def _seconds(run) -> float:
 
 def _timed(what: str, runs) -> float:
     """The median of ``runs`` (callables timed one by one), said as it starts and as it ends:
-    the whole benchmark takes about a minute on 2 cores."""
-    print(f"  {what} ...", end="", flush=True)
+    the whole benchmark takes about a minute on 2 cores. Whole lines: a world's ranks may print
+    meanwhile (torch 2.10's gloo does)."""
+    print(f"  {what} ...", flush=True)
     seconds = statistics.median(_seconds(run) for run in runs)
-    print(f" {seconds:.3f} s", flush=True)
+    print(f"    {seconds:.3f} s", flush=True)
     return seconds
 
 

@@ -64,9 +64,12 @@ def test_harness_benchmark_says_what_it_times_as_it_goes():
     result = run_program("benchmarks.harness", "--world-size", "2", "--repeat", "1", timeout=150)
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
-    progress = re.findall(r"^  .+ \.\.\. \d+\.\d{3} s$", out, re.M)
-    assert len(progress) == 4, f"expected a progress line for each of the 4 ways in:\n{out}"
-    assert out.index(progress[-1]) < out.index("torch.multiprocessing.spawn "), out
+    started = re.findall(r"^  \S.* \.\.\.$", out, re.M)
+    ended = re.findall(r"^    \d+\.\d{3} s$", out, re.M)
+    assert len(started) == len(ended) == 4, (
+        f"expected a line as each of 4 ways starts and ends:\n{out}"
+    )
+    assert out.index(started[-1]) < out.index("torch.multiprocessing.spawn "), out
 
 
 def test_memory_formulas_are_the_zero_papers():
