@@ -18,11 +18,29 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dojo.commands import require
 
-from dojo.harness.world import FRESH_VAR, run_world
+require("torch")  # another Python: one line saying how to get in, not a traceback
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from dojo.harness.loopback import keep_gloo_on_loopback, loopback_store  # noqa: E402
+from dojo.harness.world import FRESH_VAR, run_world  # noqa: E402
+
+
+def _world(n: int):
+    return lambda: run_world(_all_reduce, n)
+
+
+def _spawned(n: int):
+    def run():
+        store = loopback_store(wait_for_workers=False)  # on loopback, as the harness's is
+        mp.spawn(_spawned_rank, args=(n, store.port), nprocs=n)
+        del store
+
+    return run
 
 
 def _all_reduce(rank: int, world_size: int) -> int:
@@ -33,7 +51,7 @@ def _all_reduce(rank: int, world_size: int) -> int:
 
 def _spawned_rank(rank: int, world_size: int, port: int) -> None:
     """What a spawn-per-test harness runs in each rank: import torch (paid by spawn), join, work."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    keep_gloo_on_loopback(os.environ)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     _all_reduce(rank, world_size)
@@ -46,6 +64,16 @@ def _seconds(run) -> float:
     return time.perf_counter() - start
 
 
+def _timed(what: str, runs) -> float:
+    """The median of ``runs`` (callables timed one by one), said as it starts and as it ends:
+    the whole benchmark takes about a minute on 2 cores. Whole lines: a world's ranks may print
+    meanwhile (torch 2.10's gloo does)."""
+    print(f"  {what} ...", flush=True)
+    seconds = statistics.median(_seconds(run) for run in runs)
+    print(f"    {seconds:.3f} s", flush=True)
+    return seconds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
@@ -54,26 +82,23 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     n = args.world_size
-
-    cold = _seconds(lambda: run_world(_all_reduce, n))
-    warm = statistics.median(
-        _seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat)
+    print(
+        f"timing one {n}-rank world per test {args.repeat} times each way "
+        "(about a minute on 2 cores):",
+        flush=True,
     )
+    cold = _timed("the first world (it starts a forkserver that imports torch)", [_world(n)])
+    warm = _timed(f"{args.repeat} warm worlds", [_world(n)] * args.repeat)
     os.environ[FRESH_VAR] = "1"  # every rank forked anew, as before ranks were reused
     try:
-        fresh = statistics.median(
-            _seconds(lambda: run_world(_all_reduce, n)) for _ in range(args.repeat)
-        )
+        fresh = _timed(f"{args.repeat} worlds of fresh ranks", [_world(n)] * args.repeat)
     finally:
         del os.environ[FRESH_VAR]
-    spawned = []
-    for _ in range(args.repeat):
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        port = store.port
-        spawned.append(_seconds(lambda: mp.spawn(_spawned_rank, args=(n, port), nprocs=n)))  # noqa: B023
-        del store
-    spawn = statistics.median(spawned)
-
+    spawn = _timed(
+        f"{args.repeat} worlds by torch.multiprocessing.spawn (each rank imports torch)",
+        [_spawned(n)] * args.repeat,
+    )
+    print()
     print(
         f"one {n}-rank world per test (gloo, all_reduce), median of {args.repeat}, {os.cpu_count()} CPU(s):"
     )

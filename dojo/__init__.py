@@ -29,6 +29,7 @@ kata's own program)
                collectives named early
     impl       katas or solutions under test, and the seam through which the maintainers'
                instruments reach every process
+    loopback   worlds on one machine listen on 127.0.0.1 only (the store, gloo's interface)
 
 ``spec/``: the pytest side, what ``tests/`` imports besides the harness
     plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)

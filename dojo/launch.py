@@ -2,7 +2,8 @@
 
 Katas 01-03 teach how to start ranks by hand; from kata 04 on a program hands its per-rank
 function to ``launch_world``, which uses the same machinery as the test harness: ranks forked
-from a warm forkserver, a rendezvous store the launcher owns (no port to collide), every failure
+from a warm forkserver, a rendezvous store the launcher owns (no port to collide), the store
+and the ranks' gloo on loopback only (nothing outside the machine reaches them), every failure
 named by rank, and every process stopped on Ctrl-C or error.
 """
 

@@ -20,6 +20,16 @@ THE IDEA
     the group's sockets and threads (forgetting it leaks them, and can abort the process when
     it exits).
 
+    What a group opens, for as long as it lives: rank 0's store listens on MASTER_PORT on every
+    interface of its machine, whatever MASTER_ADDR says (MASTER_ADDR only tells the others
+    where to dial), and gloo listens on the address the host name resolves to. On a shared
+    network (a cafe's, a conference's) anyone there can connect meanwhile, and what arrives is
+    trusted: the store answers anyone, and ``all_gather_object`` unpickles what it receives,
+    which can run code. On one machine keep the world on loopback: MASTER_ADDR=127.0.0.1, and
+    GLOO_SOCKET_IFNAME=lo (lo0 on macOS) for gloo; the store's port stays open to the network
+    unless a firewall drops incoming connections, or the store is handed a socket bound to
+    127.0.0.1 (``TCPStore(..., master_listen_fd=...)``, as the tests' worlds do).
+
 STEPS
     1. ``set_master``: put MASTER_ADDR and MASTER_PORT in ``os.environ`` (strings); refuse a
        port that is not an int from 1 to 65535 (the string "29500" too) with a ValueError that

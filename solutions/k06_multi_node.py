@@ -34,6 +34,15 @@ THE IDEA
     the others, see ``ip -br addr``) settles it; NCCL reads NCCL_SOCKET_IFNAME. The program
     below checks what it can before joining and explains the rest when the timeout comes.
 
+    What a world opens, for as long as it runs: the store at MASTER_ADDR:MASTER_PORT (or
+    torchrun's rendezvous endpoint, HOST_A:29400) listens on every interface of host A, and
+    gloo (or NCCL) listens on every host at random ports of its interface. Whoever reaches them
+    can join or disturb the job, and what arrives is trusted (``all_gather_object`` unpickles
+    it: code runs). So run it on a private network (a cluster's, a VPN), name that network's
+    interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), and let a firewall admit the other
+    hosts' addresses (all TCP: the ports are random) and nobody else; never on a shared or
+    public network with those ports open.
+
     Launching by hand (this module), on every host, with its own --node-rank:
         python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
             --master-addr HOST_A --master-port 29500

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dojo.harness.impl import load_kata
+from dojo.harness.loopback import loopback_store
 from dojo.harness.world import run_world
 from dojo.spec.testing import run_program, with_free_port
 from dojo.todo import KataTodo
@@ -135,14 +136,10 @@ def _raise_still_waiting(signum, frame):
 
 
 def _open_store(rank: int, world_size: int, port: int):
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        world_size,
-        is_master=(rank == 0),
-        timeout=timedelta(seconds=10),
-        wait_for_workers=False,
-    )
+    timeout = timedelta(seconds=10)
+    if rank == 0:  # the server, on loopback only
+        return loopback_store(port, world_size, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
 def _wait(kata, store, rank: int, world_size: int, join_timeout_s: float) -> dict:

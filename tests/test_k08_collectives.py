@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 from dojo.harness.calls import CALLS, recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldFailure, run_world
-from dojo.spec.testing import refusal, run_program
+from dojo.spec.testing import needs_torch, refusal, run_program
 from dojo.todo import KataTodo
 
 KATA = "k08_collectives"
@@ -742,6 +742,7 @@ def _all_to_all(rank, world_size, trace_dir):
 
 
 @pytest.mark.step(5)
+@needs_torch("gloo all_to_all")
 @pytest.mark.parametrize("world_size", SIZES)
 def test_all_to_all(world_size):
     results, traces = _run(_all_to_all, world_size)
@@ -770,6 +771,7 @@ def test_all_to_all(world_size):
 
 
 @pytest.mark.step(5)
+@needs_torch("gloo all_to_all")
 def test_all_to_all_rows_refuses_bad_tables():
     _refusals("all_to_all_rows")
 
@@ -900,6 +902,7 @@ def test_group_sum_refuses_bad_members():
 
 
 @pytest.mark.step(7)
+@needs_torch("gloo all_to_all")
 def test_program_shows_every_collective():
     result = run_program(KATA, "--world-size", "4", timeout=120)
     assert result.returncode == 0, (

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from dojo.harness.loopback import keep_gloo_on_loopback
+
 # Ways a rank ends, as exit codes the parent can tell apart from a crash.
 EXIT_OK = 0
 EXIT_ORPHANED = 70  # the parent went away (killed, Ctrl-C): this rank and its children go too
@@ -103,6 +105,7 @@ def _serve(spec: RankSpec, results, inbox: queue.SimpleQueue, fresh: _Fresh | No
         faulthandler.enable(all_threads=True)
     _answer_stack_requests(stack_path(spec.log_path))
     os.environ.update(spec.env)
+    keep_gloo_on_loopback(os.environ)  # a world of one machine: its groups too (katas 01-03's)
     from dojo.harness import impl
 
     impl.on_rank_function(spec.fn)  # a program's own functions, when a catalogue swaps them
@@ -203,7 +206,6 @@ def _watch_parent(lifeline, inbox: queue.SimpleQueue) -> None:
 
 
 def _init_group(spec: RankSpec, dist) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     for name, value in (
         ("RANK", spec.rank),
         ("WORLD_SIZE", spec.world_size),
@@ -236,13 +238,6 @@ def _client(dist, port: int, timeout: timedelta):
     else:
         client.set_timeout(timeout)
     return client
-
-
-def _loopback_interface() -> str:
-    import socket
-
-    names = {name for _, name in socket.if_nameindex()}
-    return "lo" if "lo" in names or "lo0" not in names else "lo0"
 
 
 def _pickle_error(rank: int, error: BaseException) -> RankError:

@@ -6,6 +6,9 @@ What it guarantees, whatever the function does:
 
 * rendezvous that cannot collide: the parent owns a TCPStore bound to port 0 for its whole life,
   and each world uses a fresh key prefix of it (safe under ``pytest -n auto``);
+* nothing outside the machine can reach a world: the store listens on 127.0.0.1 only, and every
+  rank's gloo on the loopback interface unless the caller's ``env`` names another
+  (``dojo.harness.loopback``);
 * a rank's exception comes back with its rank and traceback, and its peers are stopped at once;
 * a deadlock ends at the deadline as a report of the stuck ranks and where each one waits; a
   world whose ranks wait idle inside torch.distributed calls at a line where an earlier world of
@@ -44,6 +47,7 @@ from typing import Any
 
 from dojo.harness import impl, stacks
 from dojo.harness import rank as _rank
+from dojo.harness.loopback import loopback_store
 from dojo.harness.stall import BusyWatch, StallWatch
 from dojo.todo import KataTodo
 
@@ -253,9 +257,7 @@ def _store_port() -> int:
     global _store
     with _lock:
         if _store is None:
-            import torch.distributed as dist
-
-            _store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            _store = loopback_store(wait_for_workers=False)
         return _store.port
 
 

@@ -71,6 +71,7 @@ def _torch() -> list[Finding]:
     else:
         build = "CPU-only build"
     found.append(Finding("ok", "torch", f"{torch.__version__}, {build}"))
+    found.append(_torch_release(torch.__version__))
     if not dist.is_available():
         return found + [
             Finding(
@@ -110,15 +111,7 @@ def _torch() -> list[Finding]:
             )
         )
         if torch.version.cuda and platform.system() == "Linux":
-            found.append(
-                Finding(
-                    "note",
-                    "torch build",
-                    "the CUDA build, with some GB of CUDA libraries no GPU here uses: "
-                    "`make clean-venv && make learn TORCH=cpu` installs the CPU-only build "
-                    "(about 1.3 GB in all)",
-                )
-            )
+            found.append(_cpu_build_advice())
     else:
         names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(gpus)}))
         if gpus >= WORLD:
@@ -142,6 +135,80 @@ def _torch() -> list[Finding]:
                 )
             )
     return found
+
+
+def _cpu_build_advice() -> Finding:
+    """The CUDA build on a machine without a GPU: the CPU-only one saves GBs, but only where its
+    index answers (``make learn TORCH=cpu`` stops where it does not): ask it before advising."""
+    from dojo.runner.torch_index import CPU_INDEX, unreachable
+
+    index = os.environ.get("TORCH_CPU_INDEX") or CPU_INDEX
+    text = "the CUDA build, with some GB of CUDA libraries no GPU here uses"
+    why = unreachable(index)
+    if why is None:
+        return Finding(
+            "note",
+            "torch build",
+            f"{text}: `make clean-venv && make learn TORCH=cpu` installs the CPU-only build "
+            f"(about 1.3 GB in all) from {index}, which answers from here",
+        )
+    return Finding(
+        "note",
+        "torch build",
+        f"{text}. The CPU-only build's index ({index}) cannot be reached from here: {why}. "
+        "So `make learn TORCH=cpu` would stop, saying so; this build runs on the CPU all the "
+        "same: keep it, or point TORCH_CPU_INDEX at a mirror of that index that answers (`make "
+        "clean-venv && make learn TORCH=cpu TORCH_CPU_INDEX=URL`)",
+    )
+
+
+def _torch_release(version: str) -> Finding:
+    """This torch against the ones the suite was run on: pyproject.toml's floor, the pin in
+    constraints.txt, and what some tests need beyond the floor (``NEWER_TORCH``)."""
+    from dojo.spec.testing import NEWER_TORCH, torch_older_than
+
+    floor, pinned = _declared_torch()
+    again = "`make clean-venv && make learn` installs " + (f"torch {pinned}" if pinned else "it")
+    if floor and torch_older_than(floor, version):
+        return Finding(
+            "FAIL",
+            "torch version",
+            f"{version} is older than {floor}, the oldest torch the suite was run on "
+            f"(pyproject.toml): some katas' tests fail there for torch's reasons, not yours. {again}",
+        )
+    skipped = [
+        f"{kata}'s tests of {what} need torch {needed} and skip here, saying so"
+        for needed, kata, what in NEWER_TORCH.values()
+        if torch_older_than(needed, version)
+    ]
+    if pinned and version.split("+")[0] == pinned:
+        return Finding("ok", "torch version", f"{pinned}, the torch the suite was run on")
+    text = f"{version}, not {pinned}, the torch the suite was run on (constraints.txt)"
+    if skipped:
+        text += ": " + "; ".join(skipped)
+    elif floor:
+        text += f"; the suite was also run on {floor} (README: which torch)"
+    return Finding("note", "torch version", f"{text}. {again}")
+
+
+def _declared_torch() -> tuple[str | None, str | None]:
+    """(pyproject.toml's floor for torch, constraints.txt's pin), None where not found."""
+    import re
+
+    from dojo.curriculum import tomllib
+
+    floor = pinned = None
+    try:
+        project = tomllib.loads((curriculum.ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+        for requirement in project["project"]["dependencies"]:
+            found = re.match(r"torch\s*>=\s*([\d.]+)", requirement)
+            floor = found.group(1) if found else floor
+        for line in (curriculum.ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+            found = re.match(r"torch==([\d.]+)\s*$", line.split(";")[0].strip())
+            pinned = found.group(1) if found else pinned
+    except (OSError, KeyError, ValueError):
+        pass
+    return floor, pinned
 
 
 def _nccl_version(torch) -> str:
@@ -344,13 +411,14 @@ def _environment() -> list[Finding]:
 
 _GLOO_WORLDS = """
 import datetime, json, os, sys, threading, torch, torch.distributed as dist
+from dojo.harness.loopback import loopback_store
 
 def world(interface):
     # Two gloo ranks (threads of one process) all-reduce over this machine's TCP stack.
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
     if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    store = loopback_store(world_size=2, wait_for_workers=False)  # nothing beyond the machine
     results = {}
     def rank(r):
         try:
@@ -376,6 +444,7 @@ def _start_gloo_worlds() -> subprocess.Popen:
     loopback = "lo0" if sys.platform == "darwin" else "lo"
     return subprocess.Popen(
         [sys.executable, "-c", _GLOO_WORLDS, loopback, "-"],
+        cwd=curriculum.ROOT,  # where it imports dojo from
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -390,7 +459,10 @@ def _gloo_worlds(process: subprocess.Popen) -> list[Finding]:
         out, err = process.communicate()
     answers = {}
     for line in out.splitlines():
-        interface, results = json.loads(line)
+        try:
+            interface, results = json.loads(line)
+        except ValueError:  # gloo's own words (torch 2.10: "[Gloo] Rank 0 is connected to ...")
+            continue
         answers[interface] = results
     found = []
     for interface, topic, must in (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from dojo.commands import python
 from dojo.console import EXIT_TODO
 from dojo.curriculum import ROOT
 from dojo.harness import impl
+from dojo.harness.loopback import keep_gloo_on_loopback
 from dojo.todo import find_todo
 
 # A program under test that makes no progress for this long ends with the harness's report of
@@ -49,6 +51,8 @@ def run_program(
         "DOJO_HANG_FAILS": "1",
         **(env or {}),
     }
+    # a world of this machine, the groups the program makes itself too (k01-k03's, k06's)
+    keep_gloo_on_loopback(environment)
     # An environment of the test's own may change what torch read as it was imported: a fresh
     # interpreter then, as the learner's.
     forked = env is None and os.environ.get(FRESH_PROGRAM_VAR, "") in ("", "0")
@@ -332,6 +336,48 @@ def assert_refuses_missing_keys(call: str, outcome: str, message: str, lacking) 
     assert not unnamed, (
         f"{call} of {what} raised ValueError({message!r}): name every key it lacks "
         f"({', '.join(map(repr, unnamed))} not named)"
+    )
+
+
+# What some tests need of torch beyond pyproject.toml's floor, in one place: the tests carry
+# ``needs_torch(NAME)``, and ``dojo doctor`` names what an older torch skips. NAME: (the first
+# torch that has it, the kata, what of it needs that torch).
+NEWER_TORCH = {
+    "gloo all_to_all": (
+        "2.12",
+        "k08",
+        "all_to_all_rows: dist.all_to_all (lists of tensors) on gloo",
+    ),
+}
+
+
+def torch_older_than(version: str, installed: str | None = None) -> bool:
+    """Whether the installed torch (or ``installed``, "2.11.0+cu128") is older than ``version``
+    ("2.12"), by release number."""
+    if installed is None:
+        import torch
+
+        installed = torch.__version__
+    return _release(installed) < _release(version)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    numbers = re.match(r"\d+(\.\d+)*", str(version))
+    return tuple(int(n) for n in numbers.group().split(".")) if numbers else ()
+
+
+def needs_torch(name: str):
+    """A mark for a test that needs the newer torch ``NEWER_TORCH[name]`` names: with an older
+    one it skips, saying which torch it needs and why, instead of failing with torch's own words
+    ("Backend gloo does not support alltoall")."""
+    import pytest
+    import torch
+
+    version, kata, what = NEWER_TORCH[name]
+    return pytest.mark.skipif(
+        torch_older_than(version),
+        reason=f"{kata} needs torch {version} or newer for {what}; this is torch "
+        f"{torch.__version__} (`make clean-venv && make learn` installs the torch the suite runs on)",
     )
 
 

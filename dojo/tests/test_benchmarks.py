@@ -57,6 +57,21 @@ def test_ddp_benchmark_runs_on_your_ddps():
     assert rows[0].count(" ms ") == 4 and rows[0].rstrip().endswith("1.00x"), rows[0]
 
 
+@pytest.mark.slow  # a world, fresh ranks, then processes that each import torch: ~15 s on 2 cores
+def test_harness_benchmark_says_what_it_times_as_it_goes():
+    """`python -m benchmarks.harness` (`dojo bench harness`), cut down to 2 ranks, once each way:
+    a line as each way starts and ends (the whole thing takes about a minute), then the table."""
+    result = run_program("benchmarks.harness", "--world-size", "2", "--repeat", "1", timeout=150)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    started = re.findall(r"^  \S.* \.\.\.$", out, re.M)
+    ended = re.findall(r"^    \d+\.\d{3} s$", out, re.M)
+    assert len(started) == len(ended) == 4, (
+        f"expected a line as each of 4 ways starts and ends:\n{out}"
+    )
+    assert out.index(started[-1]) < out.index("torch.multiprocessing.spawn "), out
+
+
 def test_memory_formulas_are_the_zero_papers():
     from benchmarks.memory import WAYS, formulas
 

@@ -80,6 +80,7 @@ def _without_torch(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
         "python -m katas.k04_allreduce",
         "python -m solutions.k05_data_parallel --epochs 1",
         "python -m pytest tests/test_k01_spawn.py",
+        "python -m benchmarks.harness",
     ],
 )
 def test_a_command_typed_with_another_python_says_how_to_get_in(tmp_path, typed):

@@ -1,4 +1,5 @@
-"""A program for ``test_program_runs.py``: ``python -m dojo.tests.tiny_program ranks|raise|exit``."""
+"""A program for ``test_program_runs.py`` and ``test_loopback.py``: ``python -m
+dojo.tests.tiny_program ranks|raise|exit|interface``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def main() -> None:
         raise RuntimeError("the program failed")
     elif what == "exit":
         sys.exit("it exits with a message")
+    elif what == "interface":  # what gloo would use in a group the program made itself
+        print(f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME')}")
 
 
 if __name__ == "__main__":
