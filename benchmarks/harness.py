@@ -18,16 +18,12 @@ from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dojo.commands import require
+import torch  # benchmarks/__init__ said how to get in without it
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-require("torch")  # another Python: one line saying how to get in, not a traceback
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from dojo.harness.loopback import keep_gloo_on_loopback, loopback_store  # noqa: E402
-from dojo.harness.world import FRESH_VAR, run_world  # noqa: E402
+from dojo.harness.loopback import keep_gloo_on_loopback, loopback_store
+from dojo.harness.world import FRESH_VAR, run_world
 
 
 def _world(n: int):
