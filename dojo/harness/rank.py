@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from dojo.harness import culprit
+from dojo.harness.culprit import Culprit
 from dojo.harness.loopback import keep_gloo_on_loopback
 
 # Ways a rank ends, as exit codes the parent can tell apart from a crash.
@@ -68,6 +70,7 @@ class RankError:
     message: str
     traceback: str
     error: BaseException | None  # the exception itself, when it pickles
+    culprit: Culprit | None = None  # whose code raised it, called how (dojo.harness.culprit)
 
 
 def main(spec: RankSpec, results, lifeline) -> None:
@@ -242,13 +245,14 @@ def _client(dist, port: int, timeout: timedelta):
 
 def _pickle_error(rank: int, error: BaseException) -> RankError:
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    found = culprit.find(error.__traceback__)  # while its frames, and their arguments, live
     try:
         pickle.loads(pickle.dumps(error))
         payload = error
     except Exception:
         payload = None
     error.__traceback__ = None
-    return RankError(rank, type(error).__name__, str(error), text, payload)
+    return RankError(rank, type(error).__name__, str(error), text, payload, found)
 
 
 def _teardown(dist) -> bool:

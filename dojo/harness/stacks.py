@@ -26,9 +26,15 @@ _HIDDEN = (
     "threading.py",
 )
 _RECORDERS = ("calls.py", "timeline.py")  # their wrappers wait inside a torch.distributed call
-_KATA_CODE = ("katas", "solutions", os.path.join("dojo", "dev", "mistakes"))
+# The kata: the learner's, the reference, the shipped stubs or a catalogue's stand-in for it
+_KATA_CODE = (
+    "katas",
+    "solutions",
+    os.path.join("dojo", "dev", "shipped"),
+    os.path.join("dojo", "dev", "mistakes"),
+)
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n", re.M)
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LIBRARIES = tuple(
     {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
@@ -53,10 +59,10 @@ class Frame:
     def shown_path(self) -> str:
         """Relative to the checkout, or from site-packages on: short enough to read."""
         if (
-            self.file.startswith(_ROOT + os.sep)
+            self.file.startswith(ROOT + os.sep)
             and os.sep + "site-packages" + os.sep not in self.file
         ):
-            return os.path.relpath(self.file, _ROOT)
+            return os.path.relpath(self.file, ROOT)
         return self.file.split(os.sep + "site-packages" + os.sep, 1)[-1]
 
     def __str__(self) -> str:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from dojo.harness import impl, stacks
+from dojo.harness import impl, known_errors, stacks
 from dojo.harness import rank as _rank
 from dojo.harness.loopback import loopback_store
 from dojo.harness.stall import BusyWatch, StallWatch
@@ -80,11 +80,12 @@ class WorldFailure(AssertionError):
 
 
 class RankFailed(WorldFailure):
-    """A rank raised an exception."""
+    """A rank raised an exception. ``raw``: it reaches the learner in words that are not the
+    kata's (the spec's own code crashed, or torch's text that nothing explains)."""
 
-    def __init__(self, message: str, rank: int, error: BaseException | None):
+    def __init__(self, message: str, rank: int, error: BaseException | None, raw: bool = False):
         super().__init__(message)
-        self.rank, self.error = rank, error
+        self.rank, self.error, self.raw = rank, error, raw
 
 
 class RankCrashed(WorldFailure):
@@ -582,13 +583,13 @@ def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
 
         return pytest.skip.Exception(f"rank {error.rank}: {error.message}")
     output = _tail(ranks[error.rank].log_path, header=f"rank {error.rank}'s output")
-    text = (
-        f"rank {error.rank} raised {error.type_name}: {error.message}\n\n"
-        f"rank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
-    )
+    words = known_errors.said(error.type_name, error.message, error.culprit)
+    head = f"rank {error.rank} raised " if error.culprit is None else f"rank {error.rank}: "
+    text = f"{head}{words}\n\nrank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
     if output:
         text += f"\n\n{output}"
-    return RankFailed(text, error.rank, original)
+    raw = known_errors.is_raw(error.type_name, error.message, error.culprit)
+    return RankFailed(text, error.rank, original, raw)
 
 
 # What gloo says on a rank whose peer died or was killed: a consequence, not the cause.

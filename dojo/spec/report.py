@@ -26,6 +26,8 @@ import pytest
 
 from dojo import curriculum
 from dojo.curriculum import steps
+from dojo.harness import culprit, known_errors
+from dojo.harness.world import RankFailed, WorldFailure
 
 _EXPLANATION_LINES = 12  # pytest's "assert a == b" diff: useful, but not at any length
 
@@ -37,7 +39,7 @@ def wanted(config: pytest.Config) -> bool:
 
 def compact(item: pytest.Item, excinfo: pytest.ExceptionInfo, kata: curriculum.Kata | None) -> str:
     lines = [_heading(item, kata)]
-    message = excinfo.exconly().rstrip().splitlines()
+    message = said(excinfo).rstrip().splitlines()
     if len(message) > _EXPLANATION_LINES and not _is_world_report(excinfo):
         message = [*message[:_EXPLANATION_LINES], "  ... (`pytest --tb=long` shows the rest)"]
     lines += message
@@ -50,6 +52,36 @@ def compact(item: pytest.Item, excinfo: pytest.ExceptionInfo, kata: curriculum.K
             if source:
                 lines.append(f"    {source}")
     return "\n".join(lines)
+
+
+def said(excinfo: pytest.ExceptionInfo) -> str:
+    """The failure in the kata's words first: a check's own message; the harness's report; or
+    an exception, said with whose code raised it (called how, where) and what it means."""
+    error = excinfo.value
+    if isinstance(error, WorldFailure):
+        return str(error)  # "rank 2: ...", a deadlock's report: the harness's own words
+    if isinstance(error, AssertionError):
+        return excinfo.exconly()
+    found = culprit.find(excinfo.tb)
+    return known_errors.said(type(error).__name__, str(error), found)
+
+
+def raw_reason(excinfo: pytest.ExceptionInfo) -> str | None:
+    """Why a learner would meet this failure in words that are not the kata's, or None: the
+    spec's own code crashed, torch's or gloo's text that nothing explains, or a check that
+    states no expectation of its own (pytest's bare ``assert a == b``)."""
+    error = excinfo.value
+    if isinstance(error, RankFailed):
+        return "a rank's error that no words of the kata explain" if error.raw else None
+    if isinstance(error, WorldFailure):
+        return None
+    if isinstance(error, AssertionError):
+        bare = str(error).startswith("assert ") or not str(error).strip()
+        return "a check without a message written for the learner" if bare else None
+    found = culprit.find(excinfo.tb)
+    if known_errors.is_raw(type(error).__name__, str(error), found):
+        return "an exception that no words of the kata explain"
+    return None
 
 
 def _heading(item: pytest.Item, kata: curriculum.Kata | None) -> str:

@@ -216,7 +216,8 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
     assert "def launch" not in solution.stdout
 
     # Solve it by copying the solution in: check marks it done; it stays current until `next`.
-    shutil.copy(root / "solutions" / f"{KATA}.py", root / "katas" / f"{KATA}.py")
+    k01 = next(k for k in curriculum.katas() if k.module == KATA)
+    (root / "katas" / f"{KATA}.py").write_text(stubs.solved(k01))  # the reference, unmarked
     check = dojo(root, "check", "k01", timeout=500)
     assert check.returncode == 0, (
         f"the solution copied in must pass:\n{check.stdout[-3000:]}\n{check.stderr[-2000:]}"
@@ -250,10 +251,7 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
         "reset must restore the shipped stub byte for byte"
     )
     backups = list((root / ".dojo" / "backups").glob(f"{KATA}-*.py"))
-    assert (
-        len(backups) == 1
-        and backups[0].read_bytes() == (root / "solutions" / f"{KATA}.py").read_bytes()
-    )
+    assert len(backups) == 1 and backups[0].read_text() == stubs.solved(k01)
     katas = listing(root)
     assert katas["k01"]["status"] == "current" and not katas["k01"]["done"], (
         f"after reset k01 is pending: {katas['k01']}"
@@ -263,7 +261,7 @@ def test_a_learner_solves_k01_sees_it_done_resets_it_and_sees_it_pending(tmp_pat
     # Undo brings the backed-up version back (and backs up the stub it replaces).
     undone = dojo(root, "reset", "k01", "--undo")
     assert undone.returncode == 0, undone.stdout + undone.stderr
-    solved = (root / "solutions" / f"{KATA}.py").read_bytes()
+    solved = stubs.solved(k01).encode()
     assert (root / "katas" / f"{KATA}.py").read_bytes() == solved, (
         f"--undo must bring back the file the reset replaced:\n{undone.stdout}"
     )

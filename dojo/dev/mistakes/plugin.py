@@ -38,6 +38,7 @@ from dojo.curriculum import steps
 from dojo.dev import mistakes, reach, swaps
 from dojo.dev.mistakes import Mistake, RightAnswer
 from dojo.harness import impl
+from dojo.spec import report as learners_report
 
 _SPEC = re.compile(r"^test_(k\d\d_\w+)\.py$")
 # Where the gate's run of every spec against the reference recorded what each test reached.
@@ -327,6 +328,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             f"the mistake {entry.name!r} failed {test}"
             + (" (the first failure a learner sees)" if first else "")
             + f", but the message does not say {missing}; it said:\n{call.excinfo.exconly()}"
+        )
+    elif first and (why := learners_report.raw_reason(call.excinfo)):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"the mistake {entry.name!r} first fails {test}, but a learner would read it raw "
+            f"({why}): say it in the kata's words (a check with a message of its own, or an "
+            "entry in dojo/harness/known_errors.py for torch's or gloo's text); it said:\n"
+            f"{learners_report.said(call.excinfo)}"
         )
     else:
         report.outcome = "passed"

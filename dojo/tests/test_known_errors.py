@@ -1,0 +1,130 @@
+"""dojo.harness.culprit and known_errors: an exception said in the kata's words first."""
+
+import linecache
+import os
+
+import pytest
+import torch
+
+from dojo.curriculum import ROOT
+from dojo.harness import culprit, known_errors
+from dojo.harness.world import RankFailed, run_world
+
+# A learner's kata, as far as the culprit can tell: code whose file lies in katas/.
+FAKE_KATA = os.path.join(ROOT, "katas", "k99_fake.py")
+SOURCE = """\
+def ring(tensor, world_size):
+    chunks = list(tensor.chunk(world_size))
+    return chunks[world_size - 1]
+
+
+def split(tensor, sizes):
+    return tensor.split(sizes)
+"""
+
+
+def _fake_kata():
+    linecache.cache[FAKE_KATA] = (len(SOURCE), None, SOURCE.splitlines(True), FAKE_KATA)
+    namespace = {}
+    exec(compile(SOURCE, FAKE_KATA, "exec"), namespace)
+    return namespace
+
+
+def _caught(fn, *args):
+    with pytest.raises(Exception) as caught:
+        fn(*args)
+    return caught
+
+
+def test_the_learners_own_exception_names_the_function_its_arguments_and_line():
+    caught = _caught(_fake_kata()["ring"], torch.zeros(5), 8)
+    found = culprit.find(caught.tb)
+    assert (found.origin, found.file, found.line) == ("kata", "katas/k99_fake.py", 3)
+    assert found.entry == "ring(tensor=float32[5], world_size=8)"
+    said = known_errors.said("IndexError", str(caught.value), found)
+    assert said.startswith("your ring(tensor=float32[5], world_size=8) raised IndexError at "), said
+    assert "return chunks[world_size - 1]" in said and "IndexError: list index out of range" in said
+    assert "Likely: torch.chunk(t, n) returns FEWER than n pieces" in said, said
+    assert not known_errors.is_raw("IndexError", str(caught.value), found)
+
+
+def test_no_likely_without_evidence_on_the_learners_line():
+    found = culprit.Culprit("kata", "f(x=1)", "katas/k99_fake.py", 3, "f", "return xs[4]", "")
+    said = known_errors.said("IndexError", "list index out of range", found)
+    assert "Likely" not in said and said.startswith("your f(x=1) raised IndexError"), said
+
+
+def test_torchs_error_inside_a_call_the_learner_made_is_translated_raw_text_below():
+    caught = _caught(_fake_kata()["split"], torch.zeros(4), [1, 2])
+    found = culprit.find(caught.tb)
+    assert found.origin == "torch" and found.callee == "split", found
+    said = known_errors.said("RuntimeError", str(caught.value), found)
+    first, *rest = said.splitlines()
+    assert first.startswith("split (torch), called by your split(tensor=float32[4], sizes=["), said
+    assert "the sizes given to torch.split add up to another length than the tensor's 4" in said
+    assert rest[-1].strip().startswith("torch said: RuntimeError: split_with_sizes"), said
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: torch.zeros(4).sum(dim=3), "a dimension the tensor does not have: it has 1"),
+        (
+            lambda: torch.zeros(4).set_(torch.zeros(2).untyped_storage(), 0, (4,)),
+            "a view reaches past the end of the memory it views",
+        ),
+        (
+            lambda: torch.zeros(2, 3) @ torch.zeros(2, 3),
+            "a matrix product of shapes that do not fit",
+        ),
+        (
+            lambda: torch.zeros(3) + torch.zeros(4),
+            "two tensors of different lengths met in one operation (3 against 4)",
+        ),
+        (
+            lambda: torch.nn.Parameter(torch.zeros(2)).add_(1),
+            "a parameter changed in place while autograd records",
+        ),
+    ],
+)
+def test_torchs_own_messages_on_this_torch_are_known(make, says):
+    with pytest.raises(Exception) as caught:
+        make()
+    meaning = known_errors.explain(type(caught.value).__name__, str(caught.value))
+    assert meaning is not None and says in meaning, f"{caught.value!r} -> {meaning!r}"
+
+
+def _gathers_unequal_shards(rank, world_size):
+    import torch.distributed as dist
+
+    out = torch.zeros(170 * world_size)
+    dist.all_gather_into_tensor(out, torch.zeros(170 + rank))
+
+
+def _sends_to_itself(rank, world_size):
+    import torch.distributed as dist
+
+    dist.send(torch.zeros(3), dst=rank)
+
+
+@pytest.mark.parametrize(
+    ("fn", "world_size", "says"),
+    [
+        (_gathers_unequal_shards, 2, "the ranks handed one collective tensors of different sizes"),
+        (_sends_to_itself, 1, "a rank sent to (or received from) itself"),
+    ],
+)
+def test_glooes_errors_in_a_world_come_with_their_meaning(fn, world_size, says):
+    with pytest.raises(RankFailed) as caught:
+        run_world(fn, world_size, deadline=20)
+    assert says in str(caught.value), str(caught.value)[:800]
+
+
+def test_a_spec_crash_and_an_unexplained_torch_error_are_raw():
+    spec = culprit.Culprit("spec", "", "tests/test_k18_zero.py", 300, "check", "table[t]", "")
+    assert known_errors.is_raw("KeyError", "tensor([0.07, ...])", spec)
+    assert not known_errors.is_raw("AssertionError", "rank 1 holds 3.0", spec)
+    torch_side = culprit.Culprit("torch", "f()", "katas/k99.py", 3, "f", "dist.x()", "x")
+    assert known_errors.is_raw("RuntimeError", "some new torch message", torch_side)
+    said = known_errors.said("KeyError", "tensor([0.07])", spec)
+    assert said.startswith("the test's own code failed on what your code gave it"), said
