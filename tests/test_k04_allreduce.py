@@ -284,6 +284,15 @@ def check_average_gradients(world_size: int, with_none: bool = False) -> None:
             continue
         mean, total = sum(own) / n, sum(own)
         grads = [results[rank][name][1] for rank in range(n)]
+        emptied = [rank for rank, grad in enumerate(grads) if grad is None]
+        if emptied:
+            raise AssertionError(
+                f"after average_gradients, parameter {name!r} has no gradient (.grad None) on "
+                f"{ranks_phrase(emptied)}, though it held one before: a gradient was replaced, not "
+                "averaged. dist.all_reduce returns None (a Work handle with async_op=True): it "
+                "changes the tensor you pass in place, so call it on param.grad and keep "
+                "param.grad, without assigning its result."
+            )
         if all(_close(g, mean) for g in grads):
             averaged.append(name)
             continue

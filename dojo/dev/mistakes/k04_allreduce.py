@@ -125,6 +125,14 @@ def reduced_data_not_grad(model):
             param.data /= size
 
 
+def assigned_what_all_reduce_returns(model):
+    """A real course's code: the gradient set to what the collective returned (None)."""
+    size = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad = dist.all_reduce(param.grad / size, op=SUM)
+
+
 def reduced_a_copy(model):
     size = dist.get_world_size()
     for param in model.parameters():
@@ -332,6 +340,12 @@ MISTAKES = [
         replaces="average_gradients",
         fails=["test_average_gradients_gives_every_rank_the_mean"],
         says=["no gradient was averaged", "a copy of the gradient"],
+    ),
+    Mistake(
+        "assigned_what_all_reduce_returns",
+        replaces="average_gradients",
+        fails=["test_average_gradients_gives_every_rank_the_mean"],
+        says=["has no gradient (.grad None)", "dist.all_reduce returns None", "without assigning"],
     ),
     Mistake(
         "divided_own_without_reducing",
