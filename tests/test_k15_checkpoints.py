@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import tempfile
 import time
 
@@ -15,6 +14,7 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.checkpoints import load_failure
 from dojo.spec.states import devices_of, largest_gap, same, to_cpu
 from dojo.spec.testing import (
     assert_refuses_missing_keys,
@@ -117,52 +117,8 @@ def _hang(what: str, failure: WorldDeadlock) -> AssertionError:
     return AssertionError(f"{what} hung. {CLASSIC_HANG} {cure}\n\nThe harness's report:\n{report}")
 
 
-_LOADING = re.compile(r"Error\(s\) in loading state_dict for (\w+)")
-_KEYS = re.compile(r'(Missing|Unexpected) key\(s\) in state_dict: ((?:"[^"]*"(?:, )?)+)')
-
-
-def _load_failure(failure: RankFailed, written_by_the_test: bool) -> AssertionError | None:
-    """What a failed load_state_dict in a rank means, read from torch's own words: the model's
-    keys loaded into the DDP wrapper (whose keys all start with 'module.'), or a checkpoint that
-    lacks some of the model's state. (Never from a 'module.' anywhere in the text: every
-    traceback through torch/nn/modules/module.py has one.)"""
-    text = str(failure)
-    loading = _LOADING.search(text)
-    if loading is None:
-        return None
-    into = loading.group(1)
-    keys = {kind: re.findall(r'"([^"]*)"', listed) for kind, listed in _KEYS.findall(text)}
-    missing, unexpected = keys.get("Missing", []), keys.get("Unexpected", [])
-    if into == "DistributedDataParallel" or (
-        missing and all(key.startswith("module.") for key in missing)
-    ):
-        return AssertionError(
-            "load_checkpoint loaded the model's state_dict into the DDP wrapper, whose keys all "
-            "start with 'module.', so none matched. Load it into the model inside the wrapper "
-            f"(model.module), which is what the checkpoint holds.\n\n{text}"
-        )
-    if not missing and not unexpected:
-        return None
-    found = (
-        f"the checkpoint lacks {missing}, which {into} has"
-        if missing
-        else f"the checkpoint holds {unexpected}, which {into} does not have"
-    )
-    if written_by_the_test:  # the test's checkpoint is whole: the load changed it
-        cure = (
-            "the test wrote this checkpoint from the whole state_dict: hand load_state_dict "
-            "the checkpoint's 'model' as it is, into the model inside the wrapper (model.module)"
-        )
-    else:
-        cure = (
-            "the checkpoint was written by save_checkpoint: save the model's whole state_dict, "
-            "model.module.state_dict(). A tied weight is in it under each of its names and a "
-            "buffer is in it too, while named_parameters() lists a shared parameter once and "
-            "no buffer at all"
-        )
-    return AssertionError(
-        f"load_checkpoint's load_state_dict found that {found}: {cure}.\n\n{text}"
-    )
+# How a failed load_state_dict is told, in this kata's words (dojo.spec.checkpoints).
+_WORDS = {"file": "checkpoint", "loader": "load_checkpoint", "writer": "save_checkpoint"}
 
 
 # --------------------------------------------------------------------------- step 1: save
@@ -391,7 +347,7 @@ def _run_loads(path, world_size=2, **options):
     except WorldDeadlock as failure:
         raise _hang("load_checkpoint", failure) from None
     except RankFailed as failure:
-        raise _load_failure(failure, written_by_the_test=True) or failure from None
+        raise load_failure(failure, written_by_the_test=True, **_WORDS) or failure from None
 
 
 @shared_run
@@ -603,7 +559,7 @@ def _train_world(world_size, folder, checkpoint, model_name, interrupt_at, **opt
             ) from None
         raise _hang("training", failure) from None
     except RankFailed as failure:
-        raise _load_failure(failure, written_by_the_test=False) or failure from None
+        raise load_failure(failure, written_by_the_test=False, **_WORDS) or failure from None
 
 
 def _story(model_name: str, world_size: int = 2, **options) -> dict:

@@ -17,6 +17,7 @@ import torch
 from dojo.harness import impl
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
+from dojo.spec.checkpoints import load_failure
 from dojo.spec.states import devices_of, largest_gap, same, to_cpu
 from dojo.spec.testing import (
     assert_refuses_missing_keys,
@@ -137,50 +138,8 @@ def _hang(what: str, failure: WorldDeadlock) -> AssertionError:
     )
 
 
-_LOADING = re.compile(r"Error\(s\) in loading state_dict for (\w+)")
-_KEYS = re.compile(r'(Missing|Unexpected) key\(s\) in state_dict: ((?:"[^"]*"(?:, )?)+)')
-
-
-def _load_failure(failure: RankFailed, written_by_the_test: bool) -> AssertionError | None:
-    """What a failed load_state_dict in a rank means, read from torch's own words: the model's
-    keys loaded into the DDP wrapper (whose keys all start with 'module.'), or a snapshot that
-    lacks some of the model's state. (Never from a 'module.' anywhere in the text: every
-    traceback through torch/nn/modules/module.py has one.)"""
-    text = str(failure)
-    loading = _LOADING.search(text)
-    if loading is None:
-        return None
-    into = loading.group(1)
-    keys = {kind: re.findall(r'"([^"]*)"', listed) for kind, listed in _KEYS.findall(text)}
-    missing, unexpected = keys.get("Missing", []), keys.get("Unexpected", [])
-    if into == "DistributedDataParallel" or (
-        missing and all(key.startswith("module.") for key in missing)
-    ):
-        return AssertionError(
-            "load_snapshot loaded the model's state_dict into the DDP wrapper, whose keys all "
-            "start with 'module.', so none matched. Load it into the model inside the wrapper "
-            f"(model.module), which is what the snapshot holds.\n\n{text}"
-        )
-    if not missing and not unexpected:
-        return None
-    found = (
-        f"the snapshot lacks {missing}, which {into} has"
-        if missing
-        else f"the snapshot holds {unexpected}, which {into} does not have"
-    )
-    if written_by_the_test:  # the test's snapshot is whole: the load changed it
-        cure = (
-            "the test wrote this snapshot from the whole state_dict: hand load_state_dict "
-            "the snapshot's 'model' as it is, into the model inside the wrapper (model.module)"
-        )
-    else:
-        cure = (
-            "the snapshot was written by write_snapshot: save the model's whole state_dict, "
-            "model.module.state_dict(). A tied weight is in it under each of its names and a "
-            "buffer is in it too, while named_parameters() lists a shared parameter once and "
-            "no buffer at all"
-        )
-    return AssertionError(f"load_snapshot's load_state_dict found that {found}: {cure}.\n\n{text}")
+# How a failed load_state_dict is told, in this kata's words (dojo.spec.checkpoints).
+_WORDS = {"file": "snapshot", "loader": "load_snapshot", "writer": "write_snapshot"}
 
 
 def _train_one_step(kata, model, optimizer, rank, world_size) -> None:
@@ -461,7 +420,7 @@ def _run_loads(path, world_size=2, **options):
     except WorldDeadlock as failure:
         raise _hang("load_snapshot", failure) from None
     except RankFailed as failure:
-        raise _load_failure(failure, written_by_the_test=True) or failure from None
+        raise load_failure(failure, written_by_the_test=True, **_WORDS) or failure from None
 
 
 @shared_run
@@ -652,7 +611,7 @@ def _train_world(world_size, folder, snapshot, model_name, fault, **options):
     except WorldDeadlock as failure:
         raise _hang("training", failure) from None
     except RankFailed as failure:
-        raise _load_failure(failure, written_by_the_test=False) or failure from None
+        raise load_failure(failure, written_by_the_test=False, **_WORDS) or failure from None
 
 
 def _story(model_name: str, world_size: int = 2, fault: str = FAULT, **options) -> dict:
