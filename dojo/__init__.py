@@ -32,6 +32,7 @@ kata's own program)
     report     what a learner sees of a failed test
     testing    running a kata's program, shared runs, free ports, GPU skips, bad-input probes
     states     model and optimizer states moved to the CPU and compared
+    checkpoints a failed load_state_dict read in a kata's words (k15, k16)
     hosts      fake hosts: network namespaces with their own addresses (root, Linux)
 
 ``runner/``: the ``dojo`` command (learners and instructors); nothing outside it imports it but
