@@ -33,6 +33,7 @@ kata's own program)
     testing    running a kata's program, shared runs, free ports, GPU skips, bad-input probes
     states     model and optimizer states moved to the CPU and compared
     checkpoints a failed load_state_dict read in a kata's words (k15, k16)
+    cuda       worlds on CUDA for the GPU tests: run_world's options, a rank's GPU
     hosts      fake hosts: network namespaces with their own addresses (root, Linux)
 
 ``runner/``: the ``dojo`` command (learners and instructors); nothing outside it imports it but

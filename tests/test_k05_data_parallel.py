@@ -16,7 +16,8 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.models import ConvNet
-from dojo.spec.testing import ranks_phrase, require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import ranks_phrase, run_program, shared_run
 from dojo.todo import KataTodo
 
 KATA = "k05_data_parallel"
@@ -816,8 +817,7 @@ def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
 
 
 def _train_on_cuda(rank, world_size):
-    # With fewer GPUs than ranks, gloo lets ranks share them (rank_device() hands them out).
-    torch.cuda.set_device(_device())
+    rank_gpu()
     result = load_kata(KATA).run_training(
         rank, world_size, epochs=1, batch_size=BATCH, show_progress=False
     )
@@ -843,16 +843,10 @@ def _check_cuda_training(results):
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda_training(
-        run_world(_train_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120)
-    )
+    _check_cuda_training(run_world(_train_on_cuda, 1, **on_cuda(1, "nccl", deadline=120)))
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda_training(
-        run_world(_train_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=120)
-    )
+    _check_cuda_training(run_world(_train_on_cuda, 2, **on_cuda(2, "gloo", deadline=120)))

@@ -12,7 +12,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda
+from dojo.spec.testing import run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
@@ -600,12 +601,10 @@ def _check_cuda(results) -> None:
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90))
+    _check_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl", deadline=90)))
 
 
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90))
+    _check_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo", deadline=90)))

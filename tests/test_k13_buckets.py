@@ -13,7 +13,8 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_batch, make_model
 
@@ -1308,10 +1309,7 @@ def test_program_shows_buckets_and_overlap(kata):
 def _on_cuda(rank, world_size):
     import torch.distributed as dist
 
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     model = make_model("tied", 100 + rank).to(device)
     ddp = kata.BucketedDDP(model, bucket_cap_mb=SPLIT)
@@ -1356,12 +1354,10 @@ def check_on_cuda(results) -> None:
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

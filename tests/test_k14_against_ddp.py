@@ -13,7 +13,8 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.models import ConvNet
-from dojo.spec.testing import require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_model
 
@@ -944,7 +945,7 @@ def test_program_compares_and_shows_batchnorm(kata):
 
 
 def _against_on_cuda(rank, world_size):
-    torch.cuda.set_device(_device())
+    rank_gpu()
     kata = load_kata(KATA)
     return kata.against_torch_ddp("tied", 2, 2, SPLIT, lr=LR, seed=SEED)
 
@@ -952,10 +953,7 @@ def _against_on_cuda(rank, world_size):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_against_torch_ddp_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(
-        _against_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90
-    )
+    results = run_world(_against_on_cuda, 1, **on_cuda(1, "nccl", deadline=90))
     for got in results:
         assert _close(got["ours"], got["torch"]), "on NCCL BucketedDDP and torch's DDP differ"
 
@@ -963,10 +961,7 @@ def test_against_torch_ddp_nccl_world_of_one(kata):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_against_torch_ddp_gloo_on_cuda(kata):
-    require_gpus(1)
-    results = run_world(
-        _against_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90
-    )
+    results = run_world(_against_on_cuda, 2, **on_cuda(2, "gloo", deadline=90))
     for got in results:
         assert _close(got["ours"], got["torch"]), "on CUDA BucketedDDP and torch's DDP differ"
 
@@ -1023,9 +1018,6 @@ def test_sync_batchnorm_against_torchs_where_torch_runs_it(kata):
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_sync_batchnorm_against_torchs_on_cuda(kata):
-    require_gpus(1)
     check_against_torch_sync_bn(
-        run_world(
-            _against_torch_sync_bn, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90
-        )
+        run_world(_against_torch_sync_bn, 2, **on_cuda(2, "gloo", deadline=90))
     )

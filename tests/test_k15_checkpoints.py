@@ -15,11 +15,11 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec.checkpoints import load_failure
+from dojo.spec.cuda import on_cuda
 from dojo.spec.states import devices_of, largest_gap, same, to_cpu
 from dojo.spec.testing import (
     assert_refuses_missing_keys,
     ranks_phrase,
-    require_gpus,
     run_program,
     shared_run,
 )
@@ -708,10 +708,10 @@ def test_program_crashes_resumes_and_matches(kata, tmp_path):
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_load_onto_each_ranks_gpu(kata, tmp_path):
-    require_gpus(1)
+    cuda = on_cuda(2, "gloo")
     path = tmp_path / "checkpoint.pt"
     checkpoint = _write_checkpoint(path, kata, device="cuda:0")  # saved from rank 0's GPU
-    results = _run_loads(path, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = _run_loads(path, **cuda)
     _check_loaded(results, checkpoint)
     for rank, result in enumerate(results):
         assert result["devices"] == [result["device"]], (
@@ -724,6 +724,5 @@ def test_load_onto_each_ranks_gpu(kata, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
 def test_resume_on_cuda(kata, backend, world_size):
-    require_gpus(1)
-    story = _story("buffer", world_size, backend=backend, env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    story = _story("buffer", world_size, **on_cuda(world_size, backend))
     _check_resumed(story)

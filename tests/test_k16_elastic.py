@@ -18,11 +18,11 @@ from dojo.harness import impl
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 from dojo.spec.checkpoints import load_failure
+from dojo.spec.cuda import on_cuda
 from dojo.spec.states import devices_of, largest_gap, same, to_cpu
 from dojo.spec.testing import (
     assert_refuses_missing_keys,
     ranks_phrase,
-    require_gpus,
     run_program,
     shared_run,
 )
@@ -812,10 +812,10 @@ def test_torchrun_restarts_the_group_after_a_killed_worker(kata, tmp_path):
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_load_onto_each_ranks_gpu(kata, tmp_path):
-    require_gpus(1)
+    cuda = on_cuda(2, "gloo")
     path = tmp_path / SNAPSHOT
     snapshot = _write_a_snapshot(path, kata, device="cuda:0")  # saved from rank 0's GPU
-    results = _run_loads(path, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = _run_loads(path, **cuda)
     _check_loaded(results, snapshot)
     for rank, result in enumerate(results):
         cuda = [d for d in result["devices"] if d != "cpu"]  # Adam keeps its step count on the CPU
@@ -829,11 +829,9 @@ def test_load_onto_each_ranks_gpu(kata, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
 def test_restart_on_cuda(kata, backend, world_size):
-    require_gpus(1)
+    cuda = on_cuda(world_size, backend)
     fault = f"{world_size - 1}:1:2"
-    story = _story(
-        "buffer", world_size, fault, backend=backend, env={"DOJO_DEVICE": "cuda"}, deadline=60
-    )
+    story = _story("buffer", world_size, fault, **cuda)
     _check_resumed(story, fault)
 
 

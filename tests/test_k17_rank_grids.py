@@ -8,7 +8,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import refusal, require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import refusal, run_program
 from dojo.todo import KataTodo
 
 KATA = "k17_rank_grids"
@@ -630,10 +631,7 @@ def test_program_draws_the_grid_and_sums_each_row(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     grid = kata.RankGrid(1, world_size)
     row = torch.full((3,), float(rank + 1), device=device)
@@ -658,16 +656,10 @@ def check_on_cuda(results, world_size) -> None:
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(
-        run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60), 1
-    )
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")), 1)
 
 
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(
-        run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60), 2
-    )
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")), 2)

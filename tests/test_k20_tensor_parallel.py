@@ -11,7 +11,8 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import MLP, Attention
 
@@ -912,10 +913,7 @@ def test_program_splits_a_block_and_counts_its_all_reduces(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     dense = _module("mlp").to(device)
     mlp = kata.ParallelMLP(copy.deepcopy(dense), None)
@@ -936,12 +934,10 @@ def check_on_cuda(results) -> None:
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

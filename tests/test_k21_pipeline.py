@@ -10,7 +10,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import DidNotReturn, returns_within, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -605,10 +606,7 @@ def test_program_draws_the_schedule(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     stage = kata.split_stages(make_transformer(0, BLOCKS), world_size, rank).to(device)
     m = 4
@@ -628,8 +626,7 @@ def check_on_cuda(results) -> None:
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 # Several ranks on CUDA take NCCL here, the backend a GPU pipeline runs on (gloo's point-to-point
@@ -637,5 +634,4 @@ def test_nccl_world_of_one(kata):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_two_ranks(kata):
-    require_gpus(2)
-    check_on_cuda(run_world(_on_cuda, 2, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "nccl")))

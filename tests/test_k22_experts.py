@@ -14,7 +14,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import MODEL_DIM
 
@@ -655,10 +656,7 @@ def test_program_reports_tokens_per_expert(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     moe = kata.ExpertParallelMoE(
         kata.make_router(0, world_size).to(device), kata.make_expert(0, rank).to(device)
@@ -682,14 +680,12 @@ def check_on_cuda(results, world_size) -> None:
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 1, **on_cuda(1, "nccl"))
     check_on_cuda(results, 1)
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 2, **on_cuda(2, "gloo"))
     check_on_cuda(results, 2)

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import DidNotReturn, returns_within, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -839,10 +840,7 @@ def test_against_torchs_zero_bubble(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     chunks = [c.to(device) for c in kata.split_chunks(make_transformer(0, 2), 1, 1, 0)]
     kata.run_schedule(chunks, zero_bubble(1, 1, 4, 0), _micro_batches(4))
@@ -852,8 +850,7 @@ def _on_cuda(rank, world_size):
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_zero_bubble_on_cuda_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 1, **on_cuda(1, "nccl"))
     looped, _, _ = _reference(2, 4)
     for name, grad in results[0].items():
         assert torch.allclose(grad, looped[name], rtol=1e-4, atol=1e-5), (

@@ -13,7 +13,8 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -712,10 +713,7 @@ def test_program_trains_like_one_process(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     mesh = kata.make_mesh(1, 1)
     dense = make_transformer(9).to(device)
@@ -740,10 +738,7 @@ def _on_cuda(rank, world_size):
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    device, state, alone = run_world(
-        _on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90
-    )[0]
+    device, state, alone = run_world(_on_cuda, 1, **on_cuda(1, "nccl", deadline=90))[0]
     assert device.startswith("cuda"), f"the shards left the GPU: {device}"
     for name, want in alone.items():
         # CUDA matmuls may use TF32 or other kernels: a looser tolerance than on the CPU.
