@@ -31,8 +31,9 @@ kata's own program)
     plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)
     report     what a learner sees of a failed test
     testing    running a kata's program, shared runs, free ports, GPU skips, bad-input probes
-    states     model and optimizer states moved to the CPU and compared
+    states     model and optimizer states (and tensors) moved to the CPU and compared
     checkpoints a failed load_state_dict read in a kata's words (k15, k16)
+    collectives process groups and the collectives recorded on them, in the specs' words
     cuda       worlds on CUDA for the GPU tests: run_world's options, a rank's GPU
     hosts      fake hosts: network namespaces with their own addresses (root, Linux)
 

@@ -13,7 +13,9 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
+from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.states import close, gap
 from dojo.spec.testing import run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
@@ -31,8 +33,6 @@ PLAN = {
     "mlp.up": "column",
     "mlp.down": "row",
 }
-GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
-SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 STEPS, LR = 2, 0.1
 # One step's collectives on the 2 x 2 mesh, each with its group, in the order they run.
 _AG, _AR, _RS = ("all-gather", "dp"), ("all-reduce", "tp"), ("reduce-scatter", "dp")
@@ -40,15 +40,11 @@ ORDER = [_AG, _AG, _AR, _AR, _AG, _AR, _AR, _AG, _RS, _AR, _AR, _RS, _AR, _AR, _
 
 
 def _gap(a, b) -> str:
-    if a is None:
-        return "None (no gradient)"
-    if a.shape != b.shape:
-        return f"shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
-    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"
+    return "None (no gradient)" if a is None else gap(a, b)
 
 
 def _close(a, b) -> bool:
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, **TOLERANCE)
+    return close(a, b, **TOLERANCE)
 
 
 def _fail(rank: int, what: str, error: Exception) -> str:
@@ -68,14 +64,7 @@ def _calls(calls, mesh) -> list[tuple[str, str]]:
             return "world"
         return "another group"
 
-    def kind(name):
-        if name in GATHERS:
-            return "all-gather"
-        if name in SCATTERS:
-            return "reduce-scatter"
-        return name.replace("_", "-")
-
-    return [(kind(c.name), which(c.group)) for c in calls if c.name != "new_group"]
+    return [(collectives.kind(c.name), which(c.group)) for c in calls if c.name != "new_group"]
 
 
 def _tp_slice(tensor: torch.Tensor, name: str, tp_index: int, tp: int) -> torch.Tensor:
