@@ -17,7 +17,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.models import ConvNet
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import ranks_phrase, run_program, shared_run
+from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
 
 KATA = "k05_data_parallel"
@@ -753,26 +753,12 @@ def _plotted(plot) -> dict:
 def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
     plot = tmp_path / "curve.png"
     world_size, limit, epochs = 2, 384, 2
-    done = run_program(
+    done = run_program_ok(
         KATA,
-        "--world-size",
-        str(world_size),
-        "--epochs",
-        str(epochs),
-        "--limit",
-        str(limit),
-        "--log-every",
-        "2",
-        "--plot",
-        str(plot),
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        timeout=120,
+        *("--world-size", str(world_size), "--epochs", str(epochs), "--limit", str(limit)),
+        *("--log-every", "2", "--plot", str(plot), "--backend", "gloo", "--device", "cpu"),
     )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    shown = streams(done)
     lines = done.stdout.splitlines()
     progress = [line for line in lines if "loss" in line]
     assert any(line.startswith(f"[rank 0] epoch 1/{epochs} [") for line in progress), (

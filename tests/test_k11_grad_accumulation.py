@@ -13,7 +13,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec.cuda import on_cuda
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
@@ -539,24 +539,11 @@ def test_ddp_accumulation_step_syncs_once_and_equals_one_step(kata, model_name, 
 
 @pytest.mark.step(3)
 def test_program_compares_every_k_and_ddp(kata):
-    done = run_program(
-        KATA,
-        "--world-size",
-        "2",
-        "--steps",
-        "2",
-        "--k",
-        "1",
-        "2",
-        "4",
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        timeout=120,
-    )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    done = run_program_ok(
+        KATA, "--world-size", "2", "--steps", "2", "--k", "1", "2", "4", "--backend", "gloo",
+        "--device", "cpu",
+    )  # fmt: skip
+    shown = streams(done)
     rows = re.findall(
         r"^\[main\]\s+(.+?): +(\d+) samples per backward, all-reduces per step: (\d+).*weights "
         r"(\S+) from k=1's$",

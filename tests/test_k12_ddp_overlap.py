@@ -15,7 +15,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec.cuda import on_cuda
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
@@ -1004,22 +1004,11 @@ def test_nested_no_sync_restores_what_it_found(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_overlap_and_matches_one_process(kata):
-    done = run_program(
-        KATA,
-        "--world-size",
-        "2",
-        "--model",
-        "tied",
-        "--steps",
-        "2",
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        timeout=120,
-    )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    done = run_program_ok(
+        KATA, "--world-size", "2", "--model", "tied", "--steps", "2", "--backend", "gloo",
+        "--device", "cpu",
+    )  # fmt: skip
+    shown = streams(done)
     lines = done.stdout.splitlines()
     order = [m.group(1) for m in map(re.compile(r"^\[rank 0\]\s+[\d.]+\s+(.*)$").match, lines) if m]
     assert "backward ends" in order and any("launched" in what for what in order), (

@@ -20,8 +20,9 @@ from dojo.spec.states import devices_of, largest_gap, same, to_cpu
 from dojo.spec.testing import (
     assert_refuses_missing_keys,
     ranks_phrase,
-    run_program,
+    run_program_ok,
     shared_run,
+    streams,
 )
 from dojo.toy_models import loss, make_model
 
@@ -292,9 +293,8 @@ def test_every_rank_waits_until_the_checkpoint_is_complete(kata):
 @pytest.mark.step(1)
 @pytest.mark.slow  # the program, and 5 s of a deliberate hang before its report
 def test_the_program_shows_the_classic_hang_and_its_report(kata):
-    done = run_program(KATA, "--show-the-hang", "--backend", "gloo", "--device", "cpu", timeout=120)
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    done = run_program_ok(KATA, "--show-the-hang", "--backend", "gloo", "--device", "cpu")
+    shown = streams(done)
     assert "rank 0 waits in barrier" in done.stdout and "save_checkpoint" in done.stdout, (
         "with save_checkpoint called on rank 0 only, rank 0 should wait in save_checkpoint's "
         f"barrier and the report say so\n{shown}"
@@ -684,14 +684,12 @@ def test_every_rank_saves_every_save_every_steps(kata):
 
 @pytest.mark.step(3)
 def test_program_crashes_resumes_and_matches(kata, tmp_path):
-    done = run_program(
+    done = run_program_ok(
         KATA,
         *("--steps", "8", "--save-every", "3", "--interrupt-at", "5"),
         *("--checkpoint-dir", str(tmp_path), "--backend", "gloo", "--device", "cpu"),
-        timeout=120,
     )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    shown = streams(done)
     assert "resumed at 3" in done.stdout, f"the restart should resume at step 3\n{shown}"
     for rank in range(2):
         assert f"rank {rank} after resuming: the very same weights and momentum" in done.stdout, (

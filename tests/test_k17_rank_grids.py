@@ -9,7 +9,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import refusal, run_program
+from dojo.spec.testing import refusal, run_program_ok
 from dojo.todo import KataTodo
 
 KATA = "k17_rank_grids"
@@ -615,10 +615,8 @@ def test_a_column_averages_over_its_own_members(kata, shape):
 
 @pytest.mark.step(3)
 def test_program_draws_the_grid_and_sums_each_row(kata):
-    done = run_program(KATA, "--world-size", "4", "--data-parallel", "2", timeout=120)
-    out = done.stdout
+    out = run_program_ok(KATA, "--world-size", "4", "--data-parallel", "2").stdout
     shown = "`python -m k17_rank_grids --world-size 4 --data-parallel 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
     lines = [line for line in out.splitlines() if line.startswith("[main]  ")]
     rows = [line.split("row", 1)[1].split("tensor")[0].split() for line in lines if " row " in line]
     assert rows == [["0", "1"], ["2", "3"]], f"{shown} should draw the grid's rows:\n{out}"

@@ -14,7 +14,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import MLP, Attention
 
@@ -872,10 +872,7 @@ def test_parallel_attention_matches_torchs_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_splits_a_block_and_counts_its_all_reduces(kata):
-    done = run_program(KATA, "--world-size", "2", timeout=120)
-    out = done.stdout
-    shown = f"`python -m {KATA} --world-size 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2").stdout
     assert "mlp: each rank keeps up.weight (32, 16)" in out, out
     assert "[rank 1] mlp: 1 all-reduce forward, 1 backward" in out, out
     assert "[rank 0] attention: 1 all-reduce forward, 1 backward" in out, out

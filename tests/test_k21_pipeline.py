@@ -11,7 +11,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import DidNotReturn, returns_within, run_program, shared_run
+from dojo.spec.testing import DidNotReturn, returns_within, run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -593,9 +593,9 @@ def test_simulate_refuses_a_schedule_that_waits_for_ever(kata):
 
 @pytest.mark.step(4)
 def test_program_draws_the_schedule(kata):
-    done = run_program(KATA, "--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4")
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(
+        KATA, "--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4"
+    ).stdout
     assert "rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3" in out, out
     assert "rank 1:  . F0 F1 F2 F3 B0 B1 B2 B3" in out, out
     assert "rank 0 idle 0.200 of 10 ticks; (p-1)/(m+p-1) = 0.200" in out, out

@@ -15,7 +15,13 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import DidNotReturn, returns_within, run_program, shared_run
+from dojo.spec.testing import (
+    DidNotReturn,
+    returns_within,
+    run_program_ok,
+    shared_run,
+    streams,
+)
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer
 
@@ -799,11 +805,8 @@ def test_record_step_rejects_bad_arguments(kata):
 
 @pytest.mark.step(4)
 def test_program_prints_the_three_ways(kata):
-    done = run_program(
-        KATA, "--world-size", "2", "--steps", "2", "--blocks", "2", "--dim", "32", timeout=120
-    )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with {done.returncode}\n{shown}"
+    done = run_program_ok(KATA, "--world-size", "2", "--steps", "2", "--blocks", "2", "--dim", "32")
+    shown = streams(done)
     rows = {}
     for line in done.stdout.splitlines():
         match = re.match(

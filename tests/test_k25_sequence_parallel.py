@@ -15,7 +15,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
 
@@ -1170,10 +1170,7 @@ def test_activation_bytes_is_what_autograd_saved(kata, ranks):
 
 @pytest.mark.step(6)
 def test_program_splits_a_block_along_the_sequence(kata):
-    done = run_program(KATA, "--world-size", "2", timeout=120)
-    out = done.stdout
-    shown = f"`python -m {KATA} --world-size 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2").stdout
     assert "[rank 1] positions 4..7; forward: all-gather 2" in out, out
     assert "reduce-scatter 2" in out, out
     assert "then all-reduce 1" in out, out

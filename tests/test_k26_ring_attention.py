@@ -24,7 +24,7 @@ from dojo.harness.calls import clock, recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
 
 KATA = "k26_ring_attention"
@@ -1126,8 +1126,7 @@ def test_ring_equals_torchs_own_ring_on_the_same_world(kata, world_size, causal)
 
 
 def _program_check(done):
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with {done.returncode}\n{shown}"
+    shown = streams(done)
     assert "both splits equal scaled_dot_product_attention" in done.stdout, shown
     assert "blocks per rank [3, 7]" in done.stdout and "blocks per rank [5, 5]" in done.stdout, (
         shown
@@ -1136,7 +1135,7 @@ def _program_check(done):
 
 @pytest.mark.step(5)
 def test_program_compares_both_splits(kata):
-    _program_check(run_program(KATA, "--world-size", "2", "--length", "32", timeout=120))
+    _program_check(run_program_ok(KATA, "--world-size", "2", "--length", "32"))
 
 
 # --------------------------------------------------------------------------- CUDA

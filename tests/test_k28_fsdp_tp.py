@@ -16,7 +16,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -689,10 +689,7 @@ def test_against_torchs_fully_shard_and_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_trains_like_one_process(kata):
-    done = run_program(KATA, "--dp", "2", "--tp", "2", "--steps", "2", timeout=120)
-    out = done.stdout
-    shown = f"`python -m {KATA} --dp 2 --tp 2 --steps 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--dp", "2", "--tp", "2", "--steps", "2").stdout
     assert "[rank 3] dp 1, tp 1" in out, out
     assert "tp: all-reduce 8; dp: all-gather 4, reduce-scatter 4; world: nothing" in out, out
     assert "every rank's whole model equals one process's" in out, out

@@ -423,3 +423,20 @@ def returns_within(what: str, function, *args, limit: float = 3.0):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def run_program_ok(
+    module: str, *args: str, timeout: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``run_program(module, *args)`` that must exit with status 0: otherwise the test fails,
+    showing the command as the learner types it and both of its streams."""
+    done = run_program(module, *args, timeout=timeout, env=env)
+    if done.returncode != 0:
+        typed = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), python(), *done.args[1:]])
+        raise AssertionError(f"`{typed}` exited with status {done.returncode}\n{streams(done)}")
+    return done
+
+
+def streams(done: subprocess.CompletedProcess) -> str:
+    """A finished program's stdout and stderr, each named, for a message."""
+    return f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
