@@ -32,7 +32,7 @@ kata's own program)
     report     what a learner sees of a failed test
     testing    running a kata's program, shared runs, free ports, GPU skips, bad-input probes
     states     model and optimizer states (and tensors) moved to the CPU and compared
-    checkpoints a failed load_state_dict read in a kata's words (k15, k16)
+    checkpoints what k15 and k16 hold a training's written and loaded state to, in their words
     collectives process groups and the collectives recorded on them, in the specs' words
     cuda       worlds on CUDA for the GPU tests: run_world's options, a rank's GPU
     hosts      fake hosts: network namespaces with their own addresses (root, Linux)
