@@ -11,7 +11,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import DidNotReturn, returns_within, run_program_ok, shared_run
+from dojo.spec.testing import DidNotReturn, refusal, returns_within, run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -237,19 +237,10 @@ def test_schedules_as_data(kata, kind):
 @pytest.mark.parametrize(("p", "m", "r"), [(2, 0, 0), (0, 2, 0), (2, 2, 2), (2, 2, -1)])
 def test_schedules_refuse_what_does_not_fit(kata, kind, p, m, r):
     call = f"{FUNCTIONS[kind]}(stages={p}, micro_batches={m}, rank={r})"
-    try:
-        got = getattr(kata, FUNCTIONS[kind])(p, m, r)
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"{call} raised {type(error).__name__}: {error}; raise ValueError"
-        ) from None
-    raise AssertionError(
-        f"{call} returned {got!r}: raise ValueError (stages and micro_batches at least 1, a rank "
-        "between 0 and stages - 1)"
+    did = refusal(lambda: getattr(kata, FUNCTIONS[kind])(p, m, r))
+    assert did is None, (
+        f"{call} {did}: raise ValueError (stages and micro_batches at least 1, a rank between 0 "
+        "and stages - 1)"
     )
 
 

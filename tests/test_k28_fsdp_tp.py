@@ -16,7 +16,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program_ok, shared_run
+from dojo.spec.testing import refusal, run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -552,19 +552,11 @@ def test_training_equals_one_process(kata, dp, tp):
 def test_a_batch_that_does_not_split_over_the_rows_is_refused(kata):
     mesh = kata.Mesh(dp=3, tp=1, dp_index=0, tp_index=0)
     tokens, targets = make_tokens(8, 1)
-    try:
-        kata.train_step(None, None, tokens, targets, mesh)
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"train_step with a batch of 8 on dp = 3 rows raised {type(error).__name__}: "
-            f"{str(error)[:200]}; check the batch first and raise ValueError (8 rows do not "
-            "split over 3)"
-        ) from None
-    raise AssertionError("train_step with a batch of 8 on dp = 3 rows returned: raise ValueError")
+    did = refusal(lambda: kata.train_step(None, None, tokens, targets, mesh))
+    assert did is None, (
+        f"train_step with a batch of 8 on dp = 3 rows {did}: check the batch first and raise "
+        "ValueError (8 rows do not split over 3)"
+    )
 
 
 @pytest.mark.step(4)

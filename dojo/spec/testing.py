@@ -455,3 +455,29 @@ def outcome_of(call) -> tuple[str, str]:
     except Exception as error:
         return type(error).__name__, str(error)
     return "returned", repr(value)
+
+
+def check_refuses_naming(call, shown: str, wrong: str, why: str, returned) -> None:
+    """``call()`` (``shown``: the call as the learner would write it) must raise ValueError whose
+    message names the wrong number ``wrong``, since ``why``; ``returned(value)`` says what is
+    amiss with a value it returned instead. A ``KataTodo`` goes straight through."""
+    import re
+
+    from dojo.todo import KataTodo
+
+    try:
+        got = call()
+    except ValueError as error:
+        message = str(error)
+    except KataTodo:
+        raise
+    except Exception as error:
+        raise AssertionError(
+            f"{shown} raised {type(error).__name__}: {error}. {why}: raise ValueError, saying so"
+        ) from None
+    else:
+        raise AssertionError(f"{shown} {returned(got)}")
+    assert re.search(rf"(?<![\d-]){re.escape(wrong)}(?!\d)", message), (
+        f"{shown} raised ValueError({message!r}): say which number is wrong ({wrong}) and why "
+        f"({why}), so that whoever called it can fix the call"
+    )
