@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 import time
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
+from dojo.spec import wrappers
 from dojo.spec.cuda import on_cuda
 from dojo.spec.testing import run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
@@ -152,19 +152,9 @@ def _construct(rank, world_size, model_name):
         inputs = inputs.to(_device())
         with torch.no_grad():
             result["forward_equal"] = torch.equal(ddp(inputs), model(inputs))
-        keyword = next(iter(inspect.signature(model.forward).parameters))
-        result["keyword"] = keyword
-        try:  # a model's forward may take keyword arguments: the wrapper passes them on
-            with torch.no_grad():
-                result["forward_keywords"] = (
-                    None
-                    if torch.equal(ddp(**{keyword: inputs}), model(inputs))
-                    else "returned another output"
-                )
-        except KataTodo:
-            raise
-        except Exception as error:
-            result["forward_keywords"] = f"raised {_error(error)}"
+        result["keyword"], result["forward_keywords"] = wrappers.forward_keywords(
+            ddp, model, inputs
+        )
         result["module_is_model"] = ddp.module is model
         result["parameters"] = [n for n, _ in ddp.named_parameters()]
         result["buffers_seen"] = [n for n, _ in ddp.named_buffers()]
@@ -266,12 +256,7 @@ def _check_construction(results, model_name: str) -> None:
     assert first["forward_equal"], (
         "ddp(inputs) differs from model(inputs): forward delegates to the wrapped model"
     )
-    keyword = first["keyword"]
-    assert first["forward_keywords"] is None, (
-        f"ddp({keyword}=inputs) {first['forward_keywords']}, where model({keyword}=inputs) works: "
-        "forward passes every argument on to the module, keyword arguments too: "
-        "def forward(self, *args, **kwargs): return self.module(*args, **kwargs)"
-    )
+    wrappers.check_forward_keywords(first["keyword"], first["forward_keywords"])
 
 
 @pytest.mark.step(1)
@@ -553,18 +538,11 @@ def test_the_first_all_reduce_starts_before_backward_has_finished(kata, model_na
 
 
 def _finish(ddp) -> None:
-    """``ddp.finish_gradient_synchronization()``, with torch's usual crash there in kata words."""
-    try:
-        ddp.finish_gradient_synchronization()
-    except AttributeError as error:
-        if "wait" not in str(error):
-            raise
-        raise AssertionError(
-            f"finish_gradient_synchronization() raised AttributeError: {error}: it waited on a "
-            "handle that is None. dist.all_reduce returns a handle only with async_op=True (a "
-            "blocking call returns None): launch with async_op=True in the hook and keep what it "
-            "returns"
-        ) from None
+    wrappers.finish(
+        ddp,
+        "dist.all_reduce returns a handle only with async_op=True (a blocking call returns None): "
+        "launch with async_op=True in the hook and keep what it returns",
+    )
 
 
 def _one_step(rank, world_size, model_name):

@@ -13,6 +13,7 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec import wrappers
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.testing import run_program_ok
 from dojo.todo import KataTodo
@@ -449,7 +450,6 @@ def _construction_failure(where: str, failure: str, cap) -> AssertionError:
 def _facade(rank, world_size, name, caps):
     """The wrapper as a module, through its public face only: .module, its parameters, buffers
     and state_dict, and forward with a keyword argument."""
-    import inspect
 
     kata = load_kata(KATA)
     out = {}
@@ -463,18 +463,7 @@ def _facade(rank, world_size, name, caps):
             out[cap] = {"failure": _crash_text(error)}
             continue
         inputs, _ = make_batch(name, PER_RANK, rank)
-        keyword = next(iter(inspect.signature(model.forward).parameters))
-        try:
-            with torch.no_grad():
-                keywords = (
-                    None
-                    if torch.equal(ddp(**{keyword: inputs}), model(inputs))
-                    else "returned another output than the model's"
-                )
-        except KataTodo:
-            raise
-        except Exception as error:
-            keywords = f"raised {type(error).__name__}: {error}"
+        keyword, keywords = wrappers.forward_keywords(ddp, model, inputs)
         out[cap] = {
             "failure": None,
             "module_is_model": ddp.module is model,
@@ -508,12 +497,7 @@ def test_the_wrapper_is_its_module_and_passes_every_argument_on(kata, name):
             f"{where}: its state_dict holds {got['state_keys']}, expected the module's own keys "
             f"under 'module.', {expected_keys}, as torch's DDP"
         )
-        keyword = got["keyword"]
-        assert got["keywords"] is None, (
-            f"{where}: ddp({keyword}=inputs) {got['keywords']}, where model({keyword}=inputs) "
-            "works: forward passes every argument on to the module, keyword arguments too: "
-            "def forward(self, *args, **kwargs): return self.module(*args, **kwargs)"
-        )
+        wrappers.check_forward_keywords(got["keyword"], got["keywords"], f"{where}: ")
 
 
 def _layout(rank, world_size, name, caps):
@@ -965,18 +949,12 @@ def _train(rank, world_size, name, caps, steps, micro_batches, group_ranks=None)
 
 
 def _finish(ddp) -> None:
-    """``ddp.finish_gradient_synchronization()``, with torch's usual crash there in kata words."""
-    try:
-        ddp.finish_gradient_synchronization()
-    except AttributeError as error:
-        if "wait" not in str(error):
-            raise
-        raise AssertionError(
-            f"finish_gradient_synchronization() raised AttributeError: {error}: it waited on a "
-            "handle that is None. A bucket whose gradients did not all arrive was never launched "
-            "by a hook (launch every bucket still waiting first, in bucket order), or an "
-            "all_reduce without async_op=True returned None instead of a handle"
-        ) from None
+    wrappers.finish(
+        ddp,
+        "A bucket whose gradients did not all arrive was never launched by a hook (launch every "
+        "bucket still waiting first, in bucket order), or an all_reduce without async_op=True "
+        "returned None instead of a handle",
+    )
 
 
 def _one_process(name: str, steps: int, micro_batches: int, shards: int, seed: int) -> dict:
