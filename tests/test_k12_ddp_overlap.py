@@ -764,32 +764,30 @@ def test_finish_averages_over_the_process_group(kata):
             )
 
 
+def _finish_counted(ddp) -> tuple[str | None, int]:
+    """``ddp.finish_gradient_synchronization()``: what it raised (None: nothing), and how many
+    all-reduces it launched."""
+    with recording(("all_reduce",)) as calls:
+        try:
+            ddp.finish_gradient_synchronization()
+        except KataTodo:
+            raise
+        except Exception as error:
+            return _error(error), len(calls)
+    return None, len(calls)
+
+
 def _finish_twice(rank, world_size):
     kata = load_kata(KATA)
     model = make_model("tied", seed=100)
     ddp = kata.OverlappingDDP(model)
-    found = {"early": None}
-    with recording(("all_reduce",)) as calls:
-        try:
-            ddp.finish_gradient_synchronization()
-        except KataTodo:
-            raise
-        except Exception as error:
-            found["early"] = _error(error)
-    found["early_calls"] = len(calls)
+    found = {}
+    found["early"], found["early_calls"] = _finish_counted(ddp)
     found["early_grads"] = sorted(n for n, g in _grads(model).items() if g is not None)
     toy_loss(ddp, _shard("tied", rank, world_size, step=0)).backward()
     ddp.finish_gradient_synchronization()
     found["first"] = _grads(model)
-    found["second_error"] = None
-    with recording(("all_reduce",)) as calls:
-        try:
-            ddp.finish_gradient_synchronization()
-        except KataTodo:
-            raise
-        except Exception as error:
-            found["second_error"] = _error(error)
-    found["second_calls"] = len(calls)
+    found["second_error"], found["second_calls"] = _finish_counted(ddp)
     found["second"] = _grads(model)
     return found
 

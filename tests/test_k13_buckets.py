@@ -431,6 +431,16 @@ def _crash_text(error: BaseException) -> str:
     return text
 
 
+def _wrapped(kata, model, cap):
+    """``(BucketedDDP(model, cap), None)``, or ``(None, what its construction raised)``."""
+    try:
+        return kata.BucketedDDP(model, bucket_cap_mb=cap), None
+    except KataTodo:
+        raise
+    except Exception as error:
+        return None, _crash_text(error)
+
+
 def _construction_failure(where: str, failure: str, cap) -> AssertionError:
     if "hook" in failure and "require" in failure:
         return AssertionError(
@@ -455,12 +465,9 @@ def _facade(rank, world_size, name, caps):
     out = {}
     for cap in caps:
         model = make_model(name, 100 + rank)
-        try:
-            ddp = kata.BucketedDDP(model, bucket_cap_mb=cap)
-        except KataTodo:
-            raise
-        except Exception as error:
-            out[cap] = {"failure": _crash_text(error)}
+        ddp, failure = _wrapped(kata, model, cap)
+        if failure:
+            out[cap] = {"failure": failure}
             continue
         inputs, _ = make_batch(name, PER_RANK, rank)
         keyword, keywords = wrappers.forward_keywords(ddp, model, inputs)
@@ -507,12 +514,9 @@ def _layout(rank, world_size, name, caps):
     for cap in caps:
         model = make_model(name, 100 + rank)
         names = {id(p): n for n, p in model.named_parameters()}
-        try:
-            ddp = kata.BucketedDDP(model, bucket_cap_mb=cap)
-        except KataTodo:
-            raise
-        except Exception as error:
-            out[cap] = {"failure": _crash_text(error)}
+        ddp, failure = _wrapped(kata, model, cap)
+        if failure:
+            out[cap] = {"failure": failure}
             continue
         buckets = []
         for bucket in getattr(ddp, "buckets", []):
@@ -645,12 +649,9 @@ def _hook_counts(rank, world_size, name, cap):
     """How many post-accumulate-grad hooks the wrapper put on each parameter (torch's record)."""
     kata = load_kata(KATA)
     model = make_model(name, 100 + rank)
-    try:
-        kata.BucketedDDP(model, bucket_cap_mb=cap)
-    except KataTodo:
-        raise
-    except Exception as error:
-        return {"failure": _crash_text(error)}
+    _, failure = _wrapped(kata, model, cap)
+    if failure:
+        return {"failure": failure}
     counts = {
         n: len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
         for n, p in model.named_parameters()
