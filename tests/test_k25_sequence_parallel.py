@@ -64,6 +64,26 @@ def _fail(rank: int, what: str, error: Exception) -> str:
     return f"rank {rank}: {what} raised {type(error).__name__}: {text[:500]}"
 
 
+def _place(rank, world_size, groups):
+    """``(group, members, size, index, per)``: this rank's group, the group's ranks and their
+    number, this rank's index among them, and how many of the sequence's positions each holds."""
+    group, members = collectives.rank_group(rank, world_size, groups)
+    size = len(members)
+    return group, members, size, members.index(rank), LENGTH // size
+
+
+def _share(index: int, width: int) -> slice:
+    """The ``index``-th of equal shares ``width`` wide."""
+    return slice(index * width, (index + 1) * width)
+
+
+def _succeeded(done: dict) -> dict:
+    """A rank's result: the test fails with what the rank's call raised, if it raised."""
+    if done["failure"]:
+        raise AssertionError(done["failure"])
+    return done
+
+
 def _randn(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -94,9 +114,7 @@ def _check_one(rank: int, calls, kind: str, what: str, where: str) -> None:
 
 def _along(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = collectives.rank_group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
+    group, members, size, index, per = _place(rank, world_size, groups)
     out = {"members": members, "index": index, "per": per}
     try:
         out["range"] = kata.sequence_range(LENGTH, group)
@@ -156,9 +174,7 @@ def test_all_gather_sequence_puts_every_rank_s_positions_in_order(kata, world):
     where = _where(world)
     results = _along_world(world)
     for rank, got in enumerate(results):
-        done = got["gather"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = _succeeded(got["gather"])
         members = got["members"]
         pieces = [results[m]["piece"] for m in members]
         expected = torch.cat(pieces, dim=1)
@@ -193,12 +209,10 @@ def test_reduce_scatter_sequence_gives_each_rank_the_sum_of_its_positions(kata, 
     where = _where(world)
     results = _along_world(world)
     for rank, got in enumerate(results):
-        done = got["scatter"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = _succeeded(got["scatter"])
         members, index, per = got["members"], got["index"], got["per"]
         total = sum(results[m]["full"] for m in members)
-        expected = total[:, index * per : (index + 1) * per]
+        expected = total[:, _share(index, per)]
         value = done["value"]
         if value.shape == total[: 4 // len(members)].shape and value.shape != expected.shape:
             raise AssertionError(
@@ -287,9 +301,7 @@ def test_a_sequence_that_does_not_divide_is_refused(kata):
 
 def _pair(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = collectives.rank_group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
+    group, members, size, index, per = _place(rank, world_size, groups)
     out = {"members": members, "index": index, "per": per}
     piece = torch.arange(2 * per * 3, dtype=torch.float32).view(2, per, 3) + 100 * rank
     full = torch.arange(2 * LENGTH * 3, dtype=torch.float32).view(2, LENGTH, 3) - rank
@@ -348,11 +360,9 @@ def test_gather_region_all_gathers_forward_and_reduce_scatters_backward(kata, wo
     world_size = WORLDS[world][0]
     what = "GatherFromSequenceParallelRegion"
     for rank, got in enumerate(results):
-        done = got["gather"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = _succeeded(got["gather"])
         members, index, per = got["members"], got["index"], got["per"]
-        mine = slice(index * per, (index + 1) * per)
+        mine = _share(index, per)
         expected = torch.cat([results[m]["piece"] for m in members], dim=1)
         _check_one(rank, done["forward"], "all-gather", f"{what}'s forward", where)
         assert torch.equal(done["value"], expected), (
@@ -400,11 +410,9 @@ def test_reduce_scatter_region_reduce_scatters_forward_and_all_gathers_backward(
     results = _pair_world(world)
     what = "ReduceScatterToSequenceParallelRegion"
     for rank, got in enumerate(results):
-        done = got["scatter"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = _succeeded(got["scatter"])
         members, index, per = got["members"], got["index"], got["per"]
-        mine = slice(index * per, (index + 1) * per)
+        mine = _share(index, per)
         expected = sum(results[m]["full"] for m in members)[:, mine]
         _check_one(rank, done["forward"], "reduce-scatter", f"{what}'s forward", where)
         assert torch.equal(done["value"], expected), (
@@ -457,10 +465,8 @@ class _NormAndOther(nn.Module):
 
 def _norm(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = collectives.rank_group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
-    mine = slice(index * per, (index + 1) * per)
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine = _share(index, per)
     dense = _dense_norm()
     x = _randn(3, LENGTH, 16, seed=7)
     upstream = _randn(3, LENGTH, 16, seed=8)
@@ -502,8 +508,7 @@ _norm_world = shared_run(lambda world: run_world(_norm, *WORLDS[world]))
 
 
 def _norm_failure(got) -> None:
-    if got["failure"]:
-        raise AssertionError(got["failure"])
+    _succeeded(got)
 
 
 @pytest.mark.step(3)
@@ -614,13 +619,8 @@ def _saved_bytes(run, module: nn.Module):
 def _column(rank, world_size, groups, layers):
     """``layers`` column-parallel layers (16 -> 32) reading one slice, through all_gather_linear."""
     kata = load_kata(KATA)
-    group, members = collectives.rank_group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per, features = LENGTH // size, 32 // size
-    mine, feat = (
-        slice(index * per, (index + 1) * per),
-        slice(index * features, (index + 1) * features),
-    )
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine, feat = _share(index, per), _share(index, 32 // size)  # its positions, its features
     dense = [_dense(16, 32, seed=3 + i) for i in range(layers)]
     x = _randn(3, LENGTH, 16, seed=7)
     upstream = [_randn(3, LENGTH, 32, seed=8 + i) for i in range(layers)]
@@ -665,8 +665,7 @@ def _check_column(world, results, layers):
     where = _where(world)
     what = "AllGatherLinear" + (f" with {layers} layers" if layers > 1 else "")
     for got in results:
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        _succeeded(got)
         rank = got["rank"]
         _check_one(rank, got["forward"], "all-gather", f"{what}'s forward", where)
         for i, (y, expected) in enumerate(zip(got["outputs"], got["expected_outputs"])):
@@ -741,13 +740,8 @@ def test_all_gather_linear_serves_several_layers_with_one_gather(kata, world):
 
 def _row(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = collectives.rank_group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per, features = LENGTH // size, 32 // size
-    mine, feat = (
-        slice(index * per, (index + 1) * per),
-        slice(index * features, (index + 1) * features),
-    )
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine, feat = _share(index, per), _share(index, 32 // size)  # its positions, its features
     dense = _dense(32, 16, seed=5)
     x = _randn(3, LENGTH, 32, seed=9)
     upstream = _randn(3, LENGTH, 16, seed=10)
@@ -797,8 +791,7 @@ def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
     what = "RowParallelLinear(nn.Linear(32, 16))"
     results = _rows(world)
     for got in results:  # every rank's output first, then the gradients
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        _succeeded(got)
         rank, size = got["rank"], got["size"]
         output, expected, bias = got["output"], got["expected_output"], got["bias"]
         if _close(output, expected + (size - 1) * bias):
@@ -864,7 +857,7 @@ def _expected_slices(index: int, size: int, dim: int = 16) -> dict[str, tuple[in
         ("mlp.down", 4 * dim, "row"),
     ):
         n = width // size
-        part = slice(index * n, (index + 1) * n)
+        part = _share(index, n)
         if kind == "column":
             out[f"{name}.weight"], out[f"{name}.bias"] = (0, part), (0, part)
         else:
@@ -879,10 +872,8 @@ def _take(tensor: torch.Tensor, where: tuple[int, slice]) -> torch.Tensor:
 
 def _block(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = collectives.rank_group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
-    mine = slice(index * per, (index + 1) * per)
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine = _share(index, per)
     dense = _dense_block()
     x = _randn(3, LENGTH, 16, seed=11)
     upstream = _randn(3, LENGTH, 16, seed=12)
@@ -941,8 +932,7 @@ def _count(calls, kind: str) -> int:
 def test_block_equals_one_process_forward_and_backward(kata, world):
     where = _where(world)
     for got in _blocks(world):
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        _succeeded(got)
         rank = got["rank"]
         names = sorted(got["grads"])
         expected_names = sorted(got["expected_grads"])
