@@ -14,7 +14,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program_ok, shared_run
+from dojo.spec.testing import run_program_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import MLP, Attention
 
@@ -117,9 +117,7 @@ def test_f_is_identity_forward_and_all_reduce_backward(kata, world):
     world_size = WORLDS[world][0]
     everyone = sum(r["upstream"] for r in results)
     for rank, result in enumerate(results):
-        got = result["f"]
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        got = succeeded(result["f"])
         members = result["members"]
         x, upstream = result["x"], result["upstream"]
         summed = sum(results[m]["upstream"] for m in members)
@@ -176,9 +174,7 @@ def test_g_is_all_reduce_forward_and_identity_backward(kata, world):
     world_size = WORLDS[world][0]
     everyone = sum(r["x"] for r in results)
     for rank, result in enumerate(results):
-        got = result["g"]
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        got = succeeded(result["g"])
         members = result["members"]
         x, upstream = result["x"], result["upstream"]
         summed = sum(results[m]["x"] for m in members)
@@ -445,8 +441,7 @@ def test_column_parallel_equals_the_dense_layer(kata, world):
     where = _where(world)
     what = "ColumnParallelLinear(nn.Linear(16, 64))"
     for got in _columns(world):
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank = got["rank"]
         forward, backward = got["forward"], got["backward"]
         if _reduces(forward):
@@ -496,8 +491,7 @@ def test_row_parallel_equals_the_dense_layer(kata, world):
     where = _where(world)
     what = "RowParallelLinear(nn.Linear(64, 16))"
     for got in _rows(world):
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank, size = got["rank"], got["size"]
         forward, backward = got["forward"], got["backward"]
         if not _reduces(forward):
@@ -697,8 +691,7 @@ def check_block(name: str, world: str, results) -> None:
     where = _where(world)
     what = "ParallelMLP" if name == "mlp" else "ParallelAttention"
     for got in results:
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank = got["rank"]
         output, expected = got["output"], got["expected_output"]
         names = sorted(got["grads"])

@@ -15,7 +15,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program_ok, shared_run
+from dojo.spec.testing import run_program_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
 
@@ -75,13 +75,6 @@ def _place(rank, world_size, groups):
 def _share(index: int, width: int) -> slice:
     """The ``index``-th of equal shares ``width`` wide."""
     return slice(index * width, (index + 1) * width)
-
-
-def _succeeded(done: dict) -> dict:
-    """A rank's result: the test fails with what the rank's call raised, if it raised."""
-    if done["failure"]:
-        raise AssertionError(done["failure"])
-    return done
 
 
 def _randn(*shape, seed: int) -> torch.Tensor:
@@ -174,7 +167,7 @@ def test_all_gather_sequence_puts_every_rank_s_positions_in_order(kata, world):
     where = _where(world)
     results = _along_world(world)
     for rank, got in enumerate(results):
-        done = _succeeded(got["gather"])
+        done = succeeded(got["gather"])
         members = got["members"]
         pieces = [results[m]["piece"] for m in members]
         expected = torch.cat(pieces, dim=1)
@@ -209,7 +202,7 @@ def test_reduce_scatter_sequence_gives_each_rank_the_sum_of_its_positions(kata, 
     where = _where(world)
     results = _along_world(world)
     for rank, got in enumerate(results):
-        done = _succeeded(got["scatter"])
+        done = succeeded(got["scatter"])
         members, index, per = got["members"], got["index"], got["per"]
         total = sum(results[m]["full"] for m in members)
         expected = total[:, _share(index, per)]
@@ -360,7 +353,7 @@ def test_gather_region_all_gathers_forward_and_reduce_scatters_backward(kata, wo
     world_size = WORLDS[world][0]
     what = "GatherFromSequenceParallelRegion"
     for rank, got in enumerate(results):
-        done = _succeeded(got["gather"])
+        done = succeeded(got["gather"])
         members, index, per = got["members"], got["index"], got["per"]
         mine = _share(index, per)
         expected = torch.cat([results[m]["piece"] for m in members], dim=1)
@@ -410,7 +403,7 @@ def test_reduce_scatter_region_reduce_scatters_forward_and_all_gathers_backward(
     results = _pair_world(world)
     what = "ReduceScatterToSequenceParallelRegion"
     for rank, got in enumerate(results):
-        done = _succeeded(got["scatter"])
+        done = succeeded(got["scatter"])
         members, index, per = got["members"], got["index"], got["per"]
         mine = _share(index, per)
         expected = sum(results[m]["full"] for m in members)[:, mine]
@@ -507,16 +500,12 @@ def _norm(rank, world_size, groups):
 _norm_world = shared_run(lambda world: run_world(_norm, *WORLDS[world]))
 
 
-def _norm_failure(got) -> None:
-    _succeeded(got)
-
-
 @pytest.mark.step(3)
 @pytest.mark.parametrize("world", list(WORLDS))
 def test_layer_norm_normalizes_my_positions_without_communicating(kata, world):
     where = _where(world)
     for got in _norm_world(world):
-        _norm_failure(got)
+        succeeded(got)
         rank = got["rank"]
         assert not got["forward"], (
             f"rank {rank}: SequenceParallelLayerNorm's forward called {_kinds(got['forward'])} "
@@ -537,7 +526,7 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
     results = _norm_world(world)
     world_size = WORLDS[world][0]
     for got in results:
-        _norm_failure(got)
+        succeeded(got)
         rank, members, size = got["rank"], got["members"], got["size"]
         local_sum = [sum(results[m]["local"][i] for m in members) for i in range(2)]
         for i, name in enumerate(("weight", "bias")):
@@ -665,7 +654,7 @@ def _check_column(world, results, layers):
     where = _where(world)
     what = "AllGatherLinear" + (f" with {layers} layers" if layers > 1 else "")
     for got in results:
-        _succeeded(got)
+        succeeded(got)
         rank = got["rank"]
         _check_one(rank, got["forward"], "all-gather", f"{what}'s forward", where)
         for i, (y, expected) in enumerate(zip(got["outputs"], got["expected_outputs"])):
@@ -791,7 +780,7 @@ def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
     what = "RowParallelLinear(nn.Linear(32, 16))"
     results = _rows(world)
     for got in results:  # every rank's output first, then the gradients
-        _succeeded(got)
+        succeeded(got)
         rank, size = got["rank"], got["size"]
         output, expected, bias = got["output"], got["expected_output"], got["bias"]
         if _close(output, expected + (size - 1) * bias):
@@ -932,7 +921,7 @@ def _count(calls, kind: str) -> int:
 def test_block_equals_one_process_forward_and_backward(kata, world):
     where = _where(world)
     for got in _blocks(world):
-        _succeeded(got)
+        succeeded(got)
         rank = got["rank"]
         names = sorted(got["grads"])
         expected_names = sorted(got["expected_grads"])

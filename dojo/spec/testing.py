@@ -481,3 +481,11 @@ def check_refuses_naming(call, shown: str, wrong: str, why: str, returned) -> No
         f"{shown} raised ValueError({message!r}): say which number is wrong ({wrong}) and why "
         f"({why}), so that whoever called it can fix the call"
     )
+
+
+def succeeded(result: dict) -> dict:
+    """A rank's result that notes what its call raised under "failure" (None: nothing): the
+    test fails with that, if there is one; else the result, to read on."""
+    if result["failure"]:
+        raise AssertionError(result["failure"])
+    return result
