@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 
 KATA = "k34_vocab_parallel"
@@ -1138,3 +1138,56 @@ def test_program_shows_the_split_against_one_process(kata):
             "backward:" in line for line in rows
         ), f"the program shows no forward and backward bytes for rank {rank}:\n{out}"
     assert "equal one process's" in lines[-1], f"the program's verdict:\n{out}"
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _on_cuda(rank, world_size):
+    """The split TinyTransformer on this rank's GPU, against one process on the same GPU."""
+    from dojo.devices import rank_device
+    from dojo.toy_models import transformer_loss
+
+    device = rank_device()
+    torch.cuda.set_device(device)
+    kata = load_kata(KATA)
+    tokens, targets = (t.to(device) for t in _lm_tokens(VOCAB))
+    split = kata.VocabParallelLM(_model(VOCAB).to(device))
+    loss = split(tokens, targets)
+    loss.backward()
+    dense = _model(VOCAB).to(device)
+    expected = transformer_loss(dense(tokens), targets)
+    expected.backward()
+    per = VOCAB // world_size
+    rows = slice(rank * per, (rank + 1) * per)
+    wanted = {n: p.grad[rows] if n in ROWS else p.grad for n, p in dense.named_parameters()}
+    return {
+        "device": str(loss.device),
+        "loss": loss.item(),
+        "expected": expected.item(),
+        "gaps": {n: (p.grad - wanted[n]).abs().max().item() for n, p in split.named_parameters()},
+    }
+
+
+@pytest.mark.step(5)
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
+def test_split_model_on_cuda(kata, backend, world_size):
+    require_gpus(1)
+    results = run_world(
+        _on_cuda, world_size, backend=backend, env={"DOJO_DEVICE": "cuda"}, deadline=120
+    )
+    for rank, got in enumerate(results):
+        assert got["device"].startswith("cuda"), (
+            f"{backend} on CUDA, {world_size} rank(s): rank {rank}'s loss is on {got['device']}: "
+            "keep every tensor on the logits' device"
+        )
+        assert abs(got["loss"] - got["expected"]) <= 1e-5 * abs(got["expected"]), (
+            f"{backend} on CUDA, {world_size} rank(s): rank {rank}'s loss is {got['loss']:.6f}, "
+            f"one process's {got['expected']:.6f}"
+        )
+        name, gap = max(got["gaps"].items(), key=lambda item: item[1])
+        assert gap < 1e-5, (
+            f"{backend} on CUDA, {world_size} rank(s): rank {rank}'s gradient of {name} differs "
+            f"from one process's by up to {gap:.3g}"
+        )
