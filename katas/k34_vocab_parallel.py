@@ -386,7 +386,7 @@ def show_split(rank: int, world_size: int, args) -> dict:
 
 
 def _listed(calls) -> str:
-    return ", ".join(name for name, _ in calls) or "nothing"
+    return ", ".join(f"{name} {size:,}" for name, size in calls) or "nothing"
 
 
 def main(argv=None) -> int:
@@ -438,7 +438,10 @@ def main(argv=None) -> int:
         for way in ("forward", "backward"):
             sent, formula = sum(b for _, b in got[way]), got["formula"][way]
             bytes_right &= sent == formula
-            say(rank, f"{way}: {_listed(got[way])}: {sent:,} bytes (bytes_per_step: {formula:,})")
+            say(
+                rank,
+                f"{way}: {_listed(got[way])}: {sent:,} bytes in all (bytes_per_step: {formula:,})",
+            )
     first = results[0]
     say(
         None,
