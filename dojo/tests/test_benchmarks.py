@@ -274,8 +274,8 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd and fsdptp"
-    assert len(rows) == 11, f"expected the {names} rows in:\n{out}"
+    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd, fsdptp and vocab"
+    assert len(rows) == 12, f"expected the {names} rows in:\n{out}"
     # k28's needs a 2-D mesh, 4 ranks (k28's own test holds it against torch's there)
     mesh = next(row for row in rows if row.startswith("[main] k28"))
     assert "--world-size 4" in mesh, mesh
@@ -287,3 +287,20 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     if impl.current() == "solutions":
         wrong = [row for row in rows if "same weights" not in row]
         assert not wrong, "the references must end with torch's weights:\n" + "\n".join(wrong)
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world running DTensor: ~6 s on 2 cores
+def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
+    """`python -m benchmarks.parallel --only vocab` (k34's row), one step of a one-block model."""
+    result = run_program(
+        "benchmarks.parallel", "--impl", impl.current(), "--only", "vocab", "--steps", "1",
+        "--warmup", "0", "--dim", "32", "--blocks", "1", timeout=120,
+    )  # fmt: skip
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 1 and rows[0].startswith("[main] k34 VocabParallelLM vs loss_parallel"), (
+        f"expected k34's row alone in:\n{out}"
+    )
+    if impl.current() == "solutions":  # the embedding's sum, the loss's three, f's in backward
+        assert re.search(r"\d\.\d\dx +5 +\d+ +same weights", rows[0]), rows[0]
