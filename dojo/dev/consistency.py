@@ -273,7 +273,7 @@ def chinese_problems(kata: curriculum.Kata, stub: str | None = None) -> list[str
     if lesson and lacking:
         found.append(f"{where}: the lesson lacks the sections {', '.join(lacking)}")
     elif lesson:
-        found += [f"{where}: {p}" for p in run_it_problems(lesson.split("\n运行", 1)[-1])]
+        found += [f"{where}: {p}" for p in run_it_problems(lesson.split("\n运行\n", 1)[-1])]
     english_lesson = curriculum.lesson(kata, "en") or ""
     if lesson and _listed_steps(lesson, "步骤", "测试检查什么") != _listed_steps(
         english_lesson, "STEPS", "WHAT THE TESTS CHECK"
