@@ -119,7 +119,7 @@ WHAT THE TESTS CHECK
     256; and the program.
 
 RUN IT
-    python -m katas.k34_vocab_parallel --world-size 2 --vocab 32000
+    .venv/bin/python -m katas.k34_vocab_parallel --world-size 2 --vocab 32000
 """
 
 from __future__ import annotations
