@@ -274,8 +274,8 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd and fsdptp"
-    assert len(rows) == 11, f"expected the {names} rows in:\n{out}"
+    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd, fsdptp and ckpt"
+    assert len(rows) == 12, f"expected the {names} rows in:\n{out}"
     # k28's needs a 2-D mesh, 4 ranks (k28's own test holds it against torch's there)
     mesh = next(row for row in rows if row.startswith("[main] k28"))
     assert "--world-size 4" in mesh, mesh
@@ -287,3 +287,7 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     if impl.current() == "solutions":
         wrong = [row for row in rows if "same weights" not in row]
         assert not wrong, "the references must end with torch's weights:\n" + "\n".join(wrong)
+        # k32: beside the times, the activations each way keeps; the same bytes as torch's
+        checkpointed = next(row for row in rows if row.startswith("[main] k32"))
+        kept = re.search(r"activations kept ([\d,]+) B and ([\d,]+) B", checkpointed)
+        assert kept and kept.group(1) == kept.group(2), checkpointed
