@@ -111,6 +111,16 @@ def test_memory_benchmark_measures_what_the_formulas_say():
         assert len(saved) == 2, f"expected k20's and k25's 2-rank activation rows in:\n{out}"
         for row in saved:
             assert row.rsplit("|", 1)[1].strip() == "1.000", f"measured = formula:\n{row}"
+        from benchmarks.memory import CHECKPOINTING  # k32: what a block keeps, each way
+
+        kept = [
+            line for line in out.splitlines() if any(f"| {way} " in line for way in CHECKPOINTING)
+        ]
+        assert len(kept) == len(CHECKPOINTING), (
+            f"expected k32's {len(CHECKPOINTING)} rows in:\n{out}"
+        )
+        for row in kept:
+            assert row.rsplit("|", 1)[1].strip() in ("1.000", ""), f"measured = formula:\n{row}"
 
 
 def test_collectives_bus_factors_are_nccl_tests():
