@@ -33,6 +33,11 @@ backward in one transformer block on each rank (``saved_tensors_hooks``: every d
 the parameters aside), k20's tensor-parallel layout (LayerNorms and residual whole on every
 rank) against k25's (split along the sequence too), each beside its formula (k25's own
 ``activation_bytes``).
+
+A fourth measures activation checkpointing (k32) the same way, on one process: what one block
+keeps for backward without checkpointing, checkpointed (k32's ``checkpoint`` and
+``torch.utils.checkpoint``) and selectively (the linear layers' outputs kept: k32's and torch's
+``create_selective_checkpoint_contexts``), each beside k32's ``activation_bytes``.
 """
 
 from __future__ import annotations
@@ -322,6 +327,52 @@ def tp_formula(batch, length, dim, heads, ranks) -> int:
     return 4 * (4 * b * s * h + 4 * b * s + (8 * b * s * h + a * b * s * s) // n) + s * s
 
 
+# Activation checkpointing (k32): what one block keeps for backward, each way beside k32's formula.
+CHECKPOINTING = {  # way: (what k32's formula calls it, whose checkpoint, which outputs it keeps)
+    "no checkpointing": ("everything", None, None),
+    "checkpoint (k32)": ("input", "k32", ()),
+    "torch.utils.checkpoint": ("input", "torch", ()),
+    "selective, mm and addmm (k32)": ("matmuls", "k32", "linear"),
+    "selective, mm and addmm (torch's)": ("matmuls", "torch", "linear"),
+}
+
+
+def checkpointing_rows(impl_name: str, batch: int, length: int, dim: int, seed: int) -> list:
+    """(way, measured bytes or None where this torch cannot show them, formula) per way."""
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    k32 = importlib.import_module(f"{impl_name}.k32_activation_checkpointing")
+    k25 = importlib.import_module(f"{impl_name}.k25_sequence_parallel")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        block = Block(dim)
+    x = torch.randn(batch, length, dim, generator=torch.Generator().manual_seed(seed + 1))
+    x.requires_grad_()
+    respects = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    found = []
+    for way, (keep, whose, save) in CHECKPOINTING.items():
+        ops = list(k32.LINEAR_MATMULS) if save == "linear" else []
+        formula = k32.activation_bytes(batch, length, dim, 4, keep)
+        if whose is None:
+            run = functools.partial(block, x)
+        elif whose == "k32":
+            run = functools.partial(k32.checkpoint, block, x, save=tuple(ops))
+        elif ops and not respects:  # this torch keeps its selected outputs out of the hooks' sight
+            found.append((way, None, formula))
+            continue
+        else:
+            options = {"use_reentrant": False}
+            if ops:
+                options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, ops)
+                options["respect_saved_tensors_hooks"] = True
+            run = functools.partial(checkpoint, block, x, **options)
+        _, saved = k25.saved_activation_bytes(run, block)
+        found.append((way, saved, formula))
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -429,6 +480,24 @@ def main(argv=None) -> int:
                 f"{world_size:>5} | {way:<34} | {_kib(measured):>12} | {_kib(formula):>12} | "
                 f"{measured / formula:.3f}",
             )
+    say(
+        None,
+        f"activation checkpointing (k32 from {args.impl}/): the activations one block (width "
+        f"{args.dim}, 4 heads) keeps for backward, {SP_BATCH} sequences of {SP_LENGTH} positions, "
+        "fp32, one process, measured (autograd's saved tensors) and by k32's formula",
+    )
+    say(None, f"{'':>5} | {'way':<34} | {'measured':>12} | {'formula':>12} | measured/formula")
+    for way, measured, formula in checkpointing_rows(
+        args.impl, SP_BATCH, SP_LENGTH, args.dim, args.seed
+    ):
+        if measured is None:
+            say(None, f"{'':>5} | {way:<34} | {'torch 2.14+':>12} | {_kib(formula):>12} |")
+            continue
+        say(
+            None,
+            f"{'':>5} | {way:<34} | {_kib(measured):>12} | {_kib(formula):>12} | "
+            f"{measured / formula:.3f}",
+        )
     return 0
 
 

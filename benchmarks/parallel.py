@@ -1,4 +1,4 @@
-"""Benchmark: a training step of each Part IV and VI kata against torch's own, on one world.
+"""Benchmark: a training step of each Part IV, VI and VII kata against torch's own, on one world.
 
     python -m benchmarks.parallel                      # katas/ (yours), 2 ranks, gloo on CPU
     python -m benchmarks.parallel --impl solutions     # the reference implementations
@@ -32,6 +32,10 @@ same data and the same seeds:
     vocab  k34's VocabParallelLM + SGD (the     parallelize_module(RowwiseParallel embedding,
            TinyTransformer, a vocabulary of     ColwiseParallel output on Shard(-1)) +
            16 384 split over the ranks)         F.cross_entropy under loss_parallel + SGD
+    ckpt   DDP, every block through k32's      DDP, every block through torch.utils.checkpoint
+           checkpoint + SGD                     (use_reentrant=False) + SGD; beside the times
+                                                the activation bytes each way keeps (measured
+                                                in an untimed step, saved_tensors_hooks)
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
@@ -88,6 +92,7 @@ KATAS = {
     "powersgd": ("k30_compressed_gradients", "powersgd_hook", "powerSGD_hook"),
     "fsdptp": ("k28_fsdp_tp", "FsdpTpTransformer", "fully_shard x parallelize"),
     "vocab": ("k34_vocab_parallel", "VocabParallelLM", "loss_parallel"),
+    "ckpt": ("k32_activation_checkpointing", "checkpoint", "torch.utils.checkpoint"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -703,6 +708,71 @@ def _vocab(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return step_yours, step_theirs, same
 
 
+class _Through(nn.Module):
+    """``block`` run as ``checkpoint(block, x)`` says: a way of checkpointing, one block."""
+
+    def __init__(self, block: nn.Module, checkpoint: Callable):
+        super().__init__()
+        self.block = block
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpoint(self.block, x)
+
+
+def _ckpt(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.checkpoint import checkpoint
+
+    def torchs(block, x):
+        return checkpoint(block, x, use_reentrant=False)
+
+    rank = dist.get_rank()
+    models = [_model(args), _model(args)]
+    for model, way in zip(models, (kata.checkpoint, torchs)):
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = _Through(block, way)
+    wrapped = [DistributedDataParallel(model) for model in models]
+    optimizers = [torch.optim.SGD(ddp.parameters(), lr=LR) for ddp in wrapped]
+
+    def way(index: int) -> Way:
+        def step(number: int) -> None:
+            optimizers[index].zero_grad()
+            tokens, targets = _batch(args, number, rank)
+            transformer_loss(wrapped[index](tokens), targets).backward()
+            optimizers[index].step()
+
+        step.model = models[index]  # for _saved_bytes
+        return step
+
+    def same() -> bool:
+        return all(
+            torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters())
+        )
+
+    return way(0), way(1), same
+
+
+SAVED = ("ckpt",)  # rows that show the activation bytes each way keeps for backward
+
+
+def _saved_bytes(way: Way, number: int) -> int:
+    """The bytes of the distinct storages autograd saves in one step of ``way`` (what
+    saved-tensor hooks see), its model's parameters aside: what forward keeps for backward."""
+    params = {p.untyped_storage().data_ptr() for p in way.model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        way(number)
+    return sum(saved.values())
+
+
 COMPARISONS = {
     "zero": _zero,
     "fsdp": _fsdp,
@@ -716,6 +786,7 @@ COMPARISONS = {
     "powersgd": _powersgd,
     "fsdptp": _fsdptp,
     "vocab": _vocab,
+    "ckpt": _ckpt,
 }
 
 
@@ -742,6 +813,9 @@ def _bench_rank(rank: int, world_size: int, impl_name: str, names: list[str], ar
                 "calls": calls,
                 "same": same(),
             }
+            if name in SAVED:
+                number = args.warmup + args.steps + 1
+                rows[name]["saved"] = [_saved_bytes(way, number) for way in (yours, theirs)]
         except KataTodo as todo:  # every rank reaches the same unwritten step
             rows[name] = {"todo": str(todo)}
         except Skip as skip:
@@ -784,9 +858,12 @@ def _format_row(name: str, row: dict) -> str:
     ratio = row["theirs"] / row["yours"]
     verdict = "same weights" if row["same"] else "WRONG: the weights differ"
     calls = f"{row['calls'][0]:>5} {row['calls'][1]:>5}"
+    saved = ""
+    if "saved" in row:
+        saved = f"; activations kept {row['saved'][0]:,} B and {row['saved'][1]:,} B"
     return (
         f"{label:<58} {row['yours'] * 1e3:8.2f} ms {row['theirs'] * 1e3:8.2f} ms "
-        f"{ratio:6.2f}x {calls}  {verdict} (median of {row['runs']} steps)"
+        f"{ratio:6.2f}x {calls}  {verdict} (median of {row['runs']} steps){saved}"
     )
 
 
@@ -851,7 +928,7 @@ def main(argv=None) -> int:
         parser.error(f"--dim {args.dim} must divide by 4 heads x {args.world_size} ranks")
     say(
         None,
-        f"one training step, Part IV and VI katas from {args.impl}/ against torch's own, "
+        f"one training step, Part IV, VI and VII katas from {args.impl}/ against torch's own, "
         f"{args.world_size} ranks, gloo on cpu; a TinyTransformer of {args.blocks} blocks of width "
         f"{args.dim} (tp: its MLP alone; pp: the toy width {MODEL_DIM}, {args.micro_batches} micro-batches; sp: one block, {SP_LENGTH} positions; cp: attention over {CP_LENGTH} tokens), {args.batch} sequences per rank; each time the median "
         f"of {args.steps} steps (x: torch's time / yours), collectives per step counted",

@@ -111,6 +111,16 @@ def test_memory_benchmark_measures_what_the_formulas_say():
         assert len(saved) == 2, f"expected k20's and k25's 2-rank activation rows in:\n{out}"
         for row in saved:
             assert row.rsplit("|", 1)[1].strip() == "1.000", f"measured = formula:\n{row}"
+        from benchmarks.memory import CHECKPOINTING  # k32: what a block keeps, each way
+
+        kept = [
+            line for line in out.splitlines() if any(f"| {way} " in line for way in CHECKPOINTING)
+        ]
+        assert len(kept) == len(CHECKPOINTING), (
+            f"expected k32's {len(CHECKPOINTING)} rows in:\n{out}"
+        )
+        for row in kept:
+            assert row.rsplit("|", 1)[1].strip() in ("1.000", ""), f"measured = formula:\n{row}"
 
 
 def test_collectives_bus_factors_are_nccl_tests():
@@ -274,8 +284,8 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd, fsdptp and vocab"
-    assert len(rows) == 12, f"expected the {names} rows in:\n{out}"
+    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd, fsdptp, vocab and ckpt"
+    assert len(rows) == 13, f"expected the {names} rows in:\n{out}"
     # k28's needs a 2-D mesh, 4 ranks (k28's own test holds it against torch's there)
     mesh = next(row for row in rows if row.startswith("[main] k28"))
     assert "--world-size 4" in mesh, mesh
@@ -304,3 +314,7 @@ def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
     )
     if impl.current() == "solutions":  # the embedding's sum, the loss's three, f's in backward
         assert re.search(r"\d\.\d\dx +5 +\d+ +same weights", rows[0]), rows[0]
+        # k32: beside the times, the activations each way keeps; the same bytes as torch's
+        checkpointed = next(row for row in rows if row.startswith("[main] k32"))
+        kept = re.search(r"activations kept ([\d,]+) B and ([\d,]+) B", checkpointed)
+        assert kept and kept.group(1) == kept.group(2), checkpointed
