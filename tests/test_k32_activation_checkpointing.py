@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, run_world
-from dojo.spec.testing import refusal, require_gpus, run_program, shared_run
+from dojo.spec.testing import needs_torch, refusal, require_gpus, run_program, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import Block, make_tokens, make_transformer, transformer_loss
 
@@ -125,15 +125,6 @@ def _sac_respects_hooks() -> bool:
     return "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
 
 
-def _need_sac_hooks() -> None:
-    if not _sac_respects_hooks():
-        pytest.skip(
-            f"torch {torch.__version__}'s selective checkpoint keeps its outputs out of sight of "
-            "saved_tensors_hooks (respect_saved_tensors_hooks came in torch 2.14): this "
-            "measure needs that torch"
-        )
-
-
 def _torch_way(save=None, preserve: bool = False):
     """torch.utils.checkpoint's way of running ``function(*args)``: full (save None) or
     selective, keeping ``save``'s outputs (seen by saved-tensor hooks where torch can)."""
@@ -145,7 +136,7 @@ def _torch_way(save=None, preserve: bool = False):
             options["context_fn"] = functools.partial(
                 create_selective_checkpoint_contexts, list(save)
             )
-            if _sac_respects_hooks():
+            if _sac_respects_hooks():  # from torch 2.14 on (NEWER_TORCH says so)
                 options["respect_saved_tensors_hooks"] = True
         return checkpoint(function, *args, **options)
 
@@ -217,10 +208,15 @@ def _why(got: int, batch: int, sequence: int, dim: int, keep: str) -> str:
 
 
 @pytest.mark.step(1)
-@pytest.mark.parametrize("keep", ["everything", "input", "matmuls"])
+@pytest.mark.parametrize(
+    "keep",
+    [
+        "everything",
+        "input",
+        pytest.param("matmuls", marks=needs_torch("selective checkpoint seen by hooks")),
+    ],
+)
 def test_activation_bytes_is_what_torchs_ways_keep(kata, keep):
-    if keep == "matmuls":
-        _need_sac_hooks()
     way = {
         "everything": "the Block without checkpointing",
         "input": "the Block under torch.utils.checkpoint(use_reentrant=False)",

@@ -348,6 +348,12 @@ NEWER_TORCH = {
         "k08",
         "all_to_all_rows: dist.all_to_all (lists of tensors) on gloo",
     ),
+    "selective checkpoint seen by hooks": (
+        "2.14",
+        "k32",
+        "torch's selective checkpoint measured by saved_tensors_hooks "
+        "(checkpoint's respect_saved_tensors_hooks)",
+    ),
 }
 
 
