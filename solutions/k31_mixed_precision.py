@@ -150,9 +150,11 @@ def check_reduce_dtype(reduce_dtype: object, group=None) -> None:
     if reduce_dtype not in REDUCE_DTYPES:
         backend = dist.get_backend(group) if dist.is_initialized() else "the backend"
         raise ValueError(
-            f"cannot reduce gradients in {reduce_dtype}: {backend} sums only "
-            f"{', '.join(map(str, REDUCE_DTYPES))}. Reduce in torch.float32 (exact for 16-bit "
-            "gradients on 2 ranks, 4 bytes a value) or torch.bfloat16 (2 bytes, rounded)"
+            f"cannot reduce gradients in {reduce_dtype}: reduce_dtype must be one of "
+            f"{', '.join(map(str, REDUCE_DTYPES))}, the floating dtypes {backend} sums (float8 "
+            "it refuses; an integer sum would truncate the gradients). Reduce in torch.float32 "
+            "(exact for two ranks' 16-bit gradients, 4 bytes a value) or torch.bfloat16 (2 "
+            "bytes, rounded)"
         )
 
 
@@ -211,8 +213,9 @@ class LossScaler:
         whether any rank of the group found an inf or a nan in its own (``self.found_inf``)."""
         if self.found_inf is not None:
             raise RuntimeError(
-                "unscale_() was called twice in one step: call it at most once, before step(); "
-                "update() starts the next step"
+                "unscale_() was called while this step already has its verdict (self.found_inf "
+                "is not None): call it at most once a step, before step(); update() ends each "
+                "step by setting self.found_inf to None"
             )
         # BEGIN STEP 1: the loss scale: scale, unscale, skip, back off, grow
         # TODO: every gradient of the optimizer's parameters (param_groups) divided by the scale
@@ -589,13 +592,14 @@ def _fully_shard(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch
     return fully_shard(model, mp_policy=policy, reshard_after_forward=False)
 
 
-def show_loss_scale(rank: int, world_size: int, args) -> list[tuple[float, bool, float]]:
-    """fp16 on every rank: MasterWeights, a LossScaler, the gradients reduced in fp32. Each
-    step's (scale, stepped, loss)."""
+def show_loss_scale(rank: int, world_size: int, args) -> tuple[float, list]:
+    """fp16 on every rank: MasterWeights, a LossScaler, the gradients reduced in fp32. A loss of
+    1.0 scaled in fp16, and each step's (scale, stepped, loss)."""
     device = rank_device()
+    scaler = LossScaler(init_scale=args.init_scale, growth_interval=args.growth_interval)
+    in_fp16 = scaler.scale(torch.ones((), dtype=torch.float16, device=device)).item()
     mixed = MasterWeights(make_transformer(args.seed).to(device), torch.float16)
     optimizer = torch.optim.AdamW(mixed.masters, lr=args.lr)
-    scaler = LossScaler(init_scale=args.init_scale, growth_interval=args.growth_interval)
     log = []
     for step in range(args.steps):
         tokens, targets = (t.to(device) for t in make_tokens(4, 1000 * step + rank))
@@ -608,7 +612,7 @@ def show_loss_scale(rank: int, world_size: int, args) -> list[tuple[float, bool,
         optimizer.zero_grad()
         mixed.masters_to_model()
         log.append((scale, stepped, loss.item()))
-    return log
+    return in_fp16, log
 
 
 def show_reduction(rank: int, world_size: int, args) -> dict:
@@ -690,11 +694,16 @@ def main(argv=None) -> int:
     launch = functools.partial(launch_world, backend=args.backend, device=args.device)
     size = args.world_size
     say(None, f"1. fp16 on {size} ranks: MasterWeights, LossScaler, gradients reduced in fp32")
-    log = launch(show_loss_scale, size, args)[0]
+    in_fp16, log = launch(show_loss_scale, size, args)[0]
+    say(
+        None,
+        f"  an fp16 loss of 1.0 times the scale {args.init_scale:,.0f} is {in_fp16:g} (fp16 stops "
+        "at 65504): the loss is taken in fp32, the model's output cast up",
+    )
     say(None, f"  {'step':>4} {'scale':>10} {'loss':>7}  what happened")
     for step, (scale, stepped, loss) in enumerate(log):
         what = "stepped" if stepped else "inf or nan in a gradient: step skipped, scale halved"
-        say(None, f"  {step + 1:>4} {scale:>10g} {loss:>7.3f}  {what}")
+        say(None, f"  {step + 1:>4} {scale:>10,.0f} {loss:>7.3f}  {what}")
     say(None, f"2. the same bf16 gradients of {size} ranks, reduced in fp32 and in bf16")
     reduced = launch(show_reduction, size, args)[0]
     for dtype, (error, sent) in reduced.items():
