@@ -458,7 +458,9 @@ class MixedPrecisionFSDP(nn.Module):
         found = {}
         for unit in self.units:
             shard = unit["shard"].detach()
-            full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype)
+            full = torch.empty(
+                shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device
+            )
             all_gather_flat(full, shard, self.process_group)
             offset = 0
             for name, shape in zip(unit["names"], unit["shapes"]):
