@@ -642,6 +642,9 @@ def _reductions(rank, world_size):
 _two_ranks = shared_run(lambda: run_world(_reductions, 2, deadline=60))
 
 
+LABELS = {"fully_shard": "fully_shard", "ddp": "DDP on the bf16 model"}
+
+
 def check_reduction(dtype, torchs: str, results):
     name = _name(dtype)
     where = f"reduce_gradients(torch.{name}) on 2 ranks (the TinyTransformer's bf16 gradients)"
@@ -682,7 +685,7 @@ def check_reduction(dtype, torchs: str, results):
                     "the mean must reach the master as the fp32 reduction gave it"
                 )
             raise AssertionError(
-                f"{where}: rank {rank}'s {param_name} differs from {torchs}'s reduced gradient "
+                f"{where}: rank {rank}'s {param_name} differs from {LABELS[torchs]}'s gradient "
                 f"by up to {_gap(ours, theirs):.3g}: each master's gradient is the sum over the "
                 f"group of the model's gradients in {name}, divided by the group's size"
             )
