@@ -641,7 +641,7 @@ MISTAKES = [
 
 RIGHT_ANSWERS = [
     RightAnswer("ScalerLikeTorchs", replaces="LossScaler"),
-    RightAnswer("cast_with_a_loop", replaces="cast_inputs", steps=(2, 4)),
+    RightAnswer("cast_with_a_loop", replaces="cast_inputs"),
     RightAnswer("MastersInOneBuffer", replaces="MasterWeights", steps=(2, 3)),
     RightAnswer("ReducedTensorByTensor", replaces="MasterWeights", steps=(3,)),
     RightAnswer("gather_into_a_list", replaces="gather_in"),
