@@ -57,6 +57,11 @@ THE IDEA
         shard (fp32, 1/N) --cast--> bf16 --all-gather--> full bf16 --> forward, backward
         shard.grad (fp32) <--/ N-- reduce-scatter in fp32 <--cast-- full gradient (bf16)
 
+    fully_shard shards each parameter on its first dimension, padded to a multiple of N; one
+    flat vector a unit pads once. On 2 ranks the bytes are the same; on 3 the program measures
+    16,602 bytes gathered a step by fully_shard and 15,306 by MixedPrecisionFSDP, and the same
+    weights after training, bitwise.
+
     Memory per parameter (the ZeRO paper's count, Adam): bf16 weights 2 + bf16 gradients 2 +
     fp32 master, m and v 12 = 16 bytes, as many as fp32 training's (4 + 4 + 8): mixed precision
     saves activations, compute and bytes on the wire, not the weights' memory. Sharding does:
