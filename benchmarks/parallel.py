@@ -29,6 +29,9 @@ same data and the same seeds:
     fsdptp k28's FsdpTpTransformer on a        fully_shard(mesh["dp"]) over parallelize_module
            (world / 2) x 2 mesh + SGD           (mesh["tp"]) of one init_device_mesh + SGD
            (4 ranks or more: --world-size 4)
+    vocab  k34's VocabParallelLM + SGD (the     parallelize_module(RowwiseParallel embedding,
+           TinyTransformer, a vocabulary of     ColwiseParallel output on Shard(-1)) +
+           16 384 split over the ranks)         F.cross_entropy under loss_parallel + SGD
     mp     k31's MixedPrecisionFSDP + AdamW     fully_shard(mp_policy=MixedPrecisionPolicy(
            (bf16 gathers, fp32 reduce-scatters,  param_dtype=bf16, reduce_dtype=fp32)) + AdamW,
            a unit per block and the model's)     the same units, reshard_after_forward=False
@@ -87,6 +90,7 @@ KATAS = {
     "fp16": ("k30_compressed_gradients", "fp16_hook", "fp16_compress_hook"),
     "powersgd": ("k30_compressed_gradients", "powersgd_hook", "powerSGD_hook"),
     "fsdptp": ("k28_fsdp_tp", "FsdpTpTransformer", "fully_shard x parallelize"),
+    "vocab": ("k34_vocab_parallel", "VocabParallelLM", "loss_parallel"),
     "mp": ("k31_mixed_precision", "MixedPrecisionFSDP", "fully_shard MixedPrecisionPolicy"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
@@ -635,6 +639,72 @@ def _fsdptp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return step_yours, step_theirs, same
 
 
+VP_VOCAB = 16_384  # the vocab row's words: 8 192 a rank on 2 ranks
+
+
+def _vocab(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    size = dist.get_world_size()
+    if VP_VOCAB % size:
+        raise Skip(f"{VP_VOCAB} words do not split over {size} ranks")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            loss_parallel,
+            parallelize_module,
+        )
+    except ImportError as error:
+        raise Skip(f"this torch has no loss_parallel ({error})") from None
+    device = rank_device()
+
+    def dense() -> TinyTransformer:
+        torch.manual_seed(args.seed)
+        return TinyTransformer(args.blocks, args.dim, VP_VOCAB).to(device)
+
+    yours = kata.VocabParallelLM(dense())
+    mesh = init_device_mesh(device.type, (size,))
+    plan = {
+        "embedding": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    theirs = parallelize_module(dense(), mesh, plan)
+    optimizers = [
+        torch.optim.SGD(yours.parameters(), lr=LR),
+        torch.optim.SGD(theirs.parameters(), lr=LR),
+    ]
+
+    def tokens(number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # tensor parallel: every rank reads the same tokens
+        generator = torch.Generator().manual_seed(number)
+        stream = torch.randint(0, VP_VOCAB, (args.batch, 9), generator=generator).to(device)
+        return stream[:, :-1], stream[:, 1:]
+
+    def step_yours(number: int) -> None:
+        optimizers[0].zero_grad()
+        yours(*tokens(number)).backward()
+        optimizers[0].step()
+
+    def step_theirs(number: int) -> None:
+        optimizers[1].zero_grad()
+        inputs, targets = tokens(number)
+        logits = theirs(inputs)
+        with loss_parallel():  # backward must run inside it too
+            nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        optimizers[1].step()
+
+    def same() -> bool:
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        mine = dict(yours.named_parameters())
+        return all(
+            torch.allclose(mine[name], local(param), **TOLERANCE)
+            for name, param in theirs.named_parameters()
+        )
+
+    return step_yours, step_theirs, same
 def _mp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -685,6 +755,7 @@ COMPARISONS = {
     "fp16": _fp16,
     "powersgd": _powersgd,
     "fsdptp": _fsdptp,
+    "vocab": _vocab,
     "mp": _mp,
 }
 

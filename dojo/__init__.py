@@ -35,7 +35,13 @@ kata's own program)
     plugin     the pytest plugin (``kata``/``world`` fixtures, "not implemented yet" reports)
     report     what a learner sees of a failed test
     testing    running a kata's program, shared runs, free ports, GPU skips, bad-input probes
-    states     model and optimizer states moved to the CPU and compared
+    states     model and optimizer states (and tensors) moved to the CPU and compared
+    checkpoints what k15 and k16 hold a training's written and loaded state to, in their words
+    collectives process groups and the collectives recorded on them, in the specs' words
+    cuda       worlds on CUDA for the GPU tests: run_world's options, a rank's GPU
+    pipelines  what k21's and k27's specs share: micro-batches, a stage's place, a stuck schedule
+    wrappers   what k12's and k13's specs ask of any hand-made DDP wrapper
+    traces     a rank's own trace of its calls, written as it goes and read back by the test
     hosts      fake hosts: network namespaces with their own addresses (root, Linux)
 
 ``runner/``: the ``dojo`` command (learners and instructors); nothing outside it imports it but

@@ -37,7 +37,7 @@ WHAT THE TESTS CHECK
     order, leaves no process behind, and names the rank that raised.
 
 RUN IT
-    python -m katas.k01_spawn --world-size 4
+    .venv/bin/python -m katas.k01_spawn --world-size 4
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ WHAT THE TESTS CHECK
     side by side on two ports that do not mix; and the program below.
 
 RUN IT
-    python -m katas.k02_init_group --world-size 4      (the tutorial's multiprocess_comm.py;
+    .venv/bin/python -m katas.k02_init_group --world-size 4      (the tutorial's multiprocess_comm.py;
     it starts its ranks with your k01 launch)
 """
 

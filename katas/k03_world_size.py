@@ -45,8 +45,8 @@ WHAT THE TESTS CHECK
     still forms and all-reduces.
 
 RUN IT
-    python -m katas.k03_world_size             (4 processes, world size 2: fails, as the tutorial's)
-    python -m katas.k03_world_size --fewer     (world size 4, 2 processes)
+    .venv/bin/python -m katas.k03_world_size             (4 processes, world size 2: fails, as the tutorial's)
+    .venv/bin/python -m katas.k03_world_size --fewer     (world size 4, 2 processes)
 """
 
 from __future__ import annotations

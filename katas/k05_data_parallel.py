@@ -61,7 +61,7 @@ WHAT THE TESTS CHECK
     and saves its loss curve.
 
 RUN IT
-    python -m katas.k05_data_parallel --world-size 4 --epochs 3     (saves k05_loss_curve.png)
+    .venv/bin/python -m katas.k05_data_parallel --world-size 4 --epochs 3     (saves k05_loss_curve.png)
 """
 
 from __future__ import annotations

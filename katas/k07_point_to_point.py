@@ -71,7 +71,7 @@ WHAT THE TESTS CHECK
     one rank, zero rounds, an empty strip) raise ``ValueError``.
 
 RUN IT
-    python -m katas.k07_point_to_point --world-size 4
+    .venv/bin/python -m katas.k07_point_to_point --world-size 4
 """
 
 from __future__ import annotations

@@ -87,9 +87,9 @@ WHAT THE TESTS CHECK
     passed in holds the sum (in place, like ``dist.all_reduce``).
 
 RUN IT
-    python -m katas.k09_ring_allreduce --world-size 4
-    python -m benchmarks.allreduce          # your ring against gloo's all_reduce, 4 KB to 64 MB
-    python -m dojo trace k09                # your ring as a timeline: traces/k09/*.png and .json
+    .venv/bin/python -m katas.k09_ring_allreduce --world-size 4
+    .venv/bin/python -m benchmarks.allreduce          # your ring against gloo's all_reduce, 4 KB to 64 MB
+    .venv/bin/python -m dojo trace k09                # your ring as a timeline: traces/k09/*.png and .json
 
     The timeline draws one lane per rank and one bar per torch.distributed call, an arrow from
     each send to its recv, and above the calls a strip per part of the program (the program

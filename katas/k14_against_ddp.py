@@ -74,7 +74,7 @@ WHAT THE TESTS CHECK
     does not; on GPUs, torch's own ``nn.SyncBatchNorm`` and NCCL too; the program.
 
 RUN IT
-    python -m katas.k14_against_ddp --world-size 2 --steps 5
+    .venv/bin/python -m katas.k14_against_ddp --world-size 2 --steps 5
 """
 
 from __future__ import annotations

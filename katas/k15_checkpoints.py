@@ -89,8 +89,8 @@ WHAT THE TESTS CHECK
     program shows it all.
 
 RUN IT
-    python -m katas.k15_checkpoints                     (2 ranks: uninterrupted, crashed, resumed)
-    python -m katas.k15_checkpoints --show-the-hang     (the classic hang, and its report)
+    .venv/bin/python -m katas.k15_checkpoints                     (2 ranks: uninterrupted, crashed, resumed)
+    .venv/bin/python -m katas.k15_checkpoints --show-the-hang     (the classic hang, and its report)
 """
 
 from __future__ import annotations

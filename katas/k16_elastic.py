@@ -69,9 +69,9 @@ WHAT THE TESTS CHECK
     no agent or worker is left running.
 
 RUN IT
-    python -m katas.k16_elastic                  (torchrun, a fault, a restart; then the check)
-    python -m katas.k16_elastic --no-fault       (the same without the fault)
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m katas.k16_elastic --fault 1:1:2
+    .venv/bin/python -m katas.k16_elastic                  (torchrun, a fault, a restart; then the check)
+    .venv/bin/python -m katas.k16_elastic --no-fault       (the same without the fault)
+    .venv/bin/torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m katas.k16_elastic --fault 1:1:2
         (by hand: the workers keep ./k16_snapshot.pt and its .fault-fired marker; delete both
         to start again)
     Across hosts (--nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400), where a host may

@@ -116,8 +116,8 @@ WHAT THE TESTS CHECK
     on the same model, units and data; and the program.
 
 RUN IT
-    python -m katas.k19_fsdp --world-size 2 --steps 3
-    python -m katas.k19_fsdp --units layers --no-prefetch     # or --keep
+    .venv/bin/python -m katas.k19_fsdp --world-size 2 --steps 3
+    .venv/bin/python -m katas.k19_fsdp --units layers --no-prefetch     # or --keep
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ WHAT THE TESTS CHECK
     ``checked`` on NCCL (a world of 1) and on gloo with CUDA tensors.
 
 RUN IT
-    python -m katas.k23_hangs --world-size 4 --skip-rank 3 --mismatch-rank 2
-    TORCH_DISTRIBUTED_DEBUG=DETAIL python -m katas.k23_hangs --unchecked
+    .venv/bin/python -m katas.k23_hangs --world-size 4 --skip-rank 3 --mismatch-rank 2
+    TORCH_DISTRIBUTED_DEBUG=DETAIL .venv/bin/python -m katas.k23_hangs --unchecked
 """
 
 from __future__ import annotations

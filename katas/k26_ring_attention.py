@@ -110,8 +110,8 @@ WHAT THE TESTS CHECK
     agrees with one process to rounding (1e-10 allowed), and any real mistake is far larger.
 
 RUN IT
-    python -m katas.k26_ring_attention --world-size 4
-    python -m katas.k26_ring_attention --world-size 4 --split balanced --length 2048 \\
+    .venv/bin/python -m katas.k26_ring_attention --world-size 4
+    .venv/bin/python -m katas.k26_ring_attention --world-size 4 --split balanced --length 2048 \\
         --heads 4 --dim 32 --trace traces/k26                              # the timeline
 
     The program runs the naive and the balanced split (--split: one of them), forward and

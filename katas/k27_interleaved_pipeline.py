@@ -89,9 +89,9 @@ WHAT THE TESTS CHECK
     run for real equal to one process and to torch's ScheduleInterleavedZeroBubble; the program.
 
 RUN IT
-    python -m katas.k27_interleaved_pipeline --world-size 2 --chunks 2 --micro-batches 4
-    python -m katas.k27_interleaved_pipeline --schedule zero-bubble --chunks 1
-    python -m dojo trace k27 --world-size 4 --chunks 2 --micro-batches 8
+    .venv/bin/python -m katas.k27_interleaved_pipeline --world-size 2 --chunks 2 --micro-batches 4
+    .venv/bin/python -m katas.k27_interleaved_pipeline --schedule zero-bubble --chunks 1
+    .venv/bin/python -m dojo trace k27 --world-size 4 --chunks 2 --micro-batches 8
 
     The trace names every compute span F<chunk>.<i>, B<chunk>.<i>, W<chunk>.<i>. The reference's
     are docs/timelines/k27_interleaved.png and docs/timelines/k27_zero_bubble.png (4 ranks, 8

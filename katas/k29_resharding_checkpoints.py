@@ -99,8 +99,8 @@ WHAT THE TESTS CHECK
     one, gives the same values. On a GPU machine, slices saved from cuda:0 load on the CPU.
 
 RUN IT
-    python -m katas.k29_resharding_checkpoints                 (save on 4 ranks, resume on 2)
-    python -m katas.k29_resharding_checkpoints --save-world 2 --load-world 3
+    .venv/bin/python -m katas.k29_resharding_checkpoints                 (save on 4 ranks, resume on 2)
+    .venv/bin/python -m katas.k29_resharding_checkpoints --save-world 2 --load-world 3
 """
 
 from __future__ import annotations

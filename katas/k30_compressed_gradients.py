@@ -104,7 +104,7 @@ WHAT THE TESTS CHECK
     on CUDA; the program.
 
 RUN IT
-    python -m katas.k30_compressed_gradients --world-size 2 --steps 60
+    .venv/bin/python -m katas.k30_compressed_gradients --world-size 2 --steps 60
 """
 
 import argparse

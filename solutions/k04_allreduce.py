@@ -48,7 +48,7 @@ WHAT THE TESTS CHECK
     instead of ``.grad``, only some parameters, ranks that disagree, a rank that skips the call).
 
 RUN IT
-    python -m katas.k04_allreduce --world-size 4       (add --op max to try another op)
+    .venv/bin/python -m katas.k04_allreduce --world-size 4       (add --op max to try another op)
 """
 
 from __future__ import annotations

@@ -76,12 +76,12 @@ WHAT THE TESTS CHECK
     with the message it ends in.
 
 RUN IT
-    python -m katas.k06_multi_node --nproc-per-node 4         (one node, four processes)
+    .venv/bin/python -m katas.k06_multi_node --nproc-per-node 4         (one node, four processes)
     two terminals on one machine:
-    python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-port 29500
-    python -m katas.k06_multi_node --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-port 29500
+    .venv/bin/python -m katas.k06_multi_node --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-port 29500
+    .venv/bin/python -m katas.k06_multi_node --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-port 29500
     two hosts, A at 192.168.1.10 and B (the same line on both, with its own --node-rank):
-    GLOO_SOCKET_IFNAME=eth0 python -m katas.k06_multi_node --nnodes 2 --node-rank 0 \\
+    GLOO_SOCKET_IFNAME=eth0 .venv/bin/python -m katas.k06_multi_node --nnodes 2 --node-rank 0 \\
         --nproc-per-node 2 --master-addr 192.168.1.10 --master-port 29500
     add --train to train kata k05's model across all the ranks after the check.
 """

@@ -75,7 +75,7 @@ WHAT THE TESTS CHECK
     members) raise ``ValueError``.
 
 RUN IT
-    python -m katas.k08_collectives --world-size 4
+    .venv/bin/python -m katas.k08_collectives --world-size 4
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ WHAT THE TESTS CHECK
     by your sampler, which must match a reference run fed by DistributedSampler.
 
 RUN IT
-    python -m katas.k10_sharding --world-size 4 --dataset-size 10 [--drop-last] [--no-shuffle]
+    .venv/bin/python -m katas.k10_sharding --world-size 4 --dataset-size 10 [--drop-last] [--no-shuffle]
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ WHAT THE TESTS CHECK
     micro-batch (correct, but k times the traffic).
 
 RUN IT
-    python -m katas.k11_grad_accumulation --world-size 2 --steps 5
+    .venv/bin/python -m katas.k11_grad_accumulation --world-size 2 --steps 5
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ WHAT THE TESTS CHECK
     DDP with its own ``no_sync``. Bad arguments raise ValueError.
 
 RUN IT
-    python -m katas.k12_ddp_overlap --world-size 2 --model tied
+    .venv/bin/python -m katas.k12_ddp_overlap --world-size 2 --model tied
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ WHAT THE TESTS CHECK
     interrupted ``no_sync``; and the program.
 
 RUN IT
-    python -m katas.k13_buckets --world-size 2 --cap-mb 0.3 --steps 3
+    .venv/bin/python -m katas.k13_buckets --world-size 2 --cap-mb 0.3 --steps 3
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ WHAT THE TESTS CHECK
     its size; and the program.
 
 RUN IT
-    python -m katas.k17_rank_grids --world-size 6 --data-parallel 2
+    .venv/bin/python -m katas.k17_rank_grids --world-size 6 --data-parallel 2
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ WHAT THE TESTS CHECK
     closure's loss; ``add_param_group`` after construction; ``zero_grad``; and the program.
 
 RUN IT
-    python -m katas.k18_zero --world-size 2 --steps 3
+    .venv/bin/python -m katas.k18_zero --world-size 2 --steps 3
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ WHAT THE TESTS CHECK
     mesh; and the program.
 
 RUN IT
-    python -m katas.k20_tensor_parallel --world-size 2
+    .venv/bin/python -m katas.k20_tensor_parallel --world-size 2
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ WHAT THE TESTS CHECK
     (p-1)/(m+p-1); a schedule that waits for ever; the program.
 
 RUN IT
-    python -m katas.k21_pipeline --world-size 2 --schedule 1f1b --micro-batches 4
-    python -m dojo trace k21 --world-size 4 --schedule gpipe --micro-batches 8
+    .venv/bin/python -m katas.k21_pipeline --world-size 2 --schedule 1f1b --micro-batches 4
+    .venv/bin/python -m dojo trace k21 --world-size 4 --schedule gpipe --micro-batches 8
 
     The trace draws the schedule as it really ran: one lane per rank, each send an arrow to its
     recv, a rank's long recv bars are its bubble. The reference's are

@@ -54,7 +54,7 @@ WHAT THE TESTS CHECK
     program.
 
 RUN IT
-    python -m katas.k22_experts --world-size 2 --tokens 12
+    .venv/bin/python -m katas.k22_experts --world-size 2 --tokens 12
 """
 
 from __future__ import annotations

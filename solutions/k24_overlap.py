@@ -73,7 +73,7 @@ WHAT THE TESTS CHECK
     ``BucketedDDP`` come from katas/k04_allreduce.py, k12_ddp_overlap.py and k13_buckets.py.)
 
 RUN IT
-    python -m katas.k24_overlap --world-size 2 --steps 5
+    .venv/bin/python -m katas.k24_overlap --world-size 2 --steps 5
 """
 
 from __future__ import annotations

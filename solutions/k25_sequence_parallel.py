@@ -98,7 +98,7 @@ WHAT THE TESTS CHECK
     against your formula; and the program.
 
 RUN IT
-    python -m katas.k25_sequence_parallel --world-size 2
+    .venv/bin/python -m katas.k25_sequence_parallel --world-size 2
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ WHAT THE TESTS CHECK
     steps on the same 4 ranks; and the program.
 
 RUN IT
-    python -m katas.k28_fsdp_tp --dp 2 --tp 2
+    .venv/bin/python -m katas.k28_fsdp_tp --dp 2 --tp 2
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from dojo.devices import rank_device
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import ranks_phrase, require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import ranks_phrase, run_program_ok
 from dojo.todo import KataTodo
 
 KATA = "k04_allreduce"
@@ -82,7 +84,7 @@ def _ops(rank, world_size):
     all_reduce_with = load_kata(KATA).all_reduce_with
     got = {}
     for op in _EXPECTED_OPS:
-        tensor = _values(rank).to(_device())
+        tensor = _values(rank).to(rank_device())
         returned = all_reduce_with(tensor, op)
         got[op] = (tensor.cpu(), returned is tensor, _what(returned))
     try:
@@ -178,7 +180,7 @@ def _no_grad(name: str) -> bool:
 
 
 def _average(rank, world_size, with_none=False):
-    device = _device()
+    device = rank_device()
     model = _model(with_none).to(device)
     with torch.no_grad():
         for index, (name, param) in enumerate(model.named_parameters()):
@@ -373,12 +375,8 @@ def test_average_gradients_in_a_world_of_one(kata):
 
 @pytest.mark.step(1)
 def test_program_prints_every_rank_before_and_after(kata):
-    done = run_program(
+    done = run_program_ok(
         KATA, "--world-size", "4", "--backend", "gloo", "--device", "cpu", timeout=90
-    )
-    assert done.returncode == 0, (
-        f"`python -m {KATA} --world-size 4` exited with status {done.returncode}\n"
-        f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     )
     expected = [f"[rank {rank}] before all_reduce: tensor([{rank}])" for rank in range(4)]
     expected += [f"[rank {rank}] after  all_reduce(SUM): tensor([6])" for rank in range(4)]
@@ -394,19 +392,11 @@ def test_program_prints_every_rank_before_and_after(kata):
 # --------------------------------------------------------------------------- CUDA
 
 
-def _device() -> torch.device:
-    from dojo.devices import rank_device
-
-    return rank_device()
-
-
 def _on_cuda(rank, world_size):
-    # What a real program does before any CUDA work (the harness has done it too). With fewer
-    # GPUs than ranks, gloo lets ranks share them: rank_device() hands them out round-robin.
-    torch.cuda.set_device(_device())
+    device = rank_gpu()  # what a real program does before any CUDA work (the harness has too)
     kata = load_kata(KATA)
     before, after = kata.tutorial_allreduce(rank, world_size)
-    model = _model().to(_device())
+    model = _model().to(device)
     for param in model.parameters():
         param.grad = torch.full_like(param, float(rank + 1))
     kata.average_gradients(model)
@@ -424,7 +414,7 @@ def _check_on_cuda(results, world_size):
     for rank, (after, device, grad_devices, grads) in enumerate(results):
         assert device == "cuda" and grad_devices == {"cuda"}, (
             f"rank {rank}: the tensors ended on {device} (gradients on {grad_devices}), expected "
-            "cuda: make every tensor on dojo.devices.rank_device()"
+            "cuda: make every tensor on dojo.devices.rankrank_device()"
         )
         assert after == [sum(range(world_size))], (
             f"rank {rank} holds {after} after the SUM all-reduce"
@@ -437,14 +427,12 @@ def _check_on_cuda(results, world_size):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 1, **on_cuda(1, "nccl"))
     _check_on_cuda(results, 1)
 
 
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 2, **on_cuda(2, "gloo"))
     _check_on_cuda(results, 2)

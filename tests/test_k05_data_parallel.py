@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 import time
 from datetime import timedelta
 
@@ -16,7 +16,14 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.models import ConvNet
-from dojo.spec.testing import ranks_phrase, require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import (
+    check_refuses_naming,
+    ranks_phrase,
+    run_program_ok,
+    shared_run,
+    streams,
+)
 from dojo.todo import KataTodo
 
 KATA = "k05_data_parallel"
@@ -319,27 +326,16 @@ def test_shards_are_disjoint_equal_and_cover_the_data(kata, num_samples, world_s
     ],
 )
 def test_shards_refuse_impossible_requests(kata, num_samples, rank, world_size, wrong, why):
-    call = f"shard_indices({num_samples}, rank={rank}, world_size={world_size})"
-    try:
-        got = kata.shard_indices(num_samples, rank, world_size)
-    except ValueError as error:
-        message = str(error)
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"{call} raised {type(error).__name__}: {error}. {why}: raise ValueError, saying so"
-        ) from None
-    else:
-        raise AssertionError(
-            f"{call} returned {list(got)[:10]}: {why}. Check the request first and raise "
-            "ValueError saying what is wrong, or a rank launched with a bad number trains on "
-            "someone else's samples (or none)"
+    def returned(got) -> str:
+        return (
+            f"returned {list(got)[:10]}: {why}. Check the request first and raise ValueError "
+            "saying what is wrong, or a rank launched with a bad number trains on someone else's "
+            "samples (or none)"
         )
-    assert re.search(rf"(?<![\d-]){re.escape(wrong)}(?!\d)", message), (
-        f"{call} raised ValueError({message!r}): say which number is wrong ({wrong}) and why "
-        f"({why}), so that whoever called it can fix the call"
-    )
+
+    call = f"shard_indices({num_samples}, rank={rank}, world_size={world_size})"
+    shard = functools.partial(kata.shard_indices, num_samples, rank, world_size)
+    check_refuses_naming(shard, call, wrong, why, returned)
 
 
 # --------------------------------------------------------------------------- step 3: the step
@@ -752,26 +748,12 @@ def _plotted(plot) -> dict:
 def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
     plot = tmp_path / "curve.png"
     world_size, limit, epochs = 2, 384, 2
-    done = run_program(
+    done = run_program_ok(
         KATA,
-        "--world-size",
-        str(world_size),
-        "--epochs",
-        str(epochs),
-        "--limit",
-        str(limit),
-        "--log-every",
-        "2",
-        "--plot",
-        str(plot),
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        timeout=120,
+        *("--world-size", str(world_size), "--epochs", str(epochs), "--limit", str(limit)),
+        *("--log-every", "2", "--plot", str(plot), "--backend", "gloo", "--device", "cpu"),
     )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    shown = streams(done)
     lines = done.stdout.splitlines()
     progress = [line for line in lines if "loss" in line]
     assert any(line.startswith(f"[rank 0] epoch 1/{epochs} [") for line in progress), (
@@ -816,8 +798,7 @@ def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
 
 
 def _train_on_cuda(rank, world_size):
-    # With fewer GPUs than ranks, gloo lets ranks share them (rank_device() hands them out).
-    torch.cuda.set_device(_device())
+    rank_gpu()
     result = load_kata(KATA).run_training(
         rank, world_size, epochs=1, batch_size=BATCH, show_progress=False
     )
@@ -843,16 +824,10 @@ def _check_cuda_training(results):
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda_training(
-        run_world(_train_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120)
-    )
+    _check_cuda_training(run_world(_train_on_cuda, 1, **on_cuda(1, "nccl", deadline=120)))
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda_training(
-        run_world(_train_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=120)
-    )
+    _check_cuda_training(run_world(_train_on_cuda, 2, **on_cuda(2, "gloo", deadline=120)))

@@ -1014,28 +1014,13 @@ def test_two_nodes_started_by_hand():
     def command(node, port):
         return [
             sys.executable,
-            "-m",
-            f"{impl.current()}.{KATA}",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(node),
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "--timeout",
-            "30",
+            *("-m", f"{impl.current()}.{KATA}", "--nnodes", "2", "--node-rank", str(node)),
+            *("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)),
+            *("--timeout", "30"),
         ]
 
     by_node = _results_by_node(_run_two_nodes(command))
-    for node, found in enumerate(by_node):
-        assert sorted(found) == [2 * node, 2 * node + 1], (
-            f"the node started with --node-rank {node} ran ranks {sorted(found)}, expected "
-            f"{2 * node} and {2 * node + 1}: rank = node_rank * nproc_per_node + local_rank"
-        )
+    _check_ranks_of_each_node(by_node, ["the node", "the node"])
 
 
 @pytest.mark.step(4)
@@ -1044,28 +1029,27 @@ def test_two_nodes_started_by_torchrun():
     def command(node, port):
         return [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(node),
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--max-restarts",
-            "0",
-            "-m",
-            f"{impl.current()}.{KATA}",
-            "--timeout",
-            "30",
+            *("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)),
+            *("--nproc-per-node", "2", "--rdzv-backend", "c10d"),
+            *("--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0"),
+            *("-m", f"{impl.current()}.{KATA}", "--timeout", "30"),
         ]
 
-    by_node = _results_by_node(_run_two_nodes(command))
-    # The c10d rendezvous numbers the nodes in the order they join, so either torchrun may be node 0.
+    _check_one_node_each(_results_by_node(_run_two_nodes(command)))
+
+
+def _check_ranks_of_each_node(by_node, names) -> None:
+    """Node n (``names[n]``, started with --node-rank n) ran ranks 2n and 2n + 1."""
+    for n, found in enumerate(by_node):
+        assert sorted(found) == [2 * n, 2 * n + 1], (
+            f"{names[n]}, started with --node-rank {n}, ran ranks {sorted(found)}, expected "
+            f"{2 * n} and {2 * n + 1}: rank = node_rank * nproc_per_node + local_rank"
+        )
+
+
+def _check_one_node_each(by_node) -> None:
+    """Each torchrun ran one node's ranks. The c10d rendezvous numbers the nodes in the order
+    they join, so either torchrun may be node 0."""
     assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], (
         f"each torchrun must run one node's ranks, got {[sorted(f) for f in by_node]}"
     )
@@ -1184,12 +1168,7 @@ def test_two_hosts_started_by_hand(two_hosts):
     a, b = two_hosts
     nodes = [_Node(host, _by_hand(n, a.address)) for n, host in enumerate((a, b))]
     _wait(nodes, 90, "the two hosts started by hand")
-    by_node = _check_results(nodes)
-    for n, found in enumerate(by_node):
-        assert sorted(found) == [2 * n, 2 * n + 1], (
-            f"{nodes[n].host.name}, started with --node-rank {n}, ran ranks {sorted(found)}, "
-            f"expected {2 * n} and {2 * n + 1}: rank = node_rank * nproc_per_node + local_rank"
-        )
+    _check_ranks_of_each_node(_check_results(nodes), [node.host.name for node in nodes])
 
 
 @pytest.mark.step(4)
@@ -1204,11 +1183,7 @@ def test_two_hosts_started_by_torchrun(two_hosts):
     ]
     nodes = [_Node(host, command) for host in (a, b)]
     _wait(nodes, 120, "the two torchruns")
-    by_node = _check_results(nodes)
-    # c10d numbers the nodes in the order they join: either host may be node 0.
-    assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], (
-        f"each torchrun must run one node's ranks, got {[sorted(f) for f in by_node]}"
-    )
+    _check_one_node_each(_check_results(nodes))
 
 
 def _failed_with(node, *texts, within):

@@ -7,9 +7,7 @@ deadlocks, crashes or raises, the test still knows what each rank called and can
 waits for what; when it finishes, the test checks the values and how they travelled.
 """
 
-import contextlib
 import inspect
-import json
 import os
 import shutil
 import tempfile
@@ -18,12 +16,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
-from dojo.harness.world import WorldDeadlock, WorldFailure, run_world
-from dojo.spec.testing import refusal, run_program
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.traces import RankTrace, read_trace, read_traces, run_traced
 
 KATA = "k07_point_to_point"
 DEADLINE_S = 10.0  # correct code finishes in well under a second; a deadlock ends here
@@ -68,7 +65,7 @@ class _Request:
         return getattr(self._work, name)
 
 
-class _Trace:
+class _Trace(RankTrace):
     """What this rank asked of torch.distributed, written to ``<folder>/rank<N>.json`` as it happens.
 
     Besides recording(), it stops a call to a peer outside the world with a ValueError that names
@@ -76,33 +73,12 @@ class _Trace:
     batch_isend_irecv): peer, tag, the values of a small message, and whether wait() was called.
     """
 
-    _HOOKED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+    HOOKED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
     def __init__(self, folder: str):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.path = os.path.join(folder, f"rank{self.rank}.json")
-        self.calls: list = []
+        super().__init__(folder)
         self.requests: list[dict] = []
-        self.marks: dict[str, float] = {}
         self._blocking = self._batch = False
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> "_Trace":
-        for name in self._HOOKED:
-            original = getattr(c10d, name)
-            hooked = self._hook(name, original)
-            for module in (c10d, dist):
-                setattr(module, name, hooked)
-            self._stack.callback(_restore, name, original)
-        self.calls = self._stack.enter_context(recording())  # recording() wraps the hooks
-        self.flush()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        try:
-            self.flush()
-        finally:
-            self._stack.close()
 
     def _raised(self) -> None:
         """The call in progress raised: recording() leaves it without an end, the trace says so."""
@@ -111,12 +87,8 @@ class _Trace:
             self.calls[-1].raised = True
         self.flush()
 
-    def mark(self, name: str) -> None:
-        self.marks[name] = time.perf_counter()
-        self.flush()
-
-    def flush(self) -> None:
-        data = {
+    def data(self) -> dict:
+        return {
             "calls": [
                 {
                     "name": c.name,
@@ -130,11 +102,8 @@ class _Trace:
             "requests": self.requests,
             "marks": self.marks,
         }
-        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(self.path + ".tmp", self.path)
 
-    def _hook(self, name: str, original):
+    def hook(self, name: str, original):
         signature = inspect.signature(original)
 
         def hooked(*args, **kwargs):
@@ -178,8 +147,6 @@ class _Trace:
                 result = _Request(result, note, bound["tensor"], self)
             return result
 
-        hooked.__wrapped__ = original
-        hooked.__name__ = original.__name__
         return hooked
 
 
@@ -188,47 +155,26 @@ def _small(tensor: torch.Tensor) -> list | None:
     return tensor.detach().reshape(-1).tolist() if tensor.numel() <= 8 else None
 
 
-def _restore(name: str, original) -> None:
-    for module in (c10d, dist):
-        setattr(module, name, original)
-
-
 # ------------------------------------------------------------------------------ the trace (in the test)
+
+
+EMPTY_TRACE = {"calls": [], "requests": [], "marks": {}}  # a rank that wrote none
 
 
 def _run(fn, world_size, *args, explain=None, deadline=DEADLINE_S):
     """run_world with every rank traced: (results, traces). A failure is explained from the traces
     (``explain(traces, world_size)``, then the general checks) in front of the harness's report."""
-    folder = tempfile.mkdtemp(prefix="k07-trace-")
-    try:
-        try:
-            results = run_world(fn, world_size, *args, deadline=deadline, trace_dir=folder)
-            return results, _read_traces(folder, world_size)
-        except WorldFailure as failure:
-            traces = _read_traces(folder, world_size)
-            report = str(failure)
-        why = [
+
+    def why(traces, report):
+        return [
             _outside_the_world(traces, world_size)
             or (explain and explain(traces, world_size))
-            or _general_problem(traces, world_size)
+            or _general_problem(traces, world_size),
+            _story(traces, world_size),
         ]
-        why.append(_story(traces, world_size))
-        pytest.fail("\n\n".join([w for w in why if w] + [report]), pytrace=False)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
-
-def _read_trace(folder: str, rank: int) -> dict | None:
-    try:
-        with open(os.path.join(folder, f"rank{rank}.json"), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _read_traces(folder: str, world_size: int) -> dict[int, dict]:
-    empty = {"calls": [], "requests": [], "marks": {}}
-    return {r: _read_trace(folder, r) or empty for r in range(world_size)}
+    options = {"explain": why, "deadline": deadline, "empty": EMPTY_TRACE}
+    return run_traced(fn, world_size, *args, **options)
 
 
 def _said(call: dict, *keys: str) -> str:
@@ -634,7 +580,7 @@ def test_naive_shift_deadlocks_where_yours_does_not():
         try:
             run_world(_shift, world_size, "naive", deadline=deadline, trace_dir=folder)
         except WorldDeadlock:
-            traces = _read_traces(folder, world_size)
+            traces = read_traces(folder, world_size, EMPTY_TRACE)
         else:
             pytest.fail(
                 "the naive 'send, then recv' shift finished: this backend buffered 8 MB sends, so the "
@@ -679,7 +625,7 @@ def _send_when_ready(message, flag_path, trace_dir):
     can only hold its zeros, however busy the machine."""
     give_up = time.monotonic() + _WAIT_FOR_WORK_S
     while not os.path.exists(flag_path):
-        waiting = _waiting_for_message(_read_trace(trace_dir, 1))
+        waiting = _waiting_for_message(read_trace(trace_dir, 1))
         if waiting:
             raise AssertionError(
                 f"rank 1 {waiting} before it called work(): the test's sender holds its message until "
@@ -696,7 +642,7 @@ def _send_when_ready(message, flag_path, trace_dir):
     time.sleep(_SENDER_DELAY_S)
     give_up = time.monotonic() + _WAIT_FOR_WORK_S
     while time.monotonic() < give_up:
-        trace = _read_trace(trace_dir, 1)
+        trace = read_trace(trace_dir, 1)
         if _waiting_for_message(trace):
             break
         if trace and "returned" in trace["marks"]:
@@ -936,11 +882,7 @@ def test_halo_exchange_refuses_bad_strips():
 
 @pytest.mark.step(5)
 def test_program_shows_every_exchange(kata, capsys):
-    result = run_program(KATA, "--world-size", "3", timeout=120)
-    assert result.returncode == 0, (
-        f"the program failed (exit {result.returncode}):\n{result.stderr}"
-    )
-    out = result.stdout
+    out = run_program_ok(KATA, "--world-size", "3", timeout=120).stdout
     for lines in (
         ["[rank 0] ping-pong: received [1, 3, 5]", "[rank 1] ping-pong: received [0, 2, 4]"],
         [

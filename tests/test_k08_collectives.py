@@ -9,23 +9,19 @@ disk as it happens. So the test proves how the data moved ("rank 1 broadcast fro
 Bad arguments are probed in a world of one rank, where no probe can leave a peer waiting.
 """
 
-import contextlib
 import inspect
-import json
 import os
-import shutil
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from dojo.harness.calls import CALLS, recording
+from dojo.harness.calls import CALLS
 from dojo.harness.impl import load_kata
-from dojo.harness.world import WorldFailure, run_world
-from dojo.spec.testing import needs_torch, refusal, run_program
+from dojo.harness.world import run_world
+from dojo.spec.testing import needs_torch, refusal, run_program_ok
+from dojo.spec.traces import RankTrace, run_traced
 from dojo.todo import KataTodo
 
 KATA = "k08_collectives"
@@ -35,7 +31,7 @@ SIZES = [2, 3, 4]
 # ------------------------------------------------------------------------------ the trace (in a rank)
 
 
-class _Trace:
+class _Trace(RankTrace):
     """What this rank asked of torch.distributed, filed under the kata call that asked it, written
     to ``<folder>/rank<N>.json`` before every call (so a rank stuck inside one still tells).
 
@@ -43,50 +39,25 @@ class _Trace:
     use, ``peers`` (src=, dst=) what they must be given; ``groups=`` the groups it must create.
     """
 
+    HOOKED = CALLS
+
     def __init__(self, folder: str):
-        self.path = os.path.join(folder, f"rank{dist.get_rank()}.json")
-        self.calls: list = []
+        super().__init__(folder)
         self.labels: list[dict] = []
-        self.marks: dict[str, float] = {}
         self._depth = 0
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> "_Trace":
-        for name in CALLS:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            hooked = self._hook(original)
-            for module in (c10d, dist):
-                setattr(module, name, hooked)
-            self._stack.callback(_restore, name, original)
-        self.calls = self._stack.enter_context(recording())  # recording() wraps the hooks
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        try:
-            self.flush()
-        finally:
-            self._stack.close()
 
     def label(self, text: str, names: tuple[str, ...] = (), **expected) -> None:
         self.labels.append({"text": text, "names": list(names), "at": len(self.calls), **expected})
         self.flush()
 
-    def mark(self, name: str) -> None:
-        self.marks[name] = time.perf_counter()
-
-    def flush(self) -> None:
-        data = {
+    def data(self) -> dict:
+        return {
             "calls": [_record(c) for c in self.calls],
             "labels": self.labels,
             "marks": self.marks,
         }
-        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(self.path + ".tmp", self.path)
 
-    def _hook(self, original):
+    def hook(self, name: str, original):
         signature = inspect.signature(original)
 
         def hooked(*args, **kwargs):
@@ -107,8 +78,6 @@ class _Trace:
             finally:
                 self._depth -= 1
 
-        hooked.__wrapped__ = original
-        hooked.__name__ = original.__name__
         return hooked
 
 
@@ -136,11 +105,6 @@ def _record(call) -> dict:
     }
 
 
-def _restore(name: str, original) -> None:
-    for module in (c10d, dist):
-        setattr(module, name, original)
-
-
 def _listed(value):
     """A returned tensor as a list (None stays None), so ranks send back plain values; a Python
     list of tensors is named as such."""
@@ -154,32 +118,20 @@ def _listed(value):
 # ------------------------------------------------------------------------------ the trace (in the test)
 
 
+EMPTY_TRACE = {"calls": [], "labels": [], "marks": {}}  # a rank that wrote none
+
+
 def _run(fn, world_size, *args, explain=None):
     """run_world with every rank traced: (results, traces). A failure (a deadlock, a rank that
     raised) is explained from the traces in front of the harness's report."""
-    folder = tempfile.mkdtemp(prefix="k08-trace-")
-    try:
-        try:
-            results = run_world(fn, world_size, *args, deadline=DEADLINE_S, trace_dir=folder)
-            return results, _read_traces(folder, world_size)
-        except WorldFailure as failure:
-            traces = _read_traces(folder, world_size)
-            report = str(failure)
-        why = (explain and explain(traces, world_size, report)) or _call_problem(traces, world_size)
-        pytest.fail("\n\n".join([why, report] if why else [report]), pytrace=False)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
+    def why(traces, report):
+        return [
+            (explain and explain(traces, world_size, report)) or _call_problem(traces, world_size)
+        ]
 
-def _read_traces(folder: str, world_size: int) -> dict[int, dict]:
-    traces = {}
-    for rank in range(world_size):
-        try:
-            with open(os.path.join(folder, f"rank{rank}.json"), encoding="utf-8") as f:
-                traces[rank] = json.load(f)
-        except (OSError, ValueError):
-            traces[rank] = {"calls": [], "labels": [], "marks": {}}
-    return traces
+    options = {"explain": why, "deadline": DEADLINE_S, "empty": EMPTY_TRACE}
+    return run_traced(fn, world_size, *args, **options)
 
 
 def _calls_in(trace: dict, index: int) -> list[dict] | None:
@@ -904,11 +856,7 @@ def test_group_sum_refuses_bad_members():
 @pytest.mark.step(7)
 @needs_torch("gloo all_to_all")
 def test_program_shows_every_collective():
-    result = run_program(KATA, "--world-size", "4", timeout=120)
-    assert result.returncode == 0, (
-        f"the program failed (exit {result.returncode}):\n{result.stderr}"
-    )
-    out = result.stdout
+    out = run_program_ok(KATA, "--world-size", "4", timeout=120).stdout
     for lines in (
         ["[rank 0] --- reduce (sum) to rank 0", "[rank 0] 0 -> 6", "[rank 1] 1 -> None"],
         ["[rank 0] --- all_reduce avg", "[rank 0] 0.0 -> 1.5", "[rank 1] 1.0 -> 1.5"],

@@ -24,7 +24,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import run_program, shared_run
+from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 
 KATA = "k09_ring_allreduce"
@@ -985,16 +985,13 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
 @pytest.mark.step(4)
 def test_program_shows_both_rings(kata):
     """`python -m katas.k09_ring_allreduce`: both rings against dist.all_reduce."""
-    result = run_program(KATA, "--world-size", "3", "--length", "200", timeout=90)
-    assert result.returncode == 0, (
-        f"the program failed (exit {result.returncode}):\n{result.stderr}"
-    )
-    lines = result.stdout.splitlines()
+    out = run_program_ok(KATA, "--world-size", "3", "--length", "200", timeout=90).stdout
+    lines = out.splitlines()
     for name in ("pass-along", "ring"):
         verdict = next(
             (line for line in lines if line.startswith("[main]") and f" {name}:" in line), None
         )
-        assert verdict is not None, f"no verdict line for the {name} ring in:\n{result.stdout}"
+        assert verdict is not None, f"no verdict line for the {name} ring in:\n{out}"
         assert "close to dist.all_reduce: yes" in verdict, (
             f"the {name} ring's sum is wrong:\n{verdict}"
         )

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dojo.harness.impl import load_kata
-from dojo.spec.testing import run_program
+from dojo.spec.testing import run_program_ok
 from dojo.todo import KataTodo
 
 KATA = "k10_sharding"
@@ -573,13 +573,10 @@ def test_data_parallel_run_on_your_sampler(world, world_size):
 @pytest.mark.step(4)
 def test_program_shows_the_shards(kata):
     """`python -m katas.k10_sharding`: the tutorial's parts and the sampler's shards, per rank."""
-    result = run_program(KATA, "--world-size", "4", "--dataset-size", "10", timeout=90)
-    assert result.returncode == 0, (
-        f"the program failed (exit {result.returncode}):\n{result.stderr}"
-    )
-    verdicts = [line for line in result.stdout.splitlines() if "same as DistributedSampler" in line]
+    out = run_program_ok(KATA, "--world-size", "4", "--dataset-size", "10", timeout=90).stdout
+    verdicts = [line for line in out.splitlines() if "same as DistributedSampler" in line]
     assert len(verdicts) == 2 and all(line.endswith("yes") for line in verdicts), (
-        f"expected two epochs, each the same as DistributedSampler, in:\n{result.stdout}"
+        f"expected two epochs, each the same as DistributedSampler, in:\n{out}"
     )
     assert "12 indices handed out, 2 of them repeated (padding)" in verdicts[0], (
         f"10 samples on 4 ranks: 12 indices, 2 padded, expected in:\n{verdicts[0]}"

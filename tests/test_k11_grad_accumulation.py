@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 
@@ -12,8 +13,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
-from dojo.todo import KataTodo
+from dojo.spec.cuda import on_cuda
+from dojo.spec.testing import check_refuses_naming, run_program_ok, shared_run, streams
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
 
@@ -118,31 +119,22 @@ def test_split_batch_cuts_equal_micro_batches_in_order(kata, model_name):
 )
 def test_split_batch_refuses_what_does_not_split_evenly(kata, size, k, wrong, why):
     inputs, targets = make_batch("frozen", size, seed=0)
-    call = f"split_batch(a batch of {size}, {k})"
-    try:
-        got = kata.split_batch((inputs, targets), k)
-    except ValueError as error:
-        message = str(error)
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"{call} raised {type(error).__name__}: {error}. {why}: raise ValueError, saying so"
-        ) from None
-    else:
+
+    def returned(got) -> str:
         got = list(got)
         taken = sum(len(pair[0]) for pair in got)
         detail = f"{len(got)} micro-batches of {_describe(got)} samples"
         if taken < size:
             detail += f", {size - taken} samples dropped"
-        raise AssertionError(
-            f"{call} returned {detail}: {why}. Micro-batches of unequal size weigh their samples "
+        return (
+            f"returned {detail}: {why}. Micro-batches of unequal size weigh their samples "
             "unequally once each loss is divided by k (and dropped samples are never learnt "
             "from): raise ValueError saying what is wrong"
         )
-    assert re.search(rf"(?<![\d-]){re.escape(wrong)}(?!\d)", message), (
-        f"{call} raised ValueError({message!r}): say which number is wrong ({wrong}) and why ({why})"
-    )
+
+    call = f"split_batch(a batch of {size}, {k})"
+    split = functools.partial(kata.split_batch, (inputs, targets), k)
+    check_refuses_naming(split, call, wrong, why, returned)
 
 
 # --------------------------------------------------------------------------- step 2: the step
@@ -538,24 +530,11 @@ def test_ddp_accumulation_step_syncs_once_and_equals_one_step(kata, model_name, 
 
 @pytest.mark.step(3)
 def test_program_compares_every_k_and_ddp(kata):
-    done = run_program(
-        KATA,
-        "--world-size",
-        "2",
-        "--steps",
-        "2",
-        "--k",
-        "1",
-        "2",
-        "4",
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        timeout=120,
-    )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    done = run_program_ok(
+        KATA, "--world-size", "2", "--steps", "2", "--k", "1", "2", "4", "--backend", "gloo",
+        "--device", "cpu",
+    )  # fmt: skip
+    shown = streams(done)
     rows = re.findall(
         r"^\[main\]\s+(.+?): +(\d+) samples per backward, all-reduces per step: (\d+).*weights "
         r"(\S+) from k=1's$",
@@ -600,12 +579,10 @@ def _check_cuda(results) -> None:
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90))
+    _check_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl", deadline=90)))
 
 
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90))
+    _check_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo", deadline=90)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 import time
@@ -14,7 +13,9 @@ import torch.distributed as dist
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec import wrappers
+from dojo.spec.cuda import on_cuda
+from dojo.spec.testing import run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
@@ -151,19 +152,9 @@ def _construct(rank, world_size, model_name):
         inputs = inputs.to(_device())
         with torch.no_grad():
             result["forward_equal"] = torch.equal(ddp(inputs), model(inputs))
-        keyword = next(iter(inspect.signature(model.forward).parameters))
-        result["keyword"] = keyword
-        try:  # a model's forward may take keyword arguments: the wrapper passes them on
-            with torch.no_grad():
-                result["forward_keywords"] = (
-                    None
-                    if torch.equal(ddp(**{keyword: inputs}), model(inputs))
-                    else "returned another output"
-                )
-        except KataTodo:
-            raise
-        except Exception as error:
-            result["forward_keywords"] = f"raised {_error(error)}"
+        result["keyword"], result["forward_keywords"] = wrappers.forward_keywords(
+            ddp, model, inputs
+        )
         result["module_is_model"] = ddp.module is model
         result["parameters"] = [n for n, _ in ddp.named_parameters()]
         result["buffers_seen"] = [n for n, _ in ddp.named_buffers()]
@@ -265,12 +256,7 @@ def _check_construction(results, model_name: str) -> None:
     assert first["forward_equal"], (
         "ddp(inputs) differs from model(inputs): forward delegates to the wrapped model"
     )
-    keyword = first["keyword"]
-    assert first["forward_keywords"] is None, (
-        f"ddp({keyword}=inputs) {first['forward_keywords']}, where model({keyword}=inputs) works: "
-        "forward passes every argument on to the module, keyword arguments too: "
-        "def forward(self, *args, **kwargs): return self.module(*args, **kwargs)"
-    )
+    wrappers.check_forward_keywords(first["keyword"], first["forward_keywords"])
 
 
 @pytest.mark.step(1)
@@ -552,18 +538,11 @@ def test_the_first_all_reduce_starts_before_backward_has_finished(kata, model_na
 
 
 def _finish(ddp) -> None:
-    """``ddp.finish_gradient_synchronization()``, with torch's usual crash there in kata words."""
-    try:
-        ddp.finish_gradient_synchronization()
-    except AttributeError as error:
-        if "wait" not in str(error):
-            raise
-        raise AssertionError(
-            f"finish_gradient_synchronization() raised AttributeError: {error}: it waited on a "
-            "handle that is None. dist.all_reduce returns a handle only with async_op=True (a "
-            "blocking call returns None): launch with async_op=True in the hook and keep what it "
-            "returns"
-        ) from None
+    wrappers.finish(
+        ddp,
+        "dist.all_reduce returns a handle only with async_op=True (a blocking call returns None): "
+        "launch with async_op=True in the hook and keep what it returns",
+    )
 
 
 def _one_step(rank, world_size, model_name):
@@ -785,32 +764,30 @@ def test_finish_averages_over_the_process_group(kata):
             )
 
 
+def _finish_counted(ddp) -> tuple[str | None, int]:
+    """``ddp.finish_gradient_synchronization()``: what it raised (None: nothing), and how many
+    all-reduces it launched."""
+    with recording(("all_reduce",)) as calls:
+        try:
+            ddp.finish_gradient_synchronization()
+        except KataTodo:
+            raise
+        except Exception as error:
+            return _error(error), len(calls)
+    return None, len(calls)
+
+
 def _finish_twice(rank, world_size):
     kata = load_kata(KATA)
     model = make_model("tied", seed=100)
     ddp = kata.OverlappingDDP(model)
-    found = {"early": None}
-    with recording(("all_reduce",)) as calls:
-        try:
-            ddp.finish_gradient_synchronization()
-        except KataTodo:
-            raise
-        except Exception as error:
-            found["early"] = _error(error)
-    found["early_calls"] = len(calls)
+    found = {}
+    found["early"], found["early_calls"] = _finish_counted(ddp)
     found["early_grads"] = sorted(n for n, g in _grads(model).items() if g is not None)
     toy_loss(ddp, _shard("tied", rank, world_size, step=0)).backward()
     ddp.finish_gradient_synchronization()
     found["first"] = _grads(model)
-    found["second_error"] = None
-    with recording(("all_reduce",)) as calls:
-        try:
-            ddp.finish_gradient_synchronization()
-        except KataTodo:
-            raise
-        except Exception as error:
-            found["second_error"] = _error(error)
-    found["second_calls"] = len(calls)
+    found["second_error"], found["second_calls"] = _finish_counted(ddp)
     found["second"] = _grads(model)
     return found
 
@@ -1003,22 +980,11 @@ def test_nested_no_sync_restores_what_it_found(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_overlap_and_matches_one_process(kata):
-    done = run_program(
-        KATA,
-        "--world-size",
-        "2",
-        "--model",
-        "tied",
-        "--steps",
-        "2",
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        timeout=120,
-    )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    done = run_program_ok(
+        KATA, "--world-size", "2", "--model", "tied", "--steps", "2", "--backend", "gloo",
+        "--device", "cpu",
+    )  # fmt: skip
+    shown = streams(done)
     lines = done.stdout.splitlines()
     order = [m.group(1) for m in map(re.compile(r"^\[rank 0\]\s+[\d.]+\s+(.*)$").match, lines) if m]
     assert "backward ends" in order and any("launched" in what for what in order), (
@@ -1053,14 +1019,12 @@ def _check_cuda_training(results) -> None:
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(_train, 1, "tied", backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90)
+    results = run_world(_train, 1, "tied", **on_cuda(1, "nccl", deadline=90))
     _check_cuda_training(results)
 
 
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    results = run_world(_train, 2, "tied", backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90)
+    results = run_world(_train, 2, "tied", **on_cuda(2, "gloo", deadline=90))
     _check_cuda_training(results)

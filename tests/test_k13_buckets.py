@@ -13,7 +13,9 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import require_gpus, run_program
+from dojo.spec import wrappers
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program_ok
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_batch, make_model
 
@@ -429,6 +431,16 @@ def _crash_text(error: BaseException) -> str:
     return text
 
 
+def _wrapped(kata, model, cap):
+    """``(BucketedDDP(model, cap), None)``, or ``(None, what its construction raised)``."""
+    try:
+        return kata.BucketedDDP(model, bucket_cap_mb=cap), None
+    except KataTodo:
+        raise
+    except Exception as error:
+        return None, _crash_text(error)
+
+
 def _construction_failure(where: str, failure: str, cap) -> AssertionError:
     if "hook" in failure and "require" in failure:
         return AssertionError(
@@ -448,32 +460,17 @@ def _construction_failure(where: str, failure: str, cap) -> AssertionError:
 def _facade(rank, world_size, name, caps):
     """The wrapper as a module, through its public face only: .module, its parameters, buffers
     and state_dict, and forward with a keyword argument."""
-    import inspect
 
     kata = load_kata(KATA)
     out = {}
     for cap in caps:
         model = make_model(name, 100 + rank)
-        try:
-            ddp = kata.BucketedDDP(model, bucket_cap_mb=cap)
-        except KataTodo:
-            raise
-        except Exception as error:
-            out[cap] = {"failure": _crash_text(error)}
+        ddp, failure = _wrapped(kata, model, cap)
+        if failure:
+            out[cap] = {"failure": failure}
             continue
         inputs, _ = make_batch(name, PER_RANK, rank)
-        keyword = next(iter(inspect.signature(model.forward).parameters))
-        try:
-            with torch.no_grad():
-                keywords = (
-                    None
-                    if torch.equal(ddp(**{keyword: inputs}), model(inputs))
-                    else "returned another output than the model's"
-                )
-        except KataTodo:
-            raise
-        except Exception as error:
-            keywords = f"raised {type(error).__name__}: {error}"
+        keyword, keywords = wrappers.forward_keywords(ddp, model, inputs)
         out[cap] = {
             "failure": None,
             "module_is_model": ddp.module is model,
@@ -507,12 +504,7 @@ def test_the_wrapper_is_its_module_and_passes_every_argument_on(kata, name):
             f"{where}: its state_dict holds {got['state_keys']}, expected the module's own keys "
             f"under 'module.', {expected_keys}, as torch's DDP"
         )
-        keyword = got["keyword"]
-        assert got["keywords"] is None, (
-            f"{where}: ddp({keyword}=inputs) {got['keywords']}, where model({keyword}=inputs) "
-            "works: forward passes every argument on to the module, keyword arguments too: "
-            "def forward(self, *args, **kwargs): return self.module(*args, **kwargs)"
-        )
+        wrappers.check_forward_keywords(got["keyword"], got["keywords"], f"{where}: ")
 
 
 def _layout(rank, world_size, name, caps):
@@ -522,12 +514,9 @@ def _layout(rank, world_size, name, caps):
     for cap in caps:
         model = make_model(name, 100 + rank)
         names = {id(p): n for n, p in model.named_parameters()}
-        try:
-            ddp = kata.BucketedDDP(model, bucket_cap_mb=cap)
-        except KataTodo:
-            raise
-        except Exception as error:
-            out[cap] = {"failure": _crash_text(error)}
+        ddp, failure = _wrapped(kata, model, cap)
+        if failure:
+            out[cap] = {"failure": failure}
             continue
         buckets = []
         for bucket in getattr(ddp, "buckets", []):
@@ -660,12 +649,9 @@ def _hook_counts(rank, world_size, name, cap):
     """How many post-accumulate-grad hooks the wrapper put on each parameter (torch's record)."""
     kata = load_kata(KATA)
     model = make_model(name, 100 + rank)
-    try:
-        kata.BucketedDDP(model, bucket_cap_mb=cap)
-    except KataTodo:
-        raise
-    except Exception as error:
-        return {"failure": _crash_text(error)}
+    _, failure = _wrapped(kata, model, cap)
+    if failure:
+        return {"failure": failure}
     counts = {
         n: len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
         for n, p in model.named_parameters()
@@ -964,18 +950,12 @@ def _train(rank, world_size, name, caps, steps, micro_batches, group_ranks=None)
 
 
 def _finish(ddp) -> None:
-    """``ddp.finish_gradient_synchronization()``, with torch's usual crash there in kata words."""
-    try:
-        ddp.finish_gradient_synchronization()
-    except AttributeError as error:
-        if "wait" not in str(error):
-            raise
-        raise AssertionError(
-            f"finish_gradient_synchronization() raised AttributeError: {error}: it waited on a "
-            "handle that is None. A bucket whose gradients did not all arrive was never launched "
-            "by a hook (launch every bucket still waiting first, in bucket order), or an "
-            "all_reduce without async_op=True returned None instead of a handle"
-        ) from None
+    wrappers.finish(
+        ddp,
+        "A bucket whose gradients did not all arrive was never launched by a hook (launch every "
+        "bucket still waiting first, in bucket order), or an all_reduce without async_op=True "
+        "returned None instead of a handle",
+    )
 
 
 def _one_process(name: str, steps: int, micro_batches: int, shards: int, seed: int) -> dict:
@@ -1285,12 +1265,7 @@ def test_no_sync_restores_what_was_there(kata):
 
 @pytest.mark.step(6)
 def test_program_shows_buckets_and_overlap(kata):
-    done = run_program(KATA, "--world-size", "2", "--steps", "2", timeout=120)
-    out = done.stdout
-    assert done.returncode == 0, (
-        f"`python -m {KATA} --world-size 2 --steps 2` exited with {done.returncode}:\n{out}\n"
-        f"{done.stderr}"
-    )
+    out = run_program_ok(KATA, "--world-size", "2", "--steps", "2").stdout
     assert "[rank 0] 3 bucket(s), cap 0.3 MiB" in out, out
     lines = out.splitlines()
     launch = [i for i, line in enumerate(lines) if "all-reduce launched bucket 0 (async)" in line]
@@ -1308,10 +1283,7 @@ def test_program_shows_buckets_and_overlap(kata):
 def _on_cuda(rank, world_size):
     import torch.distributed as dist
 
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     model = make_model("tied", 100 + rank).to(device)
     ddp = kata.BucketedDDP(model, bucket_cap_mb=SPLIT)
@@ -1356,12 +1328,10 @@ def check_on_cuda(results) -> None:
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

@@ -13,7 +13,8 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.models import ConvNet
-from dojo.spec.testing import require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import refusal, run_program_ok
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_model
 
@@ -362,20 +363,10 @@ def test_train_drives_both_wrappers_like_one_process(kata, micro_batches):
 def test_train_refuses_a_step_without_micro_batches(kata):
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    try:
-        kata.train(model, optimizer, [[]])
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"train(wrapper, optimizer, [[]]) raised {_failure(error)}: a step without "
-            "micro-batches must raise ValueError saying so, before anything runs"
-        ) from None
-    raise AssertionError(
-        "train(wrapper, optimizer, [[]]) returned: a step without micro-batches has no loss and "
-        "no gradient; raise ValueError saying so"
+    did = refusal(lambda: kata.train(model, optimizer, [[]]))
+    assert did is None, (
+        f"train(wrapper, optimizer, [[]]) {did}: a step without micro-batches has no loss and no "
+        "gradient, so it must raise ValueError saying so, before anything runs"
     )
 
 
@@ -923,9 +914,9 @@ def test_converted_convnet_trains_like_one_process_on_the_whole_batch(kata):
 
 @pytest.mark.step(6)
 def test_program_compares_and_shows_batchnorm(kata):
-    done = run_program(KATA, "--world-size", "2", "--steps", "2", "--images", "4", timeout=180)
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(
+        KATA, "--world-size", "2", "--steps", "2", "--images", "4", timeout=180
+    ).stdout
     assert out.count("bitwise equal on every rank") == 3, out
     lines = {
         line.split(":")[0].strip(): line
@@ -944,7 +935,7 @@ def test_program_compares_and_shows_batchnorm(kata):
 
 
 def _against_on_cuda(rank, world_size):
-    torch.cuda.set_device(_device())
+    rank_gpu()
     kata = load_kata(KATA)
     return kata.against_torch_ddp("tied", 2, 2, SPLIT, lr=LR, seed=SEED)
 
@@ -952,10 +943,7 @@ def _against_on_cuda(rank, world_size):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_against_torch_ddp_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(
-        _against_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90
-    )
+    results = run_world(_against_on_cuda, 1, **on_cuda(1, "nccl", deadline=90))
     for got in results:
         assert _close(got["ours"], got["torch"]), "on NCCL BucketedDDP and torch's DDP differ"
 
@@ -963,10 +951,7 @@ def test_against_torch_ddp_nccl_world_of_one(kata):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_against_torch_ddp_gloo_on_cuda(kata):
-    require_gpus(1)
-    results = run_world(
-        _against_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90
-    )
+    results = run_world(_against_on_cuda, 2, **on_cuda(2, "gloo", deadline=90))
     for got in results:
         assert _close(got["ours"], got["torch"]), "on CUDA BucketedDDP and torch's DDP differ"
 
@@ -1023,9 +1008,6 @@ def test_sync_batchnorm_against_torchs_where_torch_runs_it(kata):
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_sync_batchnorm_against_torchs_on_cuda(kata):
-    require_gpus(1)
     check_against_torch_sync_bn(
-        run_world(
-            _against_torch_sync_bn, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=90
-        )
+        run_world(_against_torch_sync_bn, 2, **on_cuda(2, "gloo", deadline=90))
     )

@@ -3,35 +3,35 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
-import re
 import tempfile
 import time
 
 import pytest
 import torch
 
+from dojo.devices import rank_device
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
-from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.states import devices_of, largest_gap, same, to_cpu
+from dojo.harness.world import WorldDeadlock
+from dojo.spec import checkpoints
+from dojo.spec.cuda import on_cuda
+from dojo.spec.states import to_cpu
 from dojo.spec.testing import (
-    assert_refuses_missing_keys,
     ranks_phrase,
-    require_gpus,
-    run_program,
+    run_program_ok,
     shared_run,
+    streams,
 )
 from dojo.toy_models import loss, make_model
 
 KATA = "k15_checkpoints"
 
 
-def _device() -> torch.device:
-    from dojo.devices import rank_device
-
-    return rank_device()
+def _optimizer(kata, model):
+    """The kata's optimizer: SGD with momentum."""
+    return torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
 
 
 def _momentum(optimizer_state: dict) -> dict:
@@ -93,10 +93,6 @@ def _watching_files(slow_write_s: float = 0.0):
             entry["given"] = entry["given"] is not None
 
 
-def _load_file(path) -> object:
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 # --------------------------------------------------------------------------- the classic hang
 
 CLASSIC_HANG = (
@@ -117,52 +113,9 @@ def _hang(what: str, failure: WorldDeadlock) -> AssertionError:
     return AssertionError(f"{what} hung. {CLASSIC_HANG} {cure}\n\nThe harness's report:\n{report}")
 
 
-_LOADING = re.compile(r"Error\(s\) in loading state_dict for (\w+)")
-_KEYS = re.compile(r'(Missing|Unexpected) key\(s\) in state_dict: ((?:"[^"]*"(?:, )?)+)')
-
-
-def _load_failure(failure: RankFailed, written_by_the_test: bool) -> AssertionError | None:
-    """What a failed load_state_dict in a rank means, read from torch's own words: the model's
-    keys loaded into the DDP wrapper (whose keys all start with 'module.'), or a checkpoint that
-    lacks some of the model's state. (Never from a 'module.' anywhere in the text: every
-    traceback through torch/nn/modules/module.py has one.)"""
-    text = str(failure)
-    loading = _LOADING.search(text)
-    if loading is None:
-        return None
-    into = loading.group(1)
-    keys = {kind: re.findall(r'"([^"]*)"', listed) for kind, listed in _KEYS.findall(text)}
-    missing, unexpected = keys.get("Missing", []), keys.get("Unexpected", [])
-    if into == "DistributedDataParallel" or (
-        missing and all(key.startswith("module.") for key in missing)
-    ):
-        return AssertionError(
-            "load_checkpoint loaded the model's state_dict into the DDP wrapper, whose keys all "
-            "start with 'module.', so none matched. Load it into the model inside the wrapper "
-            f"(model.module), which is what the checkpoint holds.\n\n{text}"
-        )
-    if not missing and not unexpected:
-        return None
-    found = (
-        f"the checkpoint lacks {missing}, which {into} has"
-        if missing
-        else f"the checkpoint holds {unexpected}, which {into} does not have"
-    )
-    if written_by_the_test:  # the test's checkpoint is whole: the load changed it
-        cure = (
-            "the test wrote this checkpoint from the whole state_dict: hand load_state_dict "
-            "the checkpoint's 'model' as it is, into the model inside the wrapper (model.module)"
-        )
-    else:
-        cure = (
-            "the checkpoint was written by save_checkpoint: save the model's whole state_dict, "
-            "model.module.state_dict(). A tied weight is in it under each of its names and a "
-            "buffer is in it too, while named_parameters() lists a shared parameter once and "
-            "no buffer at all"
-        )
-    return AssertionError(
-        f"load_checkpoint's load_state_dict found that {found}: {cure}.\n\n{text}"
-    )
+WORDS = checkpoints.Words(
+    file="checkpoint", writer="save_checkpoint", loader="load_checkpoint", unit="step"
+)
 
 
 # --------------------------------------------------------------------------- step 1: save
@@ -180,19 +133,18 @@ def _save_on_two_nodes(rank, world_size, folder):
         NODE_RANK=str(rank // 2),
     )
     kata = load_kata(KATA)
-    model = make_model("frozen", 100 + rank).to(_device())  # built apart: DDP makes them rank 0's
-    ddp = kata.wrap(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
+    # built apart: DDP makes them rank 0's
+    model, ddp, optimizer = checkpoints.wrapped_model(kata, 100 + rank, _optimizer)
     inputs, targets = kata.batch_for("frozen", 0, rank, world_size)
     optimizer.zero_grad()
-    loss(ddp, (inputs.to(_device()), targets.to(_device()))).backward()
+    loss(ddp, (inputs.to(rank_device()), targets.to(rank_device()))).backward()
     optimizer.step()  # the optimizer now holds momentum: state a checkpoint must keep
     path = os.path.join(folder, "checkpoint.pt")
     with _watching_files(SLOW_WRITE_S if rank == 0 else 0.0) as files, recording() as calls:
         kata.save_checkpoint(path, ddp, optimizer, SAVED_STEP)
     returned = time.time()
     try:
-        _load_file(path)
+        checkpoints.read_file(path)
         readable = None
     except Exception as error:
         readable = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
@@ -209,34 +161,16 @@ def _save_on_two_nodes(rank, world_size, folder):
 @shared_run
 def _saved():
     with tempfile.TemporaryDirectory(prefix="k15-save-") as folder:
-        try:
-            results = run_world(_save_on_two_nodes, 4, folder, deadline=30)
-        except WorldDeadlock as failure:
-            raise _hang("save_checkpoint", failure) from None
-        path = os.path.join(folder, "checkpoint.pt")
-        on_disk = _load_file(path) if os.path.exists(path) else None
-        return results, on_disk
+        hang = functools.partial(_hang, "save_checkpoint")
+        options = {"words": WORDS, "hang": hang, "written_by_the_test": False, "deadline": 30}
+        results = checkpoints.run_checked(_save_on_two_nodes, 4, folder, **options)
+        return results, checkpoints.read_file(os.path.join(folder, "checkpoint.pt"))
 
 
 @pytest.mark.step(1)
 def test_only_global_rank_0_writes_the_checkpoint(kata):
     results, on_disk = _saved()
-    writers = [rank for rank, result in enumerate(results) if result["saves"]]
-    assert writers, (
-        "no rank called torch.save in save_checkpoint: global rank 0 must write the checkpoint"
-    )
-    if writers == [0, 2]:
-        raise AssertionError(
-            "ranks 0 and 2 both wrote the checkpoint. This world is 2 nodes x 2 ranks: ranks 0 and 2 "
-            "are each LOCAL_RANK 0 of their node, and on a shared file system both write the same "
-            "file. Decide by the global rank, dist.get_rank() == 0: one writer for the whole job."
-        )
-    if writers != [0]:
-        raise AssertionError(
-            f"{ranks_phrase(writers)} wrote the checkpoint: only global rank 0 may (dist.get_rank() == 0). "
-            "The replicas are identical, so one copy is enough, and ranks that write one file at "
-            "once can leave it torn."
-        )
+    checkpoints.check_one_writer(results, WORDS)
     assert len(results[0]["saves"]) == 1, (
         f"rank 0 called torch.save {len(results[0]['saves'])} times: one checkpoint, one file"
     )
@@ -249,31 +183,9 @@ def test_only_global_rank_0_writes_the_checkpoint(kata):
 @pytest.mark.step(1)
 def test_the_checkpoint_holds_the_unwrapped_model_the_optimizer_and_the_step(kata):
     results, on_disk = _saved()
-    assert on_disk is not None, "save_checkpoint left no file at the path it was given"
-    assert isinstance(on_disk, dict), (
-        f"the checkpoint holds a {type(on_disk).__name__}: save a dict with the keys "
-        f"{kata.CHECKPOINT_KEYS}"
-    )
-    missing = [key for key in kata.CHECKPOINT_KEYS if key not in on_disk]
-    if "optimizer" in missing and "model" in on_disk:
-        raise AssertionError(
-            "the checkpoint holds the model but not the optimizer: SGD's momentum is state too, "
-            "and a run that resumes without it steps differently. Save optimizer.state_dict() "
-            "under 'optimizer'."
-        )
-    assert not missing, (
-        f"the checkpoint has the keys {sorted(on_disk)}; it lacks {missing}: save "
-        "{'model': the model's state_dict, 'optimizer': the optimizer's, 'step': step}"
-    )
-    saved = on_disk["model"]
-    wrapped = [name for name in saved if name.startswith("module.")]
-    if wrapped:
-        raise AssertionError(
-            f"the checkpoint's model keys start with 'module.' ({wrapped[0]!r}): that is the state_dict "
-            "of torch's DDP wrapper, which a plain model cannot load. Save the state_dict of the "
-            "model inside it, model.module.state_dict()."
-        )
-    source = results[0]["state"]
+    why = "SGD's momentum is state too, and a run that resumes without it steps differently"
+    checkpoints.check_holds_the_parts(on_disk, kata.CHECKPOINT_KEYS, WORDS, why)
+    saved, source = on_disk["model"], results[0]["state"]
     assert sorted(saved) == sorted(source), (
         f"the checkpoint's model holds {sorted(saved)}, the model {sorted(source)}: save the "
         "whole state_dict (frozen parameters and buffers included)"
@@ -336,9 +248,8 @@ def test_every_rank_waits_until_the_checkpoint_is_complete(kata):
 @pytest.mark.step(1)
 @pytest.mark.slow  # the program, and 5 s of a deliberate hang before its report
 def test_the_program_shows_the_classic_hang_and_its_report(kata):
-    done = run_program(KATA, "--show-the-hang", "--backend", "gloo", "--device", "cpu", timeout=120)
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    done = run_program_ok(KATA, "--show-the-hang", "--backend", "gloo", "--device", "cpu")
+    shown = streams(done)
     assert "rank 0 waits in barrier" in done.stdout and "save_checkpoint" in done.stdout, (
         "with save_checkpoint called on rank 0 only, rank 0 should wait in save_checkpoint's "
         f"barrier and the report say so\n{shown}"
@@ -353,45 +264,25 @@ CHECKPOINT_STEP = 5
 def _write_checkpoint(path, kata, device="cpu") -> dict:
     """A real checkpoint, made without the learner's code: a model and momentum after 2 steps."""
     model = make_model("frozen", 7).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
-    for step in range(2):
-        inputs, targets = kata.batch_for("frozen", step, 0, 1)
-        optimizer.zero_grad()
-        loss(model, (inputs.to(device), targets.to(device))).backward()
-        optimizer.step()
-    checkpoint = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": CHECKPOINT_STEP,
-    }
-    torch.save(checkpoint, path)
-    return to_cpu(checkpoint)
+    optimizer = _optimizer(kata, model)
+    batches = [kata.batch_for("frozen", step, 0, 1) for step in range(2)]
+    return checkpoints.trained_file(path, model, optimizer, batches, step=CHECKPOINT_STEP)
 
 
 def _load_everywhere(rank, world_size, path):
     kata = load_kata(KATA)
-    model = make_model("frozen", 100 + rank).to(_device())
-    ddp = kata.wrap(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
+    model, ddp, optimizer = checkpoints.wrapped_model(kata, 100 + rank, _optimizer)
     with _watching_files() as files:
         step = kata.load_checkpoint(path, ddp, optimizer)
-    return {
-        "step": step,
-        "loads": files.loads,
-        "state": to_cpu(model.state_dict()),
-        "optimizer": to_cpu(optimizer.state_dict()),
-        "devices": sorted(devices_of(model.state_dict()) | devices_of(optimizer.state_dict())),
-        "device": str(_device()),
-    }
+    return {"step": step, "loads": files.loads, **checkpoints.states_after(model, optimizer)}
 
 
 def _run_loads(path, world_size=2, **options):
-    try:
-        return run_world(_load_everywhere, world_size, str(path), **options)
-    except WorldDeadlock as failure:
-        raise _hang("load_checkpoint", failure) from None
-    except RankFailed as failure:
-        raise _load_failure(failure, written_by_the_test=True) or failure from None
+    hang = functools.partial(_hang, "load_checkpoint")
+    return checkpoints.run_checked(
+        _load_everywhere, world_size, str(path), words=WORDS, hang=hang, written_by_the_test=True,
+        **options,
+    )  # fmt: skip
 
 
 @shared_run
@@ -415,18 +306,7 @@ def _check_loaded(results, checkpoint) -> None:
                 f"rank {rank}'s load_checkpoint returned {result['step']}, but the checkpoint says "
                 f"step {CHECKPOINT_STEP}: return its 'step' as it is (the loop goes on from there)"
             )
-        state = result["state"]
-        if not all(torch.equal(state[name], t) for name, t in checkpoint["model"].items()):
-            name, gap = largest_gap(state, checkpoint["model"])
-            loaded = [
-                r for r in range(len(results)) if same(results[r]["state"], checkpoint["model"])
-            ]
-            also = f" ({ranks_phrase(loaded)} did)" if loaded else ""
-            raise AssertionError(
-                f"after load_checkpoint rank {rank}'s weights are not the checkpoint's ({name!r} is "
-                f"up to {gap:.3g} away){also}: every rank loads the checkpoint into its own model, "
-                "not rank 0 alone (nothing copies rank 0's weights to the others afterwards)"
-            )
+        checkpoints.check_loaded_weights(results, rank, checkpoint["model"], WORDS)
         momentum, expected = _momentum(result["optimizer"]), _momentum(checkpoint["optimizer"])
         if not momentum:
             raise AssertionError(
@@ -441,33 +321,12 @@ def _check_loaded(results, checkpoint) -> None:
 
 @pytest.mark.step(2)
 def test_every_rank_loads_the_checkpoint_into_its_model_and_optimizer(kata):
-    results, checkpoint = _loaded()
-    _check_loaded(results, checkpoint)
+    _check_loaded(*_loaded())
 
 
 @pytest.mark.step(2)
 def test_every_rank_loads_onto_its_own_device(kata):
-    results, _ = _loaded()
-    for rank, result in enumerate(results):
-        loads = result["loads"]
-        assert loads, (
-            f"rank {rank}'s load_checkpoint never called torch.load: read the file with "
-            "torch.load(path, map_location=...)"
-        )
-        unmapped = [entry for entry in loads if not entry["given"]]
-        if unmapped:
-            raise AssertionError(
-                f"rank {rank} called torch.load without map_location. torch.save remembered the "
-                "device of every tensor (rank 0's cuda:0 on GPUs): without map_location every rank "
-                "loads onto GPU 0, which then holds a copy per rank (or the load fails where there "
-                "is no such GPU). Pass map_location=this rank's device (the device of the model's "
-                "parameters) or 'cpu'."
-            )
-        stray = [d for d in result["devices"] if d != result["device"]]
-        assert not stray, (
-            f"after load_checkpoint rank {rank}'s model or optimizer holds tensors on {stray}, "
-            f"expected {result['device']}"
-        )
+    checkpoints.check_loaded_onto_own_device(_loaded()[0], WORDS)
 
 
 @pytest.mark.step(2)
@@ -478,26 +337,7 @@ def test_every_rank_loads_onto_its_own_device(kata):
 )
 def test_a_file_that_is_not_a_checkpoint_is_refused(kata, tmp_path, keep, lacking):
     path = tmp_path / "not_a_checkpoint.pt"
-    weights = make_model("frozen", 0).state_dict()
-    # torch.save(model.state_dict(), path), a common sight; or a checkpoint without its optimizer
-    torch.save(weights if keep is None else {"model": weights, "step": 3}, path)
-    [(outcome, message)] = run_world(_refusal, 1, str(path))
-    assert_refuses_missing_keys("load_checkpoint", outcome, message, lacking)
-
-
-def _refusal(rank, world_size, path):
-    from dojo.todo import KataTodo
-
-    kata = load_kata(KATA)
-    model = make_model("frozen", 0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
-    try:
-        value = kata.load_checkpoint(path, kata.wrap(model), optimizer)
-    except KataTodo:
-        raise
-    except Exception as error:
-        return type(error).__name__, str(error)
-    return "returned", repr(value)
+    checkpoints.check_refuses(path, keep is None, lacking, WORDS, KATA, _optimizer)
 
 
 # --------------------------------------------------------------------------- step 3: the loop
@@ -509,60 +349,24 @@ STEPS, SAVE_EVERY, INTERRUPT_AT = 8, 3, 5  # saves after 3 and 6 steps; the cras
 LAST_SAVED = INTERRUPT_AT // SAVE_EVERY * SAVE_EVERY
 
 
-def _events(folder: str, rank: int) -> list[dict]:
-    path = os.path.join(folder, f"rank{rank}.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as lines:
-        return [json.loads(line) for line in lines if line.strip()]
-
-
 def _train_noting(rank, world_size, checkpoint, model_name, interrupt_at, folder):
     """The kata's train, with every step, save and load noted in a file as it happens (a hang
     loses the rank's return value, not its notes)."""
     kata = load_kata(KATA)
-    notes = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", buffering=1)
-    done = {"steps": 0}
 
-    def note(**event):
-        notes.write(json.dumps(event) + "\n")
+    def train():
+        args = (rank, world_size, checkpoint, STEPS, SAVE_EVERY, model_name)
+        try:
+            return kata.train(*args, interrupt_at=interrupt_at)
+        except kata.Interrupted:
+            return {"interrupted": True}
 
-    originals = {
-        name: getattr(kata, name) for name in ("save_checkpoint", "load_checkpoint", "Run")
-    }
-
-    class Run(originals["Run"]):
-        def step(self, model, optimizer, step):
-            value = super().step(model, optimizer, step)
-            done["steps"] += 1
-            note(event="step", step=step)
-            return value
-
-    def save_checkpoint(path, model, optimizer, step):
-        note(event="save", step=step, steps_done=done["steps"])
-        originals["save_checkpoint"](path, model, optimizer, step)
-
-    def load_checkpoint(path, model, optimizer):
-        step = originals["load_checkpoint"](path, model, optimizer)
-        note(event="load", step=step)
-        return step
-
-    kata.save_checkpoint, kata.load_checkpoint, kata.Run = save_checkpoint, load_checkpoint, Run
-    try:
-        return kata.train(
-            rank, world_size, checkpoint, STEPS, SAVE_EVERY, model_name, interrupt_at=interrupt_at
-        )
-    except kata.Interrupted:
-        return {"interrupted": True}
-    finally:
-        for name, original in originals.items():
-            setattr(kata, name, original)
-        notes.close()
+    return checkpoints.train_noting(kata, WORDS, folder, rank, train)
 
 
 def _uneven_saves(folder: str, world_size: int) -> str | None:
     saves = {
-        r: [e["step"] for e in _events(folder, r) if e["event"] == "save"]
+        r: [e["step"] for e in checkpoints.read_notes(folder, r) if e["event"] == "write"]
         for r in range(world_size)
     }
     if len({tuple(s) for s in saves.values()}) == 1:
@@ -581,29 +385,28 @@ def _uneven_saves(folder: str, world_size: int) -> str | None:
 
 def _train_world(world_size, folder, checkpoint, model_name, interrupt_at, **options):
     os.makedirs(folder, exist_ok=True)
-    try:
-        return run_world(
-            _train_noting,
-            world_size,
-            checkpoint,
-            model_name,
-            interrupt_at,
-            folder,
-            deadline=options.pop("deadline", 12),
-            **options,
-        )
-    except WorldDeadlock as failure:
+
+    def hang(failure: WorldDeadlock) -> AssertionError:
         uneven = _uneven_saves(folder, world_size)
-        if uneven:
-            raise AssertionError(
-                f"training hung: {uneven}. {CLASSIC_HANG} save_checkpoint makes a collective call "
-                "(its barrier), so every rank must call it: call it on every rank, and let it "
-                "decide inside that only rank 0 writes. Never call it under `if rank == 0:`."
-                f"\n\nThe harness's report:\n{failure}"
-            ) from None
-        raise _hang("training", failure) from None
-    except RankFailed as failure:
-        raise _load_failure(failure, written_by_the_test=False) or failure from None
+        if not uneven:
+            return _hang("training", failure)
+        return AssertionError(
+            f"training hung: {uneven}. {CLASSIC_HANG} save_checkpoint makes a collective call "
+            "(its barrier), so every rank must call it: call it on every rank, and let it "
+            "decide inside that only rank 0 writes. Never call it under `if rank == 0:`."
+            f"\n\nThe harness's report:\n{failure}"
+        )
+
+    options = {
+        "words": WORDS,
+        "hang": hang,
+        "written_by_the_test": False,
+        "deadline": 12,
+        **options,
+    }
+    return checkpoints.run_checked(
+        _train_noting, world_size, checkpoint, model_name, interrupt_at, folder, **options
+    )
 
 
 def _story(model_name: str, world_size: int = 2, **options) -> dict:
@@ -627,7 +430,7 @@ def _story(model_name: str, world_size: int = 2, **options) -> dict:
             )
             story[run] = {
                 "results": results,
-                "events": [_events(notes, r) for r in range(world_size)],
+                "events": [checkpoints.read_notes(notes, r) for r in range(world_size)],
             }
         return story
 
@@ -642,15 +445,7 @@ def _trained(events) -> list[int]:
 def _check_resumed(story: dict) -> None:
     whole, crashed, resumed = story["whole"], story["crashed"], story["resumed"]
     for rank, events in enumerate(crashed["events"]):
-        wrong = next(
-            (e for e in events if e["event"] == "save" and e["step"] != e["steps_done"]), None
-        )
-        if wrong is not None:
-            raise AssertionError(
-                f"the crashed run saved after {wrong['steps_done']} steps with step={wrong['step']} "
-                f"on rank {rank}, so its restart goes on from the wrong place: save the count of "
-                "steps done (step + 1), not the index of the last one"
-            )
+        checkpoints.check_count(rank, events, WORDS, "the crashed run")
     for rank, events in enumerate(resumed["events"]):
         trained = _trained(events)
         loads = [e["step"] for e in events if e["event"] == "load"]
@@ -676,18 +471,9 @@ def _check_resumed(story: dict) -> None:
                 + (f": it skipped {skipped}" if skipped else "")
                 + ". The checkpoint's step counts the steps done, so the next index is that count."
             )
-    for rank, (a, b) in enumerate(zip(whole["results"], resumed["results"])):
-        if not same(a["state"], b["state"]):
-            name, gap = largest_gap(b["state"], a["state"])
-            raise AssertionError(
-                f"after the restart rank {rank}'s weights differ from the uninterrupted run's "
-                f"({name!r} by up to {gap:.3g}): a resumed run must be the same run, bit for bit"
-            )
-        if not same(_momentum(a["optimizer"]), _momentum(b["optimizer"])):
-            raise AssertionError(
-                f"after the restart rank {rank}'s weights equal the uninterrupted run's but its "
-                "optimizer's momentum does not: save and load the optimizer's state too"
-            )
+    checkpoints.check_same_run(
+        whole["results"], resumed["results"], WORDS, _momentum, "its optimizer's momentum"
+    )
 
 
 @pytest.mark.step(3)
@@ -707,15 +493,8 @@ def test_every_rank_saves_every_save_every_steps(kata):
     story = _shared_story("buffer")
     expected = list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
     for rank, events in enumerate(story["whole"]["events"]):
-        saves = [e for e in events if e["event"] == "save"]
-        wrong = next((e for e in saves if e["step"] != e["steps_done"]), None)
-        if wrong is not None:
-            raise AssertionError(
-                f"rank {rank} called save_checkpoint after {wrong['steps_done']} steps with "
-                f"step={wrong['step']}: pass the count of steps done (step + 1), which is where a "
-                "restart goes on from, not the index of the last step"
-            )
-        done = [e["steps_done"] for e in saves]
+        checkpoints.check_count(rank, events, WORDS, "the uninterrupted run")
+        done = checkpoints.written_after(events)
         assert done == expected, (
             f"in {STEPS} steps with save_every={SAVE_EVERY}, rank {rank} saved after "
             f"{done or 'no'} steps, expected after {expected}: save whenever the steps done are a "
@@ -728,14 +507,12 @@ def test_every_rank_saves_every_save_every_steps(kata):
 
 @pytest.mark.step(3)
 def test_program_crashes_resumes_and_matches(kata, tmp_path):
-    done = run_program(
+    done = run_program_ok(
         KATA,
         *("--steps", "8", "--save-every", "3", "--interrupt-at", "5"),
         *("--checkpoint-dir", str(tmp_path), "--backend", "gloo", "--device", "cpu"),
-        timeout=120,
     )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with status {done.returncode}\n{shown}"
+    shown = streams(done)
     assert "resumed at 3" in done.stdout, f"the restart should resume at step 3\n{shown}"
     for rank in range(2):
         assert f"rank {rank} after resuming: the very same weights and momentum" in done.stdout, (
@@ -752,10 +529,10 @@ def test_program_crashes_resumes_and_matches(kata, tmp_path):
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_load_onto_each_ranks_gpu(kata, tmp_path):
-    require_gpus(1)
+    cuda = on_cuda(2, "gloo")
     path = tmp_path / "checkpoint.pt"
     checkpoint = _write_checkpoint(path, kata, device="cuda:0")  # saved from rank 0's GPU
-    results = _run_loads(path, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = _run_loads(path, **cuda)
     _check_loaded(results, checkpoint)
     for rank, result in enumerate(results):
         assert result["devices"] == [result["device"]], (
@@ -768,6 +545,5 @@ def test_load_onto_each_ranks_gpu(kata, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
 def test_resume_on_cuda(kata, backend, world_size):
-    require_gpus(1)
-    story = _story("buffer", world_size, backend=backend, env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    story = _story("buffer", world_size, **on_cuda(world_size, backend))
     _check_resumed(story)

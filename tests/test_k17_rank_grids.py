@@ -8,7 +8,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import refusal, require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import refusal, run_program_ok
 from dojo.todo import KataTodo
 
 KATA = "k17_rank_grids"
@@ -614,10 +615,8 @@ def test_a_column_averages_over_its_own_members(kata, shape):
 
 @pytest.mark.step(3)
 def test_program_draws_the_grid_and_sums_each_row(kata):
-    done = run_program(KATA, "--world-size", "4", "--data-parallel", "2", timeout=120)
-    out = done.stdout
+    out = run_program_ok(KATA, "--world-size", "4", "--data-parallel", "2").stdout
     shown = "`python -m k17_rank_grids --world-size 4 --data-parallel 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
     lines = [line for line in out.splitlines() if line.startswith("[main]  ")]
     rows = [line.split("row", 1)[1].split("tensor")[0].split() for line in lines if " row " in line]
     assert rows == [["0", "1"], ["2", "3"]], f"{shown} should draw the grid's rows:\n{out}"
@@ -630,10 +629,7 @@ def test_program_draws_the_grid_and_sums_each_row(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     grid = kata.RankGrid(1, world_size)
     row = torch.full((3,), float(rank + 1), device=device)
@@ -658,16 +654,10 @@ def check_on_cuda(results, world_size) -> None:
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(
-        run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60), 1
-    )
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")), 1)
 
 
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(
-        run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60), 2
-    )
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")), 2)

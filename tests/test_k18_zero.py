@@ -11,8 +11,9 @@ import torch.distributed as dist
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
+from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import to_cpu
-from dojo.spec.testing import refusal, require_gpus, run_program
+from dojo.spec.testing import refusal, run_program_ok
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
 KATA = "k18_zero"
@@ -775,12 +776,7 @@ def test_add_param_group_after_construction(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_state_split(kata):
-    done = run_program(KATA, "--world-size", "2", "--steps", "2", timeout=120)
-    out = done.stdout
-    assert done.returncode == 0, (
-        f"`python -m {KATA} --world-size 2 --steps 2` exited with {done.returncode}:\n{out}\n"
-        f"{done.stderr}"
-    )
+    out = run_program_ok(KATA, "--world-size", "2", "--steps", "2").stdout
     assert "[rank 1] AdamW state held:" in out and "50%" in out, out
     assert "bitwise those of unsharded AdamW" in out, out
 
@@ -790,10 +786,7 @@ def test_program_shows_the_state_split(kata):
 
 def _on_cuda(rank, world_size):
     kata = load_kata(KATA)
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     model, plain = make_transformer(0).to(device), make_transformer(0).to(device)
     sharded = kata.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
     other = torch.optim.AdamW(plain.parameters(), lr=LR)
@@ -820,12 +813,10 @@ def _check_cuda(results):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    _check_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    _check_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

@@ -15,7 +15,8 @@ from torch import nn
 from dojo.harness.calls import clock, recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import refusal, require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import refusal, run_program_ok
 from dojo.toy_models import Block, TinyTransformer, make_tokens, make_transformer, transformer_loss
 
 KATA = "k19_fsdp"
@@ -1087,12 +1088,7 @@ def test_against_torchs_fully_shard(kata):
 
 @pytest.mark.step(6)
 def test_program_trains_like_one_process(kata):
-    done = run_program(KATA, "--world-size", "2", "--steps", "2", timeout=120)
-    out = done.stdout
-    assert done.returncode == 0, (
-        f"`python -m {KATA} --world-size 2 --steps 2` exited with {done.returncode}:\n{out}\n"
-        f"{done.stderr}"
-    )
+    out = run_program_ok(KATA, "--world-size", "2", "--steps", "2").stdout
     assert "3 all-gathers in forward, 2 in backward, 3 reduce-scatters" in out, out
     assert "(bitwise equal)" in out, out
 
@@ -1102,10 +1098,7 @@ def test_program_trains_like_one_process(kata):
 
 def _on_cuda(rank, world_size):
     kata = load_kata(KATA)
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     model, reference = make_transformer(0).to(device), make_transformer(0).to(device)
     wrapper = kata.FullyShardedModule(model, compute_dtype=torch.bfloat16, prefetch=False)
     tokens, targets = (t.to(device) for t in make_tokens(4, rank))
@@ -1127,12 +1120,10 @@ def _check_cuda(results):
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    _check_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    _check_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

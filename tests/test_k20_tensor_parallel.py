@@ -11,7 +11,10 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec import collectives
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.states import close, gap
+from dojo.spec.testing import run_program_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import MLP, Attention
 
@@ -29,46 +32,17 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 WORLDS = {"2": (2, None), "4": (4, None), "4-rows": (4, [[0, 1], [2, 3]])}
 
 
-def _group(rank: int, world_size: int, groups):
-    """``(group, members)``: the world (None) or this rank's row; every rank makes every group."""
-    import torch.distributed as dist
-
-    if groups is None:
-        return None, list(range(world_size))
-    made = [dist.new_group(ranks) for ranks in groups]
-    index = next(i for i, ranks in enumerate(groups) if rank in ranks)
-    return made[index], groups[index]
-
-
 def _calls(calls, group) -> list[tuple[str, str | None, str]]:
     """Each recorded call: its name, its op, and whether it used the layer's group."""
-    import torch.distributed as dist
-
-    def which(g):
-        if g is group or (group is None and g is dist.group.WORLD):
-            return "the group"
-        if g is None or g is dist.group.WORLD:
-            return "the whole world"
-        return "another group"
-
-    return [(c.name, c.op, which(c.group)) for c in calls]
+    return [(c.name, c.op, collectives.which_group(c.group, group)) for c in calls]
 
 
 def _where(world: str) -> str:
-    world_size, groups = WORLDS[world]
-    if groups is None:
-        return f"on {world_size} ranks"
-    return f"in the groups {groups[0]} and {groups[1]} of a world of {world_size}"
+    return collectives.where(*WORLDS[world])
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a, b, **TOLERANCE)
-
-
-def _gap(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.shape != b.shape:
-        return f"shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
-    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"
+def _close(a, b) -> bool:
+    return close(a, b, **TOLERANCE)
 
 
 def _fail(rank: int, what: str, error: Exception) -> str:
@@ -80,7 +54,7 @@ def _fail(rank: int, what: str, error: Exception) -> str:
 
 def _f_and_g(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
+    group, members = collectives.rank_group(rank, world_size, groups)
     out = {"members": members}
     x = torch.arange(6.0).view(2, 3) + 10 * rank
     upstream = (rank + 1) * torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -143,9 +117,7 @@ def test_f_is_identity_forward_and_all_reduce_backward(kata, world):
     world_size = WORLDS[world][0]
     everyone = sum(r["upstream"] for r in results)
     for rank, result in enumerate(results):
-        got = result["f"]
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        got = succeeded(result["f"])
         members = result["members"]
         x, upstream = result["x"], result["upstream"]
         summed = sum(results[m]["upstream"] for m in members)
@@ -202,9 +174,7 @@ def test_g_is_all_reduce_forward_and_identity_backward(kata, world):
     world_size = WORLDS[world][0]
     everyone = sum(r["x"] for r in results)
     for rank, result in enumerate(results):
-        got = result["g"]
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        got = succeeded(result["g"])
         members = result["members"]
         x, upstream = result["x"], result["upstream"]
         summed = sum(results[m]["x"] for m in members)
@@ -270,7 +240,7 @@ def _layer(rank, world_size, groups, kind, in_features, out_features):
     import torch.distributed as dist
 
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
+    group, members = collectives.rank_group(rank, world_size, groups)
     size, index = len(members), members.index(rank)
     dense = _dense(in_features, out_features)
     x = _randn(3, 5, in_features, seed=7)
@@ -430,7 +400,7 @@ def _check_gradients(got: dict, what: str, where: str, extra: str = "") -> None:
             )
         assert _close(value, expected), (
             f"rank {rank}: {what}: {label} gradient is not the matching slice of the dense "
-            f"layer's ({_gap(value, expected)}) {where}{extra}"
+            f"layer's ({gap(value, expected)}) {where}{extra}"
         )
 
 
@@ -471,8 +441,7 @@ def test_column_parallel_equals_the_dense_layer(kata, world):
     where = _where(world)
     what = "ColumnParallelLinear(nn.Linear(16, 64))"
     for got in _columns(world):
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank = got["rank"]
         forward, backward = got["forward"], got["backward"]
         if _reduces(forward):
@@ -483,7 +452,7 @@ def test_column_parallel_equals_the_dense_layer(kata, world):
             )
         assert _close(got["output"], got["expected_output"]), (
             f"rank {rank}: {what}'s output is not the dense layer's output features "
-            f"{got['mine'][0]}..{got['mine'][1] - 1} ({_gap(got['output'], got['expected_output'])}) "
+            f"{got['mine'][0]}..{got['mine'][1] - 1} ({gap(got['output'], got['expected_output'])}) "
             f"{where}"
         )
         if not _reduces(backward):
@@ -522,8 +491,7 @@ def test_row_parallel_equals_the_dense_layer(kata, world):
     where = _where(world)
     what = "RowParallelLinear(nn.Linear(64, 16))"
     for got in _rows(world):
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank, size = got["rank"], got["size"]
         forward, backward = got["forward"], got["backward"]
         if not _reduces(forward):
@@ -547,7 +515,7 @@ def test_row_parallel_equals_the_dense_layer(kata, world):
                 "all-reduce is a sum of partial products, do not divide it"
             )
         assert _close(output, expected), (
-            f"rank {rank}: {what}'s output is not the dense layer's ({_gap(output, expected)}) "
+            f"rank {rank}: {what}'s output is not the dense layer's ({gap(output, expected)}) "
             f"{where}"
         )
         assert not _reduces(backward), (
@@ -683,7 +651,7 @@ def _mistaken(name: str, dense: nn.Module, x: torch.Tensor, size: int) -> dict:
 
 def _block(rank, world_size, groups, name):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
+    group, members = collectives.rank_group(rank, world_size, groups)
     dense = _module(name)
     x = _randn(3, 8, 16, seed=11)
     upstream = _randn(3, 8, 16, seed=12)
@@ -723,8 +691,7 @@ def check_block(name: str, world: str, results) -> None:
     where = _where(world)
     what = "ParallelMLP" if name == "mlp" else "ParallelAttention"
     for got in results:
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank = got["rank"]
         output, expected = got["output"], got["expected_output"]
         names = sorted(got["grads"])
@@ -760,7 +727,7 @@ def check_block(name: str, world: str, results) -> None:
                     raise AssertionError(f"rank {rank}, {what} {where}: {why}")
             raise AssertionError(
                 f"rank {rank}: {what}'s output is not the dense {name}'s "
-                f"({_gap(output, expected)}) {where}"
+                f"({gap(output, expected)}) {where}"
                 + (
                     ": each rank attends with whole heads of its own (self.local_heads heads of "
                     "self.head_dim features, scores scaled by 1/sqrt(self.head_dim)), and the "
@@ -772,14 +739,14 @@ def check_block(name: str, world: str, results) -> None:
             )
         assert _close(got["x_grad"], got["expected_x_grad"]), (
             f"rank {rank}: the input's gradient through {what} is not the dense {name}'s "
-            f"({_gap(got['x_grad'], got['expected_x_grad'])}) {where}"
+            f"({gap(got['x_grad'], got['expected_x_grad'])}) {where}"
         )
         for param, expected_grad in got["expected_grads"].items():
             grad = got["grads"][param]
             assert grad is not None and _close(grad, expected_grad), (
                 f"rank {rank}: {what}'s {param} gradient is not the matching slice of the dense "
                 f"{name}'s "
-                f"({'None' if grad is None else _gap(grad, expected_grad)}) {where}"
+                f"({'None' if grad is None else gap(grad, expected_grad)}) {where}"
             )
 
 
@@ -875,14 +842,14 @@ def check_against_torch(name: str, results) -> None:
         mine, theirs = got["outputs"]
         assert _close(mine, theirs), (
             f"rank {rank}: {what}'s output differs from torch's parallelize_module "
-            f"(ColwiseParallel/RowwiseParallel) on the same mesh: {_gap(mine, theirs)}"
+            f"(ColwiseParallel/RowwiseParallel) on the same mesh: {gap(mine, theirs)}"
         )
         for param, expected in got["grads"][1].items():
             grad = got["grads"][0].get(param)
             assert grad is not None and _close(grad, expected), (
                 f"rank {rank}: {what}'s local {param} gradient differs from torch's "
                 f"parallelize_module's local shard ("
-                f"{'missing' if grad is None else _gap(grad, expected)})"
+                f"{'missing' if grad is None else gap(grad, expected)})"
             )
 
 
@@ -898,10 +865,7 @@ def test_parallel_attention_matches_torchs_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_splits_a_block_and_counts_its_all_reduces(kata):
-    done = run_program(KATA, "--world-size", "2", timeout=120)
-    out = done.stdout
-    shown = f"`python -m {KATA} --world-size 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2").stdout
     assert "mlp: each rank keeps up.weight (32, 16)" in out, out
     assert "[rank 1] mlp: 1 all-reduce forward, 1 backward" in out, out
     assert "[rank 0] attention: 1 all-reduce forward, 1 backward" in out, out
@@ -912,10 +876,7 @@ def test_program_splits_a_block_and_counts_its_all_reduces(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     dense = _module("mlp").to(device)
     mlp = kata.ParallelMLP(copy.deepcopy(dense), None)
@@ -929,19 +890,17 @@ def check_on_cuda(results) -> None:
         assert device.startswith("cuda"), f"rank {rank}'s output left the GPU: {device}"
         # CUDA matmuls may use TF32 or other kernels: a looser tolerance than on the CPU.
         assert torch.allclose(output, expected, rtol=1e-3, atol=1e-3), (
-            f"rank {rank}: ParallelMLP on CUDA differs from the dense MLP: {_gap(output, expected)}"
+            f"rank {rank}: ParallelMLP on CUDA differs from the dense MLP: {gap(output, expected)}"
         )
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

@@ -10,7 +10,9 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
+from dojo.spec import pipelines
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import refusal, run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -236,19 +238,10 @@ def test_schedules_as_data(kata, kind):
 @pytest.mark.parametrize(("p", "m", "r"), [(2, 0, 0), (0, 2, 0), (2, 2, 2), (2, 2, -1)])
 def test_schedules_refuse_what_does_not_fit(kata, kind, p, m, r):
     call = f"{FUNCTIONS[kind]}(stages={p}, micro_batches={m}, rank={r})"
-    try:
-        got = getattr(kata, FUNCTIONS[kind])(p, m, r)
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"{call} raised {type(error).__name__}: {error}; raise ValueError"
-        ) from None
-    raise AssertionError(
-        f"{call} returned {got!r}: raise ValueError (stages and micro_batches at least 1, a rank "
-        "between 0 and stages - 1)"
+    did = refusal(lambda: getattr(kata, FUNCTIONS[kind])(p, m, r))
+    assert did is None, (
+        f"{call} {did}: raise ValueError (stages and micro_batches at least 1, a rank between 0 "
+        "and stages - 1)"
     )
 
 
@@ -256,19 +249,15 @@ def test_schedules_refuse_what_does_not_fit(kata, kind, p, m, r):
 
 
 def _micro_batches(m: int, seed: int = 1):
-    tokens, targets = make_tokens(PER_MICRO_BATCH * m, seed)
-    return list(zip(tokens.chunk(m), targets.chunk(m)))
+    return pipelines.micro_batches(m, PER_MICRO_BATCH, seed)
 
 
 def _pipeline_rank(rank, world_size, kind, m, group_ranks=None):
-    import torch.distributed as dist
-
     kata = load_kata(KATA)
-    group = dist.new_group(group_ranks) if group_ranks else None
-    if group_ranks and rank not in group_ranks:
+    placed = pipelines.stage_of(rank, world_size, group_ranks)
+    if placed is None:
         return None
-    p = len(group_ranks) if group_ranks else world_size
-    me = group_ranks.index(rank) if group_ranks else rank
+    group, p, me = placed
     model = make_transformer(0, BLOCKS)
     stage = kata.split_stages(model, p, me)
     actions = EXPECTED[kind](p, m, me)  # the test's schedule: step 2 is tested on its own
@@ -565,36 +554,18 @@ def test_bubble_matches_the_formula(kata, kind):
 @pytest.mark.step(4)
 def test_simulate_refuses_a_schedule_that_waits_for_ever(kata):
     stuck = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]  # rank 0's backward before its forward
-    try:
-        got = returns_within(f"simulate({stuck})", kata.simulate, stuck)
-    except DidNotReturn as error:
-        raise AssertionError(
-            f"{error}. Here no rank can ever start: rank 0's backward of 0 waits for rank 1's, "
-            "which waits for rank 1's forward of 0, which waits for rank 0's forward of 0, after "
-            "the backward. When a pass over the ranks starts no action, none ever will: raise "
-            "ValueError then"
-        ) from None
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"simulate({stuck}) raised {type(error).__name__}: {error}; a schedule whose ranks "
-            "wait for each other for ever is a ValueError saying so"
-        ) from None
-    raise AssertionError(
-        f"simulate({stuck}) returned {got!r}: rank 0's backward of 0 waits for rank 1's, which "
-        "waits for rank 1's forward of 0, which waits for rank 0's forward of 0, after the "
-        "backward: no action can start. Raise ValueError when no rank can move"
+    why = (
+        "no rank can ever start here: rank 0's backward of 0 waits for rank 1's, which waits for "
+        "rank 1's forward of 0, which waits for rank 0's forward of 0, after the backward"
     )
+    pipelines.check_refuses_for_ever(kata.simulate, stuck, why)
 
 
 @pytest.mark.step(4)
 def test_program_draws_the_schedule(kata):
-    done = run_program(KATA, "--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4")
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(
+        KATA, "--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4"
+    ).stdout
     assert "rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3" in out, out
     assert "rank 1:  . F0 F1 F2 F3 B0 B1 B2 B3" in out, out
     assert "rank 0 idle 0.200 of 10 ticks; (p-1)/(m+p-1) = 0.200" in out, out
@@ -605,10 +576,7 @@ def test_program_draws_the_schedule(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     stage = kata.split_stages(make_transformer(0, BLOCKS), world_size, rank).to(device)
     m = 4
@@ -628,8 +596,7 @@ def check_on_cuda(results) -> None:
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 # Several ranks on CUDA take NCCL here, the backend a GPU pipeline runs on (gloo's point-to-point
@@ -637,5 +604,4 @@ def test_nccl_world_of_one(kata):
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_nccl_two_ranks(kata):
-    require_gpus(2)
-    check_on_cuda(run_world(_on_cuda, 2, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "nccl")))

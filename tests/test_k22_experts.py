@@ -14,7 +14,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import MODEL_DIM
 
@@ -643,9 +644,7 @@ def test_a_subgroup_holds_its_own_experts(kata):
 
 @pytest.mark.step(4)
 def test_program_reports_tokens_per_expert(kata):
-    done = run_program(KATA, "--world-size", "2", "--tokens", "12")
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2", "--tokens", "12").stdout
     assert "[rank 0] sent its 12 tokens to the experts [" in out, out
     assert "expert 1 processed" in out, out
     assert "against one process running every expert" in out, out
@@ -655,10 +654,7 @@ def test_program_reports_tokens_per_expert(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     moe = kata.ExpertParallelMoE(
         kata.make_router(0, world_size).to(device), kata.make_expert(0, rank).to(device)
@@ -682,14 +678,12 @@ def check_on_cuda(results, world_size) -> None:
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 1, **on_cuda(1, "nccl"))
     check_on_cuda(results, 1)
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 2, **on_cuda(2, "gloo"))
     check_on_cuda(results, 2)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import MAX_STRETCH, WorldDeadlock, WorldFailure, run_world
-from dojo.spec.testing import refusal, require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import refusal, run_program_ok
 from dojo.todo import KataTodo
 
 KATA = "k23_hangs"
@@ -797,10 +798,8 @@ def test_program_names_the_ranks_of_every_hang(kata):
     args = ("--world-size", "3", "--skip-rank", "1", "--mismatch-rank", "0", "--timeout", "1.5")
     args += ("--unchecked",)
     # Started with DETAIL set, as a learner would: torch then checks the world group too.
-    done = run_program(KATA, *args, timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    out = done.stdout
+    out = run_program_ok(KATA, *args, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).stdout
     shown = f"`TORCH_DISTRIBUTED_DEBUG=DETAIL python -m {KATA} {' '.join(args)}`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
     for rank in (0, 2):
         assert re.search(rf"\[rank {rank}\] caught BarrierTimeout: .*rank 1 did not arrive", out), (
             f"{shown}: rank {rank} should name rank 1 in its BarrierTimeout:\n{out}"
@@ -823,10 +822,7 @@ def test_program_names_the_ranks_of_every_hang(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     agreed = torch.full((4,), float(rank + 1), device=device)
     kata.checked(dist.all_reduce, agreed)
@@ -857,12 +853,10 @@ def check_on_cuda(results) -> None:
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_checked_on_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(3)
 @pytest.mark.cuda
 def test_checked_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

@@ -14,7 +14,14 @@ import torch.distributed as dist
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import (
+    DidNotReturn,
+    returns_within,
+    run_program_ok,
+    shared_run,
+    streams,
+)
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer
 
@@ -798,11 +805,8 @@ def test_record_step_rejects_bad_arguments(kata):
 
 @pytest.mark.step(4)
 def test_program_prints_the_three_ways(kata):
-    done = run_program(
-        KATA, "--world-size", "2", "--steps", "2", "--blocks", "2", "--dim", "32", timeout=120
-    )
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with {done.returncode}\n{shown}"
+    done = run_program_ok(KATA, "--world-size", "2", "--steps", "2", "--blocks", "2", "--dim", "32")
+    shown = streams(done)
     rows = {}
     for line in done.stdout.splitlines():
         match = re.match(
@@ -821,9 +825,7 @@ def test_program_prints_the_three_ways(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    torch.cuda.set_device(rank_device())
+    rank_gpu()
     kata = load_kata(KATA)
     return {way: _one_way(kata, way, rank) for way in ("k04", "k12")}
 
@@ -843,12 +845,10 @@ def _check_cuda(results):
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    _check_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    _check_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    _check_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

@@ -12,7 +12,10 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec import collectives
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.states import close, gap
+from dojo.spec.testing import run_program_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
 
@@ -27,40 +30,15 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 # rows, k17): rank and size come from the group, never from the world.
 WORLDS = {"2": (2, None), "4": (4, None), "4-rows": (4, [[0, 1], [2, 3]])}
 LENGTH = 8  # the toy model's sequence: 4 positions per rank on 2 ranks, 2 on 4
-GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
-SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
-
-
-def _group(rank: int, world_size: int, groups):
-    """``(group, members)``: the world (None) or this rank's row; every rank makes every group."""
-    import torch.distributed as dist
-
-    if groups is None:
-        return None, list(range(world_size))
-    made = [dist.new_group(ranks) for ranks in groups]
-    index = next(i for i, ranks in enumerate(groups) if rank in ranks)
-    return made[index], groups[index]
 
 
 def _calls(calls, group) -> list[tuple[str, str | None, str]]:
     """Each recorded call: its kind (all-gather, reduce-scatter or its name), its op, its group."""
-    import torch.distributed as dist
-
-    def which(g):
-        if g is group or (group is None and g is dist.group.WORLD):
-            return "the group"
-        if g is None or g is dist.group.WORLD:
-            return "the whole world"
-        return "another group"
-
-    def kind(name):
-        if name in GATHERS:
-            return "all-gather"
-        if name in SCATTERS:
-            return "reduce-scatter"
-        return name.replace("_", "-")
-
-    return [(kind(c.name), c.op, which(c.group)) for c in calls if c.name != "new_group"]
+    return [
+        (collectives.kind(c.name), c.op, collectives.which_group(c.group, group))
+        for c in calls
+        if c.name != "new_group"
+    ]
 
 
 def _kinds(calls) -> list[str]:
@@ -68,22 +46,11 @@ def _kinds(calls) -> list[str]:
 
 
 def _where(world: str) -> str:
-    world_size, groups = WORLDS[world]
-    if groups is None:
-        return f"on {world_size} ranks"
-    return f"in the groups {groups[0]} and {groups[1]} of a world of {world_size}"
+    return collectives.where(*WORLDS[world])
 
 
 def _close(a, b) -> bool:
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, **TOLERANCE)
-
-
-def _gap(a, b) -> str:
-    if a is None:
-        return "None"
-    if a.shape != b.shape:
-        return f"shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
-    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"
+    return close(a, b, **TOLERANCE)
 
 
 def _fail(rank: int, what: str, error: Exception) -> str:
@@ -95,6 +62,19 @@ def _fail(rank: int, what: str, error: Exception) -> str:
             "whole sequence"
         )
     return f"rank {rank}: {what} raised {type(error).__name__}: {text[:500]}"
+
+
+def _place(rank, world_size, groups):
+    """``(group, members, size, index, per)``: this rank's group, the group's ranks and their
+    number, this rank's index among them, and how many of the sequence's positions each holds."""
+    group, members = collectives.rank_group(rank, world_size, groups)
+    size = len(members)
+    return group, members, size, members.index(rank), LENGTH // size
+
+
+def _share(index: int, width: int) -> slice:
+    """The ``index``-th of equal shares ``width`` wide."""
+    return slice(index * width, (index + 1) * width)
 
 
 def _randn(*shape, seed: int) -> torch.Tensor:
@@ -127,9 +107,7 @@ def _check_one(rank: int, calls, kind: str, what: str, where: str) -> None:
 
 def _along(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
+    group, members, size, index, per = _place(rank, world_size, groups)
     out = {"members": members, "index": index, "per": per}
     try:
         out["range"] = kata.sequence_range(LENGTH, group)
@@ -189,9 +167,7 @@ def test_all_gather_sequence_puts_every_rank_s_positions_in_order(kata, world):
     where = _where(world)
     results = _along_world(world)
     for rank, got in enumerate(results):
-        done = got["gather"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = succeeded(got["gather"])
         members = got["members"]
         pieces = [results[m]["piece"] for m in members]
         expected = torch.cat(pieces, dim=1)
@@ -215,7 +191,7 @@ def test_all_gather_sequence_puts_every_rank_s_positions_in_order(kata, world):
                 )
         assert value.shape == expected.shape and torch.equal(value, expected), (
             f"rank {rank}: all_gather_sequence is not every rank's positions end to end along "
-            f"the sequence, in the group's order {members} ({_gap(value, expected)}) {where}"
+            f"the sequence, in the group's order {members} ({gap(value, expected)}) {where}"
         )
         assert not done["changed"], f"rank {rank}: all_gather_sequence changed its input"
 
@@ -226,12 +202,10 @@ def test_reduce_scatter_sequence_gives_each_rank_the_sum_of_its_positions(kata, 
     where = _where(world)
     results = _along_world(world)
     for rank, got in enumerate(results):
-        done = got["scatter"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = succeeded(got["scatter"])
         members, index, per = got["members"], got["index"], got["per"]
         total = sum(results[m]["full"] for m in members)
-        expected = total[:, index * per : (index + 1) * per]
+        expected = total[:, _share(index, per)]
         value = done["value"]
         if value.shape == total[: 4 // len(members)].shape and value.shape != expected.shape:
             raise AssertionError(
@@ -269,7 +243,7 @@ def test_reduce_scatter_sequence_gives_each_rank_the_sum_of_its_positions(kata, 
                     )
         assert value.shape == expected.shape and torch.equal(value, expected), (
             f"rank {rank}: reduce_scatter_sequence is not the group's sum of its positions "
-            f"{index * per}..{(index + 1) * per - 1} ({_gap(value, expected)}) {where}"
+            f"{index * per}..{(index + 1) * per - 1} ({gap(value, expected)}) {where}"
         )
         assert not done["changed"], (
             f"rank {rank}: reduce_scatter_sequence changed its input: reduce-scatter a copy"
@@ -320,9 +294,7 @@ def test_a_sequence_that_does_not_divide_is_refused(kata):
 
 def _pair(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
+    group, members, size, index, per = _place(rank, world_size, groups)
     out = {"members": members, "index": index, "per": per}
     piece = torch.arange(2 * per * 3, dtype=torch.float32).view(2, per, 3) + 100 * rank
     full = torch.arange(2 * LENGTH * 3, dtype=torch.float32).view(2, LENGTH, 3) - rank
@@ -381,16 +353,14 @@ def test_gather_region_all_gathers_forward_and_reduce_scatters_backward(kata, wo
     world_size = WORLDS[world][0]
     what = "GatherFromSequenceParallelRegion"
     for rank, got in enumerate(results):
-        done = got["gather"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = succeeded(got["gather"])
         members, index, per = got["members"], got["index"], got["per"]
-        mine = slice(index * per, (index + 1) * per)
+        mine = _share(index, per)
         expected = torch.cat([results[m]["piece"] for m in members], dim=1)
         _check_one(rank, done["forward"], "all-gather", f"{what}'s forward", where)
         assert torch.equal(done["value"], expected), (
             f"rank {rank}: {what}'s forward is not every rank's positions in order "
-            f"({_gap(done['value'], expected)}) {where}: all_gather_sequence"
+            f"({gap(done['value'], expected)}) {where}: all_gather_sequence"
         )
         if done["backward_failure"]:
             raise AssertionError(done["backward_failure"])
@@ -422,7 +392,7 @@ def test_gather_region_all_gathers_forward_and_reduce_scatters_backward(kata, wo
         _check_one(rank, done["backward"], "reduce-scatter", f"{what}'s backward", where)
         assert torch.equal(grad, summed), (
             f"rank {rank}: the gradient through {what} is not the group's sum at this rank's "
-            f"positions ({_gap(grad, summed)}) {where}"
+            f"positions ({gap(grad, summed)}) {where}"
         )
 
 
@@ -433,16 +403,14 @@ def test_reduce_scatter_region_reduce_scatters_forward_and_all_gathers_backward(
     results = _pair_world(world)
     what = "ReduceScatterToSequenceParallelRegion"
     for rank, got in enumerate(results):
-        done = got["scatter"]
-        if done["failure"]:
-            raise AssertionError(done["failure"])
+        done = succeeded(got["scatter"])
         members, index, per = got["members"], got["index"], got["per"]
-        mine = slice(index * per, (index + 1) * per)
+        mine = _share(index, per)
         expected = sum(results[m]["full"] for m in members)[:, mine]
         _check_one(rank, done["forward"], "reduce-scatter", f"{what}'s forward", where)
         assert torch.equal(done["value"], expected), (
             f"rank {rank}: {what}'s forward is not the group's sum at this rank's positions "
-            f"({_gap(done['value'], expected)}) {where}: reduce_scatter_sequence"
+            f"({gap(done['value'], expected)}) {where}: reduce_scatter_sequence"
         )
         if done["backward_failure"]:
             raise AssertionError(done["backward_failure"])
@@ -464,7 +432,7 @@ def test_reduce_scatter_region_reduce_scatters_forward_and_all_gathers_backward(
         _check_one(rank, done["backward"], "all-gather", f"{what}'s backward", where)
         assert torch.equal(grad, gathered), (
             f"rank {rank}: the gradient through {what} is not every rank's gradient gathered in "
-            f"order ({_gap(grad, gathered)}) {where}"
+            f"order ({gap(grad, gathered)}) {where}"
         )
 
 
@@ -490,10 +458,8 @@ class _NormAndOther(nn.Module):
 
 def _norm(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
-    mine = slice(index * per, (index + 1) * per)
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine = _share(index, per)
     dense = _dense_norm()
     x = _randn(3, LENGTH, 16, seed=7)
     upstream = _randn(3, LENGTH, 16, seed=8)
@@ -534,17 +500,12 @@ def _norm(rank, world_size, groups):
 _norm_world = shared_run(lambda world: run_world(_norm, *WORLDS[world]))
 
 
-def _norm_failure(got) -> None:
-    if got["failure"]:
-        raise AssertionError(got["failure"])
-
-
 @pytest.mark.step(3)
 @pytest.mark.parametrize("world", list(WORLDS))
 def test_layer_norm_normalizes_my_positions_without_communicating(kata, world):
     where = _where(world)
     for got in _norm_world(world):
-        _norm_failure(got)
+        succeeded(got)
         rank = got["rank"]
         assert not got["forward"], (
             f"rank {rank}: SequenceParallelLayerNorm's forward called {_kinds(got['forward'])} "
@@ -553,7 +514,7 @@ def test_layer_norm_normalizes_my_positions_without_communicating(kata, world):
         )
         assert _close(got["output"], got["expected_output"]), (
             f"rank {rank}: SequenceParallelLayerNorm's output is not the dense LayerNorm's at "
-            f"this rank's positions ({_gap(got['output'], got['expected_output'])}) {where}: "
+            f"this rank's positions ({gap(got['output'], got['expected_output'])}) {where}: "
             "normalize over the last dimension (normalized_shape) with the weight and bias"
         )
 
@@ -565,7 +526,7 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
     results = _norm_world(world)
     world_size = WORLDS[world][0]
     for got in results:
-        _norm_failure(got)
+        succeeded(got)
         rank, members, size = got["rank"], got["members"], got["size"]
         local_sum = [sum(results[m]["local"][i] for m in members) for i in range(2)]
         for i, name in enumerate(("weight", "bias")):
@@ -593,7 +554,7 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
                     )
             assert _close(grad, expected) and _close(grad, local_sum[i]), (
                 f"rank {rank}: the LayerNorm's {name} gradient after the sync is not the dense "
-                f"LayerNorm's ({_gap(grad, expected)}) {where}"
+                f"LayerNorm's ({gap(grad, expected)}) {where}"
             )
         other = got["other"]
         assert torch.equal(other, torch.full((5,), float(rank + 1))), (
@@ -647,13 +608,8 @@ def _saved_bytes(run, module: nn.Module):
 def _column(rank, world_size, groups, layers):
     """``layers`` column-parallel layers (16 -> 32) reading one slice, through all_gather_linear."""
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per, features = LENGTH // size, 32 // size
-    mine, feat = (
-        slice(index * per, (index + 1) * per),
-        slice(index * features, (index + 1) * features),
-    )
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine, feat = _share(index, per), _share(index, 32 // size)  # its positions, its features
     dense = [_dense(16, 32, seed=3 + i) for i in range(layers)]
     x = _randn(3, LENGTH, 16, seed=7)
     upstream = [_randn(3, LENGTH, 32, seed=8 + i) for i in range(layers)]
@@ -698,14 +654,13 @@ def _check_column(world, results, layers):
     where = _where(world)
     what = "AllGatherLinear" + (f" with {layers} layers" if layers > 1 else "")
     for got in results:
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank = got["rank"]
         _check_one(rank, got["forward"], "all-gather", f"{what}'s forward", where)
         for i, (y, expected) in enumerate(zip(got["outputs"], got["expected_outputs"])):
             assert _close(y, expected), (
                 f"rank {rank}: {what}'s output {i} is not the dense layer's output features of "
-                f"this rank over the WHOLE sequence ({_gap(y, expected)}) {where}: gather the "
+                f"this rank over the WHOLE sequence ({gap(y, expected)}) {where}: gather the "
                 "positions first, then F.linear with this rank's weight and bias"
             )
         kinds = sorted(_kinds(got["backward"]))
@@ -741,18 +696,18 @@ def _check_column(world, results, layers):
         )
         assert _close(got["x_grad"], got["expected_x_grad"]), (
             f"rank {rank}: the input's gradient through {what} is not the dense layer's at this "
-            f"rank's positions ({_gap(got['x_grad'], got['expected_x_grad'])}) {where}: every "
+            f"rank's positions ({gap(got['x_grad'], got['expected_x_grad'])}) {where}: every "
             "rank's features sent gradient to every position; sum them (reduce-scatter) so each "
             "rank gets its own positions"
         )
         for i, ((wg, bg), (we, be)) in enumerate(zip(got["grads"], got["expected_grads"])):
             assert _close(wg, we), (
                 f"rank {rank}: layer {i}'s weight gradient is not the dense layer's rows of this "
-                f"rank ({_gap(wg, we)}) {where}: grad^T @ the GATHERED input, every position"
+                f"rank ({gap(wg, we)}) {where}: grad^T @ the GATHERED input, every position"
             )
             assert _close(bg, be), (
                 f"rank {rank}: layer {i}'s bias gradient is not the dense layer's entries of "
-                f"this rank ({_gap(bg, be)}) {where}: the gradient summed over every position "
+                f"this rank ({gap(bg, be)}) {where}: the gradient summed over every position "
                 "(batch and sequence)"
             )
 
@@ -774,13 +729,8 @@ def test_all_gather_linear_serves_several_layers_with_one_gather(kata, world):
 
 def _row(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per, features = LENGTH // size, 32 // size
-    mine, feat = (
-        slice(index * per, (index + 1) * per),
-        slice(index * features, (index + 1) * features),
-    )
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine, feat = _share(index, per), _share(index, 32 // size)  # its positions, its features
     dense = _dense(32, 16, seed=5)
     x = _randn(3, LENGTH, 32, seed=9)
     upstream = _randn(3, LENGTH, 16, seed=10)
@@ -830,8 +780,7 @@ def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
     what = "RowParallelLinear(nn.Linear(32, 16))"
     results = _rows(world)
     for got in results:  # every rank's output first, then the gradients
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank, size = got["rank"], got["size"]
         output, expected, bias = got["output"], got["expected_output"], got["bias"]
         if _close(output, expected + (size - 1) * bias):
@@ -843,7 +792,7 @@ def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
         _check_one(rank, got["forward"], "reduce-scatter", f"{what}'s forward", where)
         assert _close(output, expected), (
             f"rank {rank}: {what}'s output is not the dense layer's at this rank's positions "
-            f"({_gap(output, expected)}) {where}: F.linear without the bias, the region's "
+            f"({gap(output, expected)}) {where}: F.linear without the bias, the region's "
             "reduce-scatter, then + self.bias on every rank"
         )
     for got in results:
@@ -851,18 +800,18 @@ def test_row_parallel_reduce_scatters_and_adds_the_bias_once(kata, world):
         _check_one(rank, got["backward"], "all-gather", f"{what}'s backward", where)
         assert _close(got["x_grad"], got["expected_x_grad"]), (
             f"rank {rank}: the input's gradient through {what} is not the dense layer's "
-            f"({_gap(got['x_grad'], got['expected_x_grad'])}) {where}"
+            f"({gap(got['x_grad'], got['expected_x_grad'])}) {where}"
         )
         assert _close(got["weight_grad"], got["expected_weight_grad"]), (
             f"rank {rank}: {what}'s weight gradient is not the dense layer's columns of this "
-            f"rank ({_gap(got['weight_grad'], got['expected_weight_grad'])}) {where}"
+            f"rank ({gap(got['weight_grad'], got['expected_weight_grad'])}) {where}"
         )
         assert got["bias_grad"] is not None and _close(
             got["bias_grad"], got["expected_bias_grad"]
         ), (
             f"rank {rank}: {what}'s bias gradient after sync_sequence_parallel_grads is not the "
-            f"dense layer's ({_gap(got['bias_grad'], got['expected_bias_grad'])}; before the sync "
-            f"{_gap(got['local_bias_grad'], got['expected_bias_grad'])}) {where}: the bias is "
+            f"dense layer's ({gap(got['bias_grad'], got['expected_bias_grad'])}; before the sync "
+            f"{gap(got['local_bias_grad'], got['expected_bias_grad'])}) {where}: the bias is "
             "added on this rank's positions only, so its gradient is a partial sum like a "
             "LayerNorm's: RowParallelLinear marks it sequence_parallel; did "
             "sync_sequence_parallel_grads sum every marked parameter (not only the LayerNorms')?"
@@ -897,7 +846,7 @@ def _expected_slices(index: int, size: int, dim: int = 16) -> dict[str, tuple[in
         ("mlp.down", 4 * dim, "row"),
     ):
         n = width // size
-        part = slice(index * n, (index + 1) * n)
+        part = _share(index, n)
         if kind == "column":
             out[f"{name}.weight"], out[f"{name}.bias"] = (0, part), (0, part)
         else:
@@ -912,10 +861,8 @@ def _take(tensor: torch.Tensor, where: tuple[int, slice]) -> torch.Tensor:
 
 def _block(rank, world_size, groups):
     kata = load_kata(KATA)
-    group, members = _group(rank, world_size, groups)
-    size, index = len(members), members.index(rank)
-    per = LENGTH // size
-    mine = slice(index * per, (index + 1) * per)
+    group, members, size, index, per = _place(rank, world_size, groups)
+    mine = _share(index, per)
     dense = _dense_block()
     x = _randn(3, LENGTH, 16, seed=11)
     upstream = _randn(3, LENGTH, 16, seed=12)
@@ -974,8 +921,7 @@ def _count(calls, kind: str) -> int:
 def test_block_equals_one_process_forward_and_backward(kata, world):
     where = _where(world)
     for got in _blocks(world):
-        if got["failure"]:
-            raise AssertionError(got["failure"])
+        succeeded(got)
         rank = got["rank"]
         names = sorted(got["grads"])
         expected_names = sorted(got["expected_grads"])
@@ -1003,13 +949,13 @@ def test_block_equals_one_process_forward_and_backward(kata, world):
         output, expected = got["output"], got["expected_output"]
         assert _close(output, expected), (
             f"rank {rank}: SequenceParallelBlock's output is not the dense block's at this "
-            f"rank's positions ({_gap(output, expected)}) {where}: x + attention(norm(x)), then "
+            f"rank's positions ({gap(output, expected)}) {where}: x + attention(norm(x)), then "
             "x + mlp(norm(x)), all on this rank's positions; the attention over the whole "
             "gathered sequence"
         )
         assert _close(got["x_grad"], got["expected_x_grad"]), (
             f"rank {rank}: the input's gradient through SequenceParallelBlock is not the dense "
-            f"block's ({_gap(got['x_grad'], got['expected_x_grad'])}) {where}"
+            f"block's ({gap(got['x_grad'], got['expected_x_grad'])}) {where}"
         )
         for name, expected_grad in got["expected_grads"].items():
             grad = got["grads"][name]
@@ -1025,7 +971,7 @@ def test_block_equals_one_process_forward_and_backward(kata, world):
                 )
             assert _close(grad, expected_grad), (
                 f"rank {rank}: SequenceParallelBlock's {name} gradient (after the sync) is not "
-                f"the matching slice of the dense block's ({_gap(grad, expected_grad)}) {where}"
+                f"the matching slice of the dense block's ({gap(grad, expected_grad)}) {where}"
             )
 
 
@@ -1105,17 +1051,17 @@ def test_block_matches_torchs_parallelize_module_with_sequence_parallel(kata):
         assert _close(mine, theirs), (
             f"rank {rank}: SequenceParallelBlock's output differs from torch's parallelize_module "
             f"(SequenceParallel, ColwiseParallel and RowwiseParallel on Shard(1)) on the same "
-            f"mesh: {_gap(mine, theirs)}"
+            f"mesh: {gap(mine, theirs)}"
         )
         mine, theirs = got["x_grads"]
         assert _close(mine, theirs), (
-            f"rank {rank}: the input's gradient differs from torch's: {_gap(mine, theirs)}"
+            f"rank {rank}: the input's gradient differs from torch's: {gap(mine, theirs)}"
         )
         for name, expected in got["grads"][1].items():
             grad = got["grads"][0].get(name)
             assert _close(grad, expected), (
                 f"rank {rank}: SequenceParallelBlock's local {name} gradient differs from "
-                f"torch's ({'missing' if grad is None else _gap(grad, expected)}; torch's "
+                f"torch's ({'missing' if grad is None else gap(grad, expected)}; torch's "
                 f"LayerNorm gradients come as {got['placements']}, summed here)"
             )
 
@@ -1203,10 +1149,7 @@ def test_activation_bytes_is_what_autograd_saved(kata, ranks):
 
 @pytest.mark.step(6)
 def test_program_splits_a_block_along_the_sequence(kata):
-    done = run_program(KATA, "--world-size", "2", timeout=120)
-    out = done.stdout
-    shown = f"`python -m {KATA} --world-size 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2").stdout
     assert "[rank 1] positions 4..7; forward: all-gather 2" in out, out
     assert "reduce-scatter 2" in out, out
     assert "then all-reduce 1" in out, out
@@ -1217,10 +1160,7 @@ def test_program_splits_a_block_along_the_sequence(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     dense = _dense_block().to(device)
     block = kata.SequenceParallelBlock(copy.deepcopy(dense), None)
@@ -1247,23 +1187,21 @@ def check_on_cuda(results) -> None:
         # CUDA matmuls may use TF32 or other kernels: a looser tolerance than on the CPU.
         assert torch.allclose(output, expected, rtol=1e-3, atol=1e-3), (
             f"rank {rank}: SequenceParallelBlock on CUDA differs from the dense block: "
-            f"{_gap(output, expected)}"
+            f"{gap(output, expected)}"
         )
         assert torch.allclose(grad, expected_grad, rtol=1e-3, atol=1e-3), (
             f"rank {rank}: the LayerNorm's gradient on CUDA differs from the dense block's: "
-            f"{_gap(grad, expected_grad)}"
+            f"{gap(grad, expected_grad)}"
         )
 
 
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 1, **on_cuda(1, "nccl")))
 
 
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_gloo_on_cuda_several_ranks(kata):
-    require_gpus(1)
-    check_on_cuda(run_world(_on_cuda, 2, backend="gloo", env={"DOJO_DEVICE": "cuda"}, deadline=60))
+    check_on_cuda(run_world(_on_cuda, 2, **on_cuda(2, "gloo")))

@@ -23,7 +23,8 @@ from torch.nn import functional as F
 from dojo.harness.calls import clock, recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program_ok, shared_run, streams
 from dojo.todo import KataTodo
 
 KATA = "k26_ring_attention"
@@ -1125,8 +1126,7 @@ def test_ring_equals_torchs_own_ring_on_the_same_world(kata, world_size, causal)
 
 
 def _program_check(done):
-    shown = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert done.returncode == 0, f"the program exited with {done.returncode}\n{shown}"
+    shown = streams(done)
     assert "both splits equal scaled_dot_product_attention" in done.stdout, shown
     assert "blocks per rank [3, 7]" in done.stdout and "blocks per rank [5, 5]" in done.stdout, (
         shown
@@ -1135,7 +1135,7 @@ def _program_check(done):
 
 @pytest.mark.step(5)
 def test_program_compares_both_splits(kata):
-    _program_check(run_program(KATA, "--world-size", "2", "--length", "32", timeout=120))
+    _program_check(run_program_ok(KATA, "--world-size", "2", "--length", "32"))
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -1145,10 +1145,7 @@ def test_program_compares_both_splits(kata):
 
 
 def _cuda_rank(rank, world_size, length):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     layout = _balanced(world_size)
     q, k, v, g = _tensors(length, device=device)
@@ -1164,11 +1161,8 @@ def _cuda_rank(rank, world_size, length):
 def test_ring_on_cuda_equals_one_process(kata):
     """The ring's tensors on the GPU (float64: the math, not a fused kernel), forward and
     backward, against scaled_dot_product_attention on the CPU."""
-    require_gpus(1)
     length = 64
-    by_rank = run_world(
-        _cuda_rank, 1, length, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120
-    )
+    by_rank = run_world(_cuda_rank, 1, length, **on_cuda(1, "nccl", deadline=120))
     q, k, v, g = _tensors(length)
     want_out, want = _sdpa_grads(q, k, v, g, True)
     result = by_rank[0]
@@ -1184,10 +1178,7 @@ def _context_parallel_rank(rank, world_size, length):
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     mesh = init_device_mesh("cuda", (world_size,))
     q, k, v, g = (t.float() for t in _tensors(length, device=device))
@@ -1212,10 +1203,7 @@ def _context_parallel_rank(rank, world_size, length):
 def test_ring_against_torchs_context_parallel_on_cuda(kata):
     """torch's context_parallel on CUDA, the same world and shards: the same rows and gradients
     (its kernel computes in float32: a float32 tolerance)."""
-    require_gpus(1)
-    by_rank = run_world(
-        _context_parallel_rank, 1, 64, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120
-    )
+    by_rank = run_world(_context_parallel_rank, 1, 64, **on_cuda(1, "nccl", deadline=120))
     for rank, result in enumerate(by_rank):
         mine, theirs = result["out"]
         assert torch.allclose(mine, theirs, rtol=1e-3, atol=1e-4), (

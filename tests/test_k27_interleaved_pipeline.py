@@ -12,7 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import DidNotReturn, require_gpus, returns_within, run_program, shared_run
+from dojo.spec import pipelines
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -366,48 +368,29 @@ def test_bubble_matches_the_formula(kata):
     ids=["backward-first", "weight-first"],
 )
 def test_simulate_refuses_a_schedule_that_waits_for_ever(kata, stuck):
-    try:
-        got = returns_within(f"simulate({stuck})", kata.simulate, stuck)
-    except DidNotReturn as error:
-        raise AssertionError(
-            f"{error}: no action here can ever start. When a pass over the ranks starts no "
-            "action, none ever will: raise ValueError then"
-        ) from None
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"simulate({stuck}) raised {type(error).__name__}: {error}; a schedule that waits for "
-            "ever is a ValueError saying so"
-        ) from None
-    raise AssertionError(
-        f"simulate({stuck}) returned {got!r}: an action waits for one that comes after it (a W "
-        "waits for its own B); raise ValueError when no rank can move"
+    why = (
+        "no action here can ever start: an action waits for one that comes after it (a W waits "
+        "for its own B)"
     )
+    pipelines.check_refuses_for_ever(kata.simulate, stuck, why)
 
 
 # --------------------------------------------------------------------------- step 4
 
 
 def _micro_batches(m: int, seed: int = 1):
-    tokens, targets = make_tokens(PER_MICRO_BATCH * m, seed)
-    return list(zip(tokens.chunk(m), targets.chunk(m)))
+    return pipelines.micro_batches(m, PER_MICRO_BATCH, seed)
 
 
 SCHEDULE_FUNCTIONS = {"interleaved": interleaved, "zb": zero_bubble}
 
 
 def _pipeline_rank(rank, world_size, kind, v, m, group_ranks=None):
-    import torch.distributed as dist
-
     kata = load_kata(KATA)
-    group = dist.new_group(group_ranks) if group_ranks else None
-    if group_ranks and rank not in group_ranks:
+    placed = pipelines.stage_of(rank, world_size, group_ranks)
+    if placed is None:
         return None
-    p = len(group_ranks) if group_ranks else world_size
-    me = group_ranks.index(rank) if group_ranks else rank
+    group, p, me = placed
     model = make_transformer(0, p * v)
     chunks = kata.split_chunks(model, p, v, me)
     actions = SCHEDULE_FUNCTIONS[kind](p, v, m, me)
@@ -662,9 +645,7 @@ def test_against_torchs_interleaved_1f1b(kata):
 
 @pytest.mark.step(4)
 def test_program_draws_and_runs_the_schedule(kata):
-    done = run_program(KATA, "--world-size", "2", "--chunks", "2", "--micro-batches", "4")
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2", "--chunks", "2", "--micro-batches", "4").stdout
     assert "rank 0: F0.0 F0.1 F1.0 F1.1 F0.2   .  B1.0 ---- F0.3" in out, out
     assert "rank 1 idle 3 of 27 ticks: bubble 0.125 of its work; formula 0.125" in out, out
     assert "largest difference" in out, out
@@ -839,10 +820,7 @@ def test_against_torchs_zero_bubble(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     chunks = [c.to(device) for c in kata.split_chunks(make_transformer(0, 2), 1, 1, 0)]
     kata.run_schedule(chunks, zero_bubble(1, 1, 4, 0), _micro_batches(4))
@@ -852,8 +830,7 @@ def _on_cuda(rank, world_size):
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_zero_bubble_on_cuda_nccl_world_of_one(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=60)
+    results = run_world(_on_cuda, 1, **on_cuda(1, "nccl"))
     looped, _, _ = _reference(2, 4)
     for name, grad in results[0].items():
         assert torch.allclose(grad, looped[name], rtol=1e-4, atol=1e-5), (

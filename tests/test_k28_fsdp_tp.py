@@ -13,7 +13,10 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec import collectives
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.states import close, gap
+from dojo.spec.testing import refusal, run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -30,8 +33,6 @@ PLAN = {
     "mlp.up": "column",
     "mlp.down": "row",
 }
-GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
-SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 STEPS, LR = 2, 0.1
 # One step's collectives on the 2 x 2 mesh, each with its group, in the order they run.
 _AG, _AR, _RS = ("all-gather", "dp"), ("all-reduce", "tp"), ("reduce-scatter", "dp")
@@ -39,15 +40,11 @@ ORDER = [_AG, _AG, _AR, _AR, _AG, _AR, _AR, _AG, _RS, _AR, _AR, _RS, _AR, _AR, _
 
 
 def _gap(a, b) -> str:
-    if a is None:
-        return "None (no gradient)"
-    if a.shape != b.shape:
-        return f"shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
-    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"
+    return "None (no gradient)" if a is None else gap(a, b)
 
 
 def _close(a, b) -> bool:
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, **TOLERANCE)
+    return close(a, b, **TOLERANCE)
 
 
 def _fail(rank: int, what: str, error: Exception) -> str:
@@ -67,14 +64,7 @@ def _calls(calls, mesh) -> list[tuple[str, str]]:
             return "world"
         return "another group"
 
-    def kind(name):
-        if name in GATHERS:
-            return "all-gather"
-        if name in SCATTERS:
-            return "reduce-scatter"
-        return name.replace("_", "-")
-
-    return [(kind(c.name), which(c.group)) for c in calls if c.name != "new_group"]
+    return [(collectives.kind(c.name), which(c.group)) for c in calls if c.name != "new_group"]
 
 
 def _tp_slice(tensor: torch.Tensor, name: str, tp_index: int, tp: int) -> torch.Tensor:
@@ -562,19 +552,11 @@ def test_training_equals_one_process(kata, dp, tp):
 def test_a_batch_that_does_not_split_over_the_rows_is_refused(kata):
     mesh = kata.Mesh(dp=3, tp=1, dp_index=0, tp_index=0)
     tokens, targets = make_tokens(8, 1)
-    try:
-        kata.train_step(None, None, tokens, targets, mesh)
-    except ValueError:
-        return
-    except KataTodo:
-        raise
-    except Exception as error:
-        raise AssertionError(
-            f"train_step with a batch of 8 on dp = 3 rows raised {type(error).__name__}: "
-            f"{str(error)[:200]}; check the batch first and raise ValueError (8 rows do not "
-            "split over 3)"
-        ) from None
-    raise AssertionError("train_step with a batch of 8 on dp = 3 rows returned: raise ValueError")
+    did = refusal(lambda: kata.train_step(None, None, tokens, targets, mesh))
+    assert did is None, (
+        f"train_step with a batch of 8 on dp = 3 rows {did}: check the batch first and raise "
+        "ValueError (8 rows do not split over 3)"
+    )
 
 
 @pytest.mark.step(4)
@@ -699,10 +681,7 @@ def test_against_torchs_fully_shard_and_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_trains_like_one_process(kata):
-    done = run_program(KATA, "--dp", "2", "--tp", "2", "--steps", "2", timeout=120)
-    out = done.stdout
-    shown = f"`python -m {KATA} --dp 2 --tp 2 --steps 2`"
-    assert done.returncode == 0, f"{shown} exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--dp", "2", "--tp", "2", "--steps", "2").stdout
     assert "[rank 3] dp 1, tp 1" in out, out
     assert "tp: all-reduce 8; dp: all-gather 4, reduce-scatter 4; world: nothing" in out, out
     assert "every rank's whole model equals one process's" in out, out
@@ -712,10 +691,7 @@ def test_program_trains_like_one_process(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     mesh = kata.make_mesh(1, 1)
     dense = make_transformer(9).to(device)
@@ -740,10 +716,7 @@ def _on_cuda(rank, world_size):
 @pytest.mark.step(5)
 @pytest.mark.cuda
 def test_nccl_world_of_one(kata):
-    require_gpus(1)
-    device, state, alone = run_world(
-        _on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=90
-    )[0]
+    device, state, alone = run_world(_on_cuda, 1, **on_cuda(1, "nccl", deadline=90))[0]
     assert device.startswith("cuda"), f"the shards left the GPU: {device}"
     for name, want in alone.items():
         # CUDA matmuls may use TF32 or other kernels: a looser tolerance than on the CPU.

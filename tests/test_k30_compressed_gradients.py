@@ -11,7 +11,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, WorldDeadlock, run_world
-from dojo.spec.testing import require_gpus, run_program
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import run_program_ok
 from dojo.todo import KataTodo
 from dojo.toy_models import (
     loss,
@@ -1058,12 +1059,10 @@ def test_compressed_training_on_the_convnet_learns_the_digits(kata, method):
 
 @pytest.mark.step(5)
 def test_program_compares_the_methods(kata):
-    done = run_program(
+    out = run_program_ok(
         KATA, "--world-size", "2", "--steps", "3", "--start", "2", "--methods",
         "allreduce,fp16,powersgd", "--per-rank", "4", timeout=180,
-    )  # fmt: skip
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    ).stdout  # fmt: skip
     rows = {line.split()[1]: line.split()[2:] for line in out.splitlines() if "%" in line}
     for method in ("allreduce", "fp16", "powersgd"):
         assert method in rows, f"the program shows no row for {method}:\n{out}"
@@ -1077,10 +1076,7 @@ def test_program_compares_the_methods(kata):
 
 
 def _on_cuda(rank, world_size, case):
-    from dojo.devices import rank_device
-
-    torch.cuda.set_device(rank_device())
-    return _against_torch_powersgd_on(rank, case, rank_device())
+    return _against_torch_powersgd_on(rank, case, rank_gpu())
 
 
 def _against_torch_powersgd_on(rank, case, device):
@@ -1105,10 +1101,7 @@ def _against_torch_powersgd_on(rank, case, device):
 def _compression_on_cuda(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     hooks = {
         "fp16": (kata.fp16_hook, default_hooks.fp16_compress_hook),
@@ -1132,10 +1125,7 @@ def _compression_on_cuda(rank, world_size):
 @pytest.mark.step(2)
 @pytest.mark.cuda
 def test_compression_like_torchs_on_nccl(kata):
-    require_gpus(1)
-    results = run_world(
-        _compression_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120
-    )
+    results = run_world(_compression_on_cuda, 1, **on_cuda(1, "nccl", deadline=120))
     for name in ("fp16", "bf16"):
         ours, theirs = results[0][(name, "ours")], results[0][(name, "torch")]
         assert _equal(ours, theirs), (
@@ -1148,10 +1138,7 @@ def test_compression_like_torchs_on_nccl(kata):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
 def test_powersgd_hook_like_torchs_on_cuda(kata, backend, world_size):
-    require_gpus(1)
-    results = run_world(
-        _on_cuda, world_size, "both", backend=backend, env={"DOJO_DEVICE": "cuda"}, deadline=120
-    )
+    results = run_world(_on_cuda, world_size, "both", **on_cuda(world_size, backend, deadline=120))
     for rank, got in enumerate(results):
         difference, key = _largest(got["ours"], got["torch"])
         assert difference < 1e-5, (

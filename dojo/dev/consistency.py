@@ -129,7 +129,24 @@ def lesson_problems(kata: curriculum.Kata, reference: ast.Module) -> list[str]:
     if not doc:
         return [f"{where} has no lesson (module docstring): the stub's lesson is the reference's"]
     lacking = [s for s in LESSON_SECTIONS if s not in doc]
-    return [f"{where}: the lesson (module docstring) lacks {', '.join(lacking)}"] if lacking else []
+    if lacking:
+        return [f"{where}: the lesson (module docstring) lacks {', '.join(lacking)}"]
+    return [f"{where}: {problem}" for problem in run_it_problems(doc.split("RUN IT", 1)[1])]
+
+
+# A command of RUN IT that a plain shell runs with another Python (or none): `python -m ...`,
+# `torchrun ...`, maybe after VAR=value; the environment's own is .venv/bin/python.
+_OUTSIDE_THE_ENVIRONMENT = re.compile(r"^\s+(?:[A-Z_]+=\S+\s+)*(python3?|torchrun)\s", re.M)
+
+
+def run_it_problems(section: str) -> list[str]:
+    """The commands of a lesson's RUN IT (or 运行) section work as printed, from a plain shell in
+    the checkout: with the environment's interpreter, not whichever `python` the shell finds."""
+    return [
+        f"RUN IT says `{match.group(0).strip()} ...`, which a plain shell runs outside the "
+        f"environment: write `.venv/bin/{match.group(1)} ...`, as the runner says it"
+        for match in _OUTSIDE_THE_ENVIRONMENT.finditer(section)
+    ]
 
 
 def unshipped(katas: list[curriculum.Kata] | None = None) -> list[str]:
@@ -255,6 +272,8 @@ def chinese_problems(kata: curriculum.Kata, stub: str | None = None) -> list[str
     lacking = [zh for zh in ZH_SECTIONS.values() if zh not in lesson]
     if lesson and lacking:
         found.append(f"{where}: the lesson lacks the sections {', '.join(lacking)}")
+    elif lesson:
+        found += [f"{where}: {p}" for p in run_it_problems(lesson.split("\n运行\n", 1)[-1])]
     english_lesson = curriculum.lesson(kata, "en") or ""
     if lesson and _listed_steps(lesson, "步骤", "测试检查什么") != _listed_steps(
         english_lesson, "STEPS", "WHAT THE TESTS CHECK"

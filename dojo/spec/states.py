@@ -4,6 +4,8 @@ to_cpu(state)            a detached CPU copy (a rank can send it back)
 devices_of(state)        every device the state's tensors live on
 same(a, b)               equal bit for bit, shapes and keys included
 largest_gap(a, b)        the tensor of ``a`` farthest from its namesake in ``b``, and how far
+close(a, b, **tolerance) a tensor shaped like ``b`` and all-close to it
+gap(a, b)                how far tensor ``a`` is from ``b``, in words for a message
 """
 
 from __future__ import annotations
@@ -50,3 +52,17 @@ def largest_gap(a: dict, b: dict) -> tuple[str, float]:
     }
     name = max(gaps, key=gaps.get)
     return name, gaps[name]
+
+
+def close(a, b: torch.Tensor, **tolerance) -> bool:
+    """``a`` is a tensor shaped like ``b`` and all-close to it (``torch.allclose``'s tolerance)."""
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, **tolerance)
+
+
+def gap(a, b: torch.Tensor) -> str:
+    """How far ``a`` is from the expected tensor ``b``, in words for a message."""
+    if a is None:
+        return "None"
+    if a.shape != b.shape:
+        return f"shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
+    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"

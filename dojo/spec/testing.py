@@ -469,3 +469,69 @@ def returns_within(what: str, function, *args, limit: float = 3.0):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def run_program_ok(
+    module: str, *args: str, timeout: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``run_program(module, *args)`` that must exit with status 0: otherwise the test fails,
+    showing the command as the learner types it and both of its streams."""
+    done = run_program(module, *args, timeout=timeout, env=env)
+    if done.returncode != 0:
+        typed = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), python(), *done.args[1:]])
+        raise AssertionError(f"`{typed}` exited with status {done.returncode}\n{streams(done)}")
+    return done
+
+
+def streams(done: subprocess.CompletedProcess) -> str:
+    """A finished program's stdout and stderr, each named, for a message."""
+    return f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
+def outcome_of(call) -> tuple[str, str]:
+    """What ``call()`` did, as ``assert_refuses_missing_keys`` reads it: ``("returned", repr of
+    the value)`` or ``(the exception's name, its message)``. A ``KataTodo`` goes straight
+    through, so an unwritten step still reads as one."""
+    from dojo.todo import KataTodo
+
+    try:
+        value = call()
+    except KataTodo:
+        raise
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "returned", repr(value)
+
+
+def check_refuses_naming(call, shown: str, wrong: str, why: str, returned) -> None:
+    """``call()`` (``shown``: the call as the learner would write it) must raise ValueError whose
+    message names the wrong number ``wrong``, since ``why``; ``returned(value)`` says what is
+    amiss with a value it returned instead. A ``KataTodo`` goes straight through."""
+    import re
+
+    from dojo.todo import KataTodo
+
+    try:
+        got = call()
+    except ValueError as error:
+        message = str(error)
+    except KataTodo:
+        raise
+    except Exception as error:
+        raise AssertionError(
+            f"{shown} raised {type(error).__name__}: {error}. {why}: raise ValueError, saying so"
+        ) from None
+    else:
+        raise AssertionError(f"{shown} {returned(got)}")
+    assert re.search(rf"(?<![\d-]){re.escape(wrong)}(?!\d)", message), (
+        f"{shown} raised ValueError({message!r}): say which number is wrong ({wrong}) and why "
+        f"({why}), so that whoever called it can fix the call"
+    )
+
+
+def succeeded(result: dict) -> dict:
+    """A rank's result that notes what its call raised under "failure" (None: nothing): the
+    test fails with that, if there is one; else the result, to read on."""
+    if result["failure"]:
+        raise AssertionError(result["failure"])
+    return result

@@ -290,6 +290,23 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
         assert not wrong, "the references must end with torch's weights:\n" + "\n".join(wrong)
 
 
+@pytest.mark.slow  # a process importing torch, then a 2-rank world running DTensor: ~6 s on 2 cores
+def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
+    """`python -m benchmarks.parallel --only vocab` (k34's row), one step of a one-block model."""
+    result = run_program(
+        "benchmarks.parallel", "--impl", impl.current(), "--only", "vocab", "--steps", "1",
+        "--warmup", "0", "--dim", "32", "--blocks", "1", timeout=120,
+    )  # fmt: skip
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 1 and rows[0].startswith("[main] k34 VocabParallelLM vs loss_parallel"), (
+        f"expected k34's row alone in:\n{out}"
+    )
+    if impl.current() == "solutions":  # the embedding's sum, the loss's three, f's in backward
+        assert re.search(r"\d\.\d\dx +5 +\d+ +same weights", rows[0]), rows[0]
+
+
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~6 s on 2 cores
 def test_parallel_benchmark_holds_mixed_precision_fsdp_against_fully_shard():
     """`dojo bench parallel --only mp`: k31's MixedPrecisionFSDP beside fully_shard with the same

@@ -126,3 +126,18 @@ def test_a_chinese_lesson_is_held_to_the_english_one(tmp_path, monkeypatch):
     assert consistency.chinese_problems(kata) == [
         "k04: no Chinese lesson and hints: write dojo/curriculum/zh/k04_allreduce.toml"
     ]
+
+
+def test_run_it_commands_use_the_environments_interpreter():
+    from dojo.dev import consistency
+
+    section = (
+        "\n    python -m katas.k04_allreduce --world-size 4\n"
+        "    GLOO_SOCKET_IFNAME=eth0 python -m katas.k06_multi_node --nnodes 2\n"
+        "    torchrun --standalone -m katas.k16_elastic\n"
+        "    .venv/bin/python -m katas.k04_allreduce\n"
+        "    The trace names every python -m call it saw.\n"
+    )
+    found = consistency.run_it_problems(section)
+    assert len(found) == 3, found
+    assert "write `.venv/bin/python ...`" in found[0] and "`.venv/bin/torchrun ...`" in found[2]
