@@ -705,6 +705,8 @@ def _vocab(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
         )
 
     return step_yours, step_theirs, same
+
+
 def _mp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     try:
         from torch.distributed.device_mesh import init_device_mesh
