@@ -122,8 +122,8 @@ WHAT THE TESTS CHECK
     the program.
 
 RUN IT
-    python -m katas.k31_mixed_precision --world-size 2 --steps 8
-    python -m katas.k31_mixed_precision --world-size 4 --init-scale 65536
+    .venv/bin/python -m katas.k31_mixed_precision --world-size 2 --steps 8
+    .venv/bin/python -m katas.k31_mixed_precision --world-size 4 --init-scale 65536
 """
 
 from __future__ import annotations
