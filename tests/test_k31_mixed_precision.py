@@ -11,7 +11,8 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
-from dojo.spec.testing import ranks_phrase, require_gpus, run_program, shared_run
+from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import (
     loss,
@@ -1104,9 +1105,7 @@ def test_fp16_fsdp_with_your_loss_scale_like_sharded_grad_scaler(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_scale_the_error_and_the_bytes(kata):
-    done = run_program(KATA, "--world-size", "2", "--steps", "3", timeout=180)
-    out = done.stdout
-    assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
+    out = run_program_ok(KATA, "--world-size", "2", "--steps", "3", timeout=180).stdout
     assert "step skipped, scale halved" in out and "stepped" in out, (
         f"the program's fp16 run shows no skipped and no taken step:\n{out}"
     )
@@ -1123,10 +1122,7 @@ def test_program_shows_the_scale_the_error_and_the_bytes(kata):
 
 
 def _on_cuda(rank, world_size):
-    from dojo.devices import rank_device
-
-    device = rank_device()
-    torch.cuda.set_device(device)
+    device = rank_gpu()
     kata = load_kata(KATA)
     mine = kata.MixedPrecisionFSDP(make_transformer(0).to(device))
     theirs = _torch_fsdp(make_transformer(0).to(device), torch.bfloat16)
@@ -1144,8 +1140,7 @@ def _on_cuda(rank, world_size):
 @pytest.mark.step(4)
 @pytest.mark.cuda
 def test_mixed_precision_fsdp_like_fully_shard_on_nccl(kata):
-    require_gpus(1)
-    results = run_world(_on_cuda, 1, backend="nccl", env={"DOJO_DEVICE": "cuda"}, deadline=120)
+    results = run_world(_on_cuda, 1, **on_cuda(1, "nccl", deadline=120))
     # cuBLAS may pick other kernels for the two (fully_shard's and ours): to rounding
     assert results[0] < 1e-3, (
         f"NCCL on CUDA: MixedPrecisionFSDP differs from fully_shard's MixedPrecisionPolicy by up "
