@@ -36,6 +36,9 @@ same data and the same seeds:
            checkpoint + SGD                     (use_reentrant=False) + SGD; beside the times
                                                 the activation bytes each way keeps (measured
                                                 in an untimed step, saved_tensors_hooks)
+    mp     k31's MixedPrecisionFSDP + AdamW     fully_shard(mp_policy=MixedPrecisionPolicy(
+           (bf16 gathers, fp32 reduce-scatters,  param_dtype=bf16, reduce_dtype=fp32)) + AdamW,
+           a unit per block and the model's)     the same units, reshard_after_forward=False
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
@@ -93,6 +96,7 @@ KATAS = {
     "fsdptp": ("k28_fsdp_tp", "FsdpTpTransformer", "fully_shard x parallelize"),
     "vocab": ("k34_vocab_parallel", "VocabParallelLM", "loss_parallel"),
     "ckpt": ("k32_activation_checkpointing", "checkpoint", "torch.utils.checkpoint"),
+    "mp": ("k31_mixed_precision", "MixedPrecisionFSDP", "fully_shard MixedPrecisionPolicy"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -753,6 +757,44 @@ def _ckpt(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return way(0), way(1), same
 
 
+def _mp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as error:
+        raise Skip(f"this torch has no fully_shard or MixedPrecisionPolicy ({error})") from None
+    rank, device = dist.get_rank(), rank_device()
+    yours = kata.MixedPrecisionFSDP(_model(args), torch.bfloat16, torch.float32)
+    theirs = _model(args)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # the same policy, units and memory habit: bf16 weights gathered once a step and kept until
+    # backward, fp32 gradients reduce-scattered into fp32 shards
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(theirs, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    models = (yours, theirs)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=LR) for model in models]
+
+    def way(index: int) -> Way:
+        def step(number: int) -> None:
+            optimizers[index].zero_grad()
+            tokens, targets = _batch(args, number, rank)
+            transformer_loss(models[index](tokens), targets).backward()
+            optimizers[index].step()
+
+        return step
+
+    def same() -> bool:
+        full = yours.gather_full_params()
+        return all(
+            torch.allclose(full[name], param.full_tensor(), **TOLERANCE)
+            for name, param in theirs.named_parameters()
+        )
+
+    return way(0), way(1), same
+
+
 SAVED = ("ckpt",)  # rows that show the activation bytes each way keeps for backward
 
 
@@ -787,6 +829,7 @@ COMPARISONS = {
     "fsdptp": _fsdptp,
     "vocab": _vocab,
     "ckpt": _ckpt,
+    "mp": _mp,
 }
 
 

@@ -284,8 +284,9 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    names = "zero, fsdp, tp, pp, ipp, zbpp, sp, cp, fp16, powersgd, fsdptp, vocab and ckpt"
-    assert len(rows) == 13, f"expected the {names} rows in:\n{out}"
+    from benchmarks.parallel import COMPARISONS  # every row, however many katas add one
+
+    assert len(rows) == len(COMPARISONS), f"expected the {', '.join(COMPARISONS)} rows in:\n{out}"
     # k28's needs a 2-D mesh, 4 ranks (k28's own test holds it against torch's there)
     mesh = next(row for row in rows if row.startswith("[main] k28"))
     assert "--world-size 4" in mesh, mesh
@@ -297,6 +298,10 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
     if impl.current() == "solutions":
         wrong = [row for row in rows if "same weights" not in row]
         assert not wrong, "the references must end with torch's weights:\n" + "\n".join(wrong)
+        # k32: beside the times, the activations each way keeps; the same bytes as torch's
+        checkpointed = next(row for row in rows if row.startswith("[main] k32"))
+        kept = re.search(r"activations kept ([\d,]+) B and ([\d,]+) B", checkpointed)
+        assert kept and kept.group(1) == kept.group(2), checkpointed
 
 
 @pytest.mark.slow  # a process importing torch, then a 2-rank world running DTensor: ~6 s on 2 cores
@@ -314,7 +319,33 @@ def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
     )
     if impl.current() == "solutions":  # the embedding's sum, the loss's three, f's in backward
         assert re.search(r"\d\.\d\dx +5 +\d+ +same weights", rows[0]), rows[0]
-        # k32: beside the times, the activations each way keeps; the same bytes as torch's
-        checkpointed = next(row for row in rows if row.startswith("[main] k32"))
-        kept = re.search(r"activations kept ([\d,]+) B and ([\d,]+) B", checkpointed)
-        assert kept and kept.group(1) == kept.group(2), checkpointed
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~6 s on 2 cores
+def test_parallel_benchmark_holds_mixed_precision_fsdp_against_fully_shard():
+    """`dojo bench parallel --only mp`: k31's MixedPrecisionFSDP beside fully_shard with the same
+    MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters), one step."""
+    result = run_program(
+        "benchmarks.parallel",
+        "--impl",
+        impl.current(),
+        "--only",
+        "mp",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--dim",
+        "32",
+        timeout=120,
+    )
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 1 and rows[0].startswith("[main] k31 MixedPrecisionFSDP vs"), out
+    if "not implemented yet" in rows[0]:
+        return
+    # the same units, the same calls: 4 blocks and the model, a gather and a reduce-scatter each
+    assert re.search(r"\d\.\d\dx +10 +10 ", rows[0]), rows[0]
+    if impl.current() == "solutions":
+        assert "same weights" in rows[0], rows[0]
