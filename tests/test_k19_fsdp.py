@@ -473,8 +473,8 @@ def _check_sharding(results, world_size, members, units="layers"):
                     f"element(s), expected {expected.numel()} (its {flat.numel()} elements: "
                     f"{', '.join(n[len(prefix) + 1 if prefix else 0 :] for n in names[:4])}"
                     f"{'...' if len(names) > 4 else ''} end to end, in named_parameters() order, "
-                    f"padded to a multiple of {size}, then 1/{size}): every piece has the same "
-                    "length, so pad the flat vector with zeros first"
+                    f"padded to a multiple of {size}, then 1/{size}): "
+                    + _why_this_size(model, prefix, flat.numel(), shard.numel(), size)
                 )
             if not torch.equal(shard, expected):
                 which = next(
@@ -509,6 +509,34 @@ def _check_sharding(results, world_size, members, units="layers"):
                 f"{where}: rank {rank}'s wrapper has a parameter of shape {shape}, {dtype}, "
                 f"requires_grad={trainable}: shards are fp32 parameters the optimizer trains"
             )
+
+
+def _why_this_size(model: nn.Module, prefix: str, numel: int, got: int, size: int) -> str:
+    """What a shard of ``got`` elements shows of how the unit's ``numel`` elements were cut: a
+    cut without padding, a unit that took the deeper units' parameters or only its own; where
+    its size matches none of these, what it would be a piece of, and no more."""
+    uneven = {len(piece) for piece in torch.empty(numel).chunk(size)} | {numel // size}
+    if got in uneven:  # torch.chunk's pieces, or the remainder dropped
+        return (
+            "every piece has the same length, so pad the flat vector with zeros to a multiple of "
+            f"{size} first (torch.chunk's last piece is shorter, floor division drops the rest)"
+        )
+    module = model.get_submodule(prefix)
+    beneath = sum(p.numel() for p in module.parameters())
+    own = sum(p.numel() for p in module.parameters(recurse=False))
+    if beneath != numel and got == -(-beneath // size):
+        return (
+            f"that is 1/{size} of every parameter beneath {_shown(prefix)} ({beneath} elements), "
+            "the deeper units' too. A parameter beneath a deeper unit of shard_types is that "
+            "unit's alone: each parameter goes to the deepest unit above it"
+        )
+    if own != numel and got == -(-own // size):
+        return (
+            f"that is 1/{size} of {_shown(prefix)}'s own parameters ({own} elements, "
+            "named_parameters(recurse=False)). A unit takes every parameter beneath it, its "
+            "children's too, except those beneath a deeper unit"
+        )
+    return f"a shard of {got} is 1/{size} of about {got * size} elements, not of {numel}"
 
 
 # --------------------------------------------------------------------------- step 3: the gather

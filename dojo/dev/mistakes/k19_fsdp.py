@@ -153,6 +153,42 @@ class OutermostUnitTakesAll(_Sharding):
                 self._add(prefix, module, own)
 
 
+class ChunkedNoPadding(_Sharding):
+    """A real course's FSDP (Stanford's systems course), in this kata's names: each unit's vector
+    cut with torch.chunk, no padding, and gathered into a list of pieces of the chunks' sizes
+    (where gloo refused: "ProcessGroupGloo::allgather: invalid tensor size (expected 170, got
+    171)")."""
+
+    def _add(self, prefix, module, own):
+        names = [name[len(prefix) + 1 :] if prefix else name for name, _ in own]
+        flat = torch.cat([p.detach().reshape(-1) for _, p in own])
+        shard = nn.Parameter(flat.chunk(self.world_size)[self.rank].clone())
+        unit = ShardedUnit(module, prefix, names, [p.shape for _, p in own], flat.numel(), shard)
+        self._remove(module, names)
+        self.units.append(unit)
+        self.shards.append(shard)
+
+    def _unshard(self, unit):
+        if unit.full is None:
+            piece = unit.shard.detach().to(self.compute_dtype or unit.shard.dtype)
+            full = torch.empty(unit.numel, dtype=piece.dtype)
+            dist.all_gather(list(full.chunk(self.world_size)), piece, group=self.process_group)
+            unit.full = full
+        return unit.full
+
+
+class EveryUnitTakesAllBeneath(_Sharding):
+    def _shard_units(self):
+        units, _ = self._taken()
+        every = {  # each unit's parameters, all of them, before any is removed
+            prefix: [(f"{prefix}.{n}" if prefix else n, p) for n, p in m.named_parameters()]
+            for prefix, m in units.items()
+        }
+        for prefix, module in units.items():  # the model's unit holds the blocks' ones too
+            if every[prefix]:
+                self._add(prefix, module, every[prefix])
+
+
 class UnitPerParameter(_Sharding):
     def _add(self, prefix, module, own):
         for name, param in own:  # one vector, one all-gather, per parameter
@@ -486,6 +522,18 @@ MISTAKES = [
         replaces="FullyShardedModule",
         fails=[_BLOCKS],
         says=["except those beneath a deeper unit"],
+    ),
+    Mistake(
+        "ChunkedNoPadding",
+        replaces="FullyShardedModule",
+        fails=[f"{_SHARDED}[3]"],
+        says=["pad the flat vector", "torch.chunk's last piece is shorter"],
+    ),
+    Mistake(
+        "EveryUnitTakesAllBeneath",
+        replaces="FullyShardedModule",
+        fails=[_BLOCKS],
+        says=["the deeper units' too", "the deepest unit above it"],
     ),
     Mistake(
         "UnitPerParameter",
