@@ -999,6 +999,16 @@ def test_prefetch_launches_each_next_gather_ahead(kata, units):
                 f"after unit {_shown(before)} had run (or waited for after its unit started): "
                 "launch the next unit's gather as soon as this one has its vector"
             )
+            # Launched ahead is not enough: the gather must travel while the unit before it
+            # computes, so its wait comes after that unit started.
+            if call["done"] < starts[index - 1]:
+                raise AssertionError(
+                    f"{where}: rank {rank} launched unit {_shown(order[index])}'s all-gather "
+                    f"ahead, but waited for it at once, before unit {_shown(before)} started "
+                    "computing: nothing overlapped, the rank still sat idle while the bytes "
+                    "travelled. _prefetch only launches (async_op=True) and keeps the handle in "
+                    "unit.pending; the wait belongs in _wait, when the unit needs its vector"
+                )
         backward = [c for c in got["backward_calls"] if c["name"] in GATHERS]
         assert len(backward) >= count - 1, (
             f"{where}: rank {rank} made {len(backward)} all-gathers in backward, expected "

@@ -344,6 +344,13 @@ class PrefetchBlocks(_Reference):
         return full
 
 
+class PrefetchWaitsAtOnce(_Reference):
+    def _prefetch(self, unit):
+        super()._prefetch(unit)
+        if unit is not None and unit.pending is not None:
+            unit.pending[0].wait()  # "to be safe": launched ahead, then waited for on the spot
+
+
 class NeverWaited(_Reference):
     def _wait(self, unit):
         work, full = unit.pending  # "the gather was launched long ago": maybe not filled yet
@@ -642,6 +649,12 @@ MISTAKES = [
         replaces="FullyShardedModule",
         fails=[_AHEAD],
         says=["not launched ahead", "async_op=True"],
+    ),
+    Mistake(
+        "PrefetchWaitsAtOnce",
+        replaces="FullyShardedModule",
+        fails=[_AHEAD],
+        says=["waited for it at once", "nothing overlapped"],
     ),
     Mistake(
         "NeverWaited",
