@@ -225,6 +225,18 @@ class SumNotMean(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None  # the sum over the ranks
 
 
+class DividedBeforeTheReduceScatter(reference.AllGatherShard):
+    """Right: each rank's gradient divided by the group's size first, then summed: what
+    fully_shard does (a / 2 + b / 2); in float16 it may round an ulp from the other order."""
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        size = dist.get_world_size(ctx.group)
+        grad = torch.empty(grad_full.numel() // size, dtype=grad_full.dtype)
+        reference.reduce_scatter_flat(grad, (grad_full / size).contiguous(), ctx.group)
+        return grad.to(ctx.dtype), None, None, None
+
+
 class GatheredIgnored(reference.AllGatherShard):
     @staticmethod
     def forward(ctx, shard, group, compute_dtype, gathered=None):
@@ -698,6 +710,7 @@ MISTAKES = [
 RIGHT_ANSWERS = [
     RightAnswer("padded_with_pad", replaces="shard_of"),
     RightAnswer("gathered_as_a_list", replaces="gather_shard"),
+    RightAnswer("DividedBeforeTheReduceScatter", replaces="AllGatherShard", steps=(3, 4, 5, 6)),
     RightAnswer("NoteAsADict", replaces="FullyShardedModule", steps=(4, 5, 6)),
     RightAnswer("FlatAveraged", replaces="FullyShardedModule", steps=(5,)),
     RightAnswer("NextByIndex", replaces="FullyShardedModule", steps=(6,)),
