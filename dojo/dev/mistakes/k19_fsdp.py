@@ -225,6 +225,15 @@ class SumNotMean(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None  # the sum over the ranks
 
 
+class BackwardDividesByTheWorld(reference.AllGatherShard):
+    @staticmethod
+    def backward(ctx, grad_full):
+        size = dist.get_world_size(ctx.group)
+        grad = torch.empty(grad_full.numel() // size, dtype=grad_full.dtype)
+        reference.reduce_scatter_flat(grad, grad_full.contiguous(), ctx.group)
+        return (grad / dist.get_world_size()).to(ctx.dtype), None, None, None  # the world's size
+
+
 class DividedBeforeTheReduceScatter(reference.AllGatherShard):
     """Right: each rank's gradient divided by the group's size first, then summed: what
     fully_shard does (a / 2 + b / 2); in float16 it may round an ulp from the other order."""
@@ -450,6 +459,21 @@ class NamesWithThePrefix(_Reference):
         return {f"module.{name}": value for name, value in full.items()}  # the wrapper's names
 
 
+class FullParamsUnitsFirst(_Reference):
+    def gather_full_params(self):
+        found = {}
+        for unit in self.units:  # the units' parameters first, then the replicated ones
+            full = reference.gather_shard(unit.shard, self.process_group)
+            offset = 0
+            for name, shape in zip(unit.names, unit.shapes):
+                key = f"{unit.prefix}.{name}" if unit.prefix else name
+                found[key] = full[offset : offset + shape.numel()].view(shape).clone()
+                offset += shape.numel()
+        for name, param in self.module.named_parameters():
+            found[name] = param.detach().clone()
+        return found
+
+
 class PaddingKept(_Reference):
     def gather_full_params(self):
         found = {}
@@ -579,6 +603,12 @@ MISTAKES = [
         says=["the sum over the 3 ranks", "divide by the group's size"],
     ),
     Mistake(
+        "BackwardDividesByTheWorld",
+        replaces="AllGatherShard",
+        fails=["test_training_in_a_subgroup"],
+        says=["gradient of the shard of", "divided by 3, the whole world's size"],
+    ),
+    Mistake(
         "GatheredIgnored",
         replaces="AllGatherShard",
         fails=["test_a_vector_gathered_ahead_is_used_as_it_is"],
@@ -637,6 +667,12 @@ MISTAKES = [
         replaces="FullyShardedModule",
         fails=[_TRAIN],
         says=["no wrapper prefix"],
+    ),
+    Mistake(
+        "FullParamsUnitsFirst",
+        replaces="FullyShardedModule",
+        fails=[f"{_TRAIN}[2-sgd]"],
+        says=["in another order", "the model's own order", "your order would do"],
     ),
     Mistake(
         "PaddingKept",
