@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dojo.harness.calls import recording
+from dojo.harness.culprit import describe
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
@@ -152,6 +153,28 @@ def _names(model):
     return {p: name for name, p in model.named_parameters()}
 
 
+def _named(model, tensors) -> tuple[list[str], list[str]]:
+    """The model's names of ``tensors`` (found by identity), and a description of each tensor
+    that is none of the model's parameters: a learner's own (a slice of a flat buffer, a copy)
+    is reported, never looked up in the spec's tables."""
+    ids = {id(p): name for name, p in model.named_parameters()}
+    found, strangers = [], []
+    for tensor in tensors:
+        if id(tensor) in ids:
+            found.append(ids[id(tensor)])
+        else:
+            strangers.append(_stranger(tensor))
+    return found, strangers
+
+
+def _stranger(tensor) -> str:
+    if not torch.is_tensor(tensor):
+        return describe(tensor)
+    whole = tensor.untyped_storage().nbytes() // tensor.element_size()
+    view = f", a view of a buffer of {whole:,} elements" if whole > tensor.numel() else ""
+    return f"{describe(tensor)}{view}"
+
+
 def _groups(model, how: str, names=None):
     """The parameters as the test hands them over: a generator, or two groups."""
     if how == "generator":
@@ -269,13 +292,17 @@ def _train(
         )
     # Only the spec's own knowledge: a learner may build the outer groups with defaults={} (no
     # options of their own but what a group brings), so their options are read with .get.
+    outer = [_named(model, g["params"]) for g in sharded.param_groups]
+    owned, strangers = _named(model, [p for g in inner.param_groups for p in g["params"]])
     construction = {
         "is_optimizer": isinstance(sharded, torch.optim.Optimizer),
-        "outer": [sorted(names[p] for p in g["params"]) for g in sharded.param_groups],
+        "outer": [sorted(found) for found, _ in outer],
+        "outer_strangers": [s for _, found in outer for s in found],
         "outer_lr": [g.get("lr") for g in sharded.param_groups],
         "kwargs": inner.given["kwargs"] if isinstance(inner, RecordingAdamW) else None,
         "inner_type": type(inner).__name__,
-        "owned": sorted(names[p] for g in inner.param_groups for p in g["params"]),
+        "owned": sorted(owned),
+        "strangers": strangers,
         "inner_lr": [g.get("lr") for g in inner.param_groups],
         "inner_options": [_options(g) for g in inner.param_groups],
         "expected_options": [_options(g) for g in other.param_groups]
@@ -295,7 +322,7 @@ def _train(
         tokens, targets = make_tokens(4, dist.get_rank(group))
         transformer_loss(model(tokens), targets).backward()
         sharded.zero_grad()
-        cleared = {names[p]: p.grad is None or not p.grad.any() for p in model.parameters()}
+        cleared = {n: p.grad is None or not p.grad.any() for n, p in model.named_parameters()}
     for step in range(steps):
         if add and step == 1:
             rest = [p for p, n in names.items() if n not in first]
@@ -329,21 +356,23 @@ def _train(
             scheduler.step()
         sharded.zero_grad()
         other.zero_grad()
-        cleared = {names[p]: p.grad is None or not p.grad.any() for p in model.parameters()}
-    plain_names = {p: n for n, p in plain.named_parameters()}
+        cleared = {n: p.grad is None or not p.grad.any() for n, p in model.named_parameters()}
+    owned_after, strangers_after = _named(
+        model, [p for g in sharded.inner.param_groups for p in g["params"]]
+    )
     return {
         **construction,
-        "owned_after": sorted(names[p] for g in sharded.inner.param_groups for p in g["params"]),
+        "owned_after": sorted(owned_after),
+        "strangers_after": strangers_after,
         "state_bytes": _state_bytes(sharded.inner),
         "other_state_bytes": _state_bytes(other) if against == "adamw" else None,
-        "params": {names[p]: p.detach().clone() for p in model.parameters()},
-        "expected": {plain_names[p]: p.detach().clone() for p in plain.parameters()},
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "expected": {n: p.detach().clone() for n, p in plain.named_parameters()},
         "broadcasts": steps_record,
         "given": given,  # parameters handed to the optimizer by each step: one broadcast each
         "stepped_with": getattr(sharded.inner, "stepped_with", None),
         "expected_stepped_with": expected_options,
         "cleared": cleared,
-        "order": [names[p] for g in sharded.param_groups for p in g["params"]],
         "global_members": rows and next(r for r in rows if rank in r),
     }
 
@@ -374,7 +403,41 @@ def _run(world_size, *args, **kwargs):
 # --------------------------------------------------------------------------- step 2: construction
 
 
+def _check_whole_parameters(results, where):
+    """The kata's rule, with its reason: the optimizers hold the model's own parameters."""
+    for rank, result in enumerate(results):
+        if result["outer_strangers"]:
+            raise AssertionError(
+                f"{where}: rank {rank}'s param_groups hold "
+                f"{_some(result['outer_strangers'])} that are none of the model's parameters: "
+                "ShardedOptimizer's own param_groups hold the parameters it was given "
+                "(torch.optim.Optimizer.__init__ makes them from params), as any optimizer's "
+                "do: schedulers, zero_grad and training loops read them there"
+            )
+        if result["strangers"]:
+            raise AssertionError(
+                f"{where}: rank {rank}'s inner optimizer holds {_some(result['strangers'])} "
+                "that are none of the model's parameters (slices of a flat buffer, or copies?). "
+                "This kata shards by whole parameters: each parameter has one owner rank "
+                "(self.owners), whose inner optimizer, optimizer_cls over the parameters it "
+                "owns, updates it in place; then one broadcast per parameter. It asks that "
+                "because it is how torch's ZeroRedundancyOptimizer shards (the tests compare "
+                "with it), because each parameter keeps its own group's options (one slice of a "
+                "flat buffer can span two groups with different lr or weight_decay), and "
+                "because nothing is copied in and out of a buffer each step. Cutting every "
+                "parameter laid end to end into equal slices is another correct ZeRO-1 "
+                "(DeepSpeed's, balanced to the element) and would be right elsewhere; here, "
+                "give optimizer_cls the owned parameters themselves"
+            )
+
+
+def _some(described: list[str]) -> str:
+    shown = ", ".join(described[:3]) + (", ..." if len(described) > 3 else "")
+    return f"{len(described)} tensor(s) ({shown})"
+
+
 def _check_owners(results, where):
+    _check_whole_parameters(results, where)
     everything = set(results[0]["params"])
     owned = [set(r["owned"]) for r in results]
     for rank, result in enumerate(results):
@@ -707,14 +770,13 @@ def _step_with_a_closure(rank, world_size):
         if "does not require grad" not in str(error):
             raise
         return {"no_grad": str(error).splitlines()[0]}
-    names = _names(model)
     return {
         "no_grad": None,
         "calls": len(seen),
         "loss": seen[0] if seen else None,
         "returned": returned.detach().clone() if isinstance(returned, torch.Tensor) else returned,
         "expected_loss": expected.detach().clone(),
-        "params": {names[p]: p.detach().clone() for p in model.parameters()},
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "expected": {n: p.detach().clone() for n, p in plain.named_parameters()},
     }
 
@@ -769,7 +831,7 @@ def test_add_param_group_after_construction(kata):
             "after: parameters already sharded keep their owner (and their state); give only "
             "the new group's parameters owners, on top of the loads so far"
         )
-    final = [{**r, "owned": r["owned_after"]} for r in results]
+    final = [{**r, "owned": r["owned_after"], "strangers": r["strangers_after"]} for r in results]
     _check_owners(final, where)
     _check_training(results, where)
 

@@ -63,7 +63,11 @@ def find(tb: TracebackType | None) -> Culprit | None:
         origin, callee = "kata", ""
     else:
         in_torch = any(f"{os.sep}torch{os.sep}" in f.f_code.co_filename for f in beyond)
-        named = [f.f_code.co_name for f in beyond if f.f_code.co_name not in _WRAPPERS]
+        named = [  # neither torch's decorators nor a spec's own wrapper (that watches a call)
+            f.f_code.co_name
+            for f in beyond
+            if f.f_code.co_name not in _WRAPPERS and not _is_spec(f)
+        ]
         origin = "torch" if in_torch else "library"
         callee = named[0] if named else beyond[0].f_code.co_name
     return Culprit(origin, call_text(entry_frame), *_place(last, line), callee)

@@ -20,6 +20,14 @@ def ring(tensor, world_size):
 
 def split(tensor, sizes):
     return tensor.split(sizes)
+
+
+def split_watched(tensor, sizes):
+    return watched(tensor, sizes)
+"""
+WRAPPER = """\
+def watched(tensor, sizes):
+    return tensor.split(sizes)
 """
 
 
@@ -63,6 +71,17 @@ def test_torchs_error_inside_a_call_the_learner_made_is_translated_raw_text_belo
     assert first.startswith("split (torch), called by your split(tensor=float32[4], sizes=["), said
     assert "the sizes given to torch.split add up to another length than the tensor's 4" in said
     assert rest[-1].strip().startswith("torch said: RuntimeError: split_with_sizes"), said
+
+
+def test_a_specs_wrapper_around_the_torch_call_is_not_named_as_the_call():
+    # A spec may wrap a torch call to watch it (k19 watches every all-gather's output): the
+    # learner called torch's function, not the spec's wrapper.
+    spec = {}
+    exec(compile(WRAPPER, os.path.join(ROOT, "tests", "test_k99_fake.py"), "exec"), spec)
+    kata = _fake_kata()
+    kata["watched"] = spec["watched"]
+    found = culprit.find(_caught(kata["split_watched"], torch.zeros(4), [1, 2]).tb)
+    assert found.origin == "torch" and found.callee == "split", found
 
 
 @pytest.mark.parametrize(

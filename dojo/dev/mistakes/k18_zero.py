@@ -177,6 +177,46 @@ class ListedFirst(_Reference):
         super().__init__(params, optimizer_cls, process_group, **defaults)
 
 
+class FlatSlices(torch.optim.Optimizer):
+    """A real course's ZeRO-1 (DeepSpeed's way): every parameter end to end in one flat buffer,
+    padded, cut into equal slices; each rank's inner optimizer updates its slice, then an
+    all-gather puts the buffer back together. Right elsewhere; this kata shards whole
+    parameters (the spec once crashed on it, indexing its own dict by the slice)."""
+
+    def __init__(self, params, optimizer_cls, process_group=None, **defaults):
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.all = [p for g in self.param_groups for p in g["params"]]
+        self.size = -(-sum(p.numel() for p in self.all) // self.world_size)
+        self.flat = self._flat([p.detach() for p in self.all])
+        self.slice = self.flat[self.rank * self.size : (self.rank + 1) * self.size]  # a view
+        self.inner = optimizer_cls([self.slice], **defaults)
+
+    def _flat(self, tensors):
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return torch.cat([flat, flat.new_zeros(self.size * self.world_size - flat.numel())])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.all]
+        self.slice.grad = self._flat(grads)[self.rank * self.size : (self.rank + 1) * self.size]
+        self.inner.step()
+        full = torch.empty_like(self.flat)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(full, self.slice.clone(), group=self.process_group)
+        offset = 0
+        for param in self.all:
+            param.copy_(full[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return loss
+
+
 # --------------------------------------------------------------------------- step
 
 
@@ -376,6 +416,12 @@ MISTAKES = [
         replaces="ShardedOptimizer",
         fails=["test_subgroups_of_a_grid_each_shard_over_their_own_ranks"],
         says=["exactly one owner", "by the group's rank and size"],
+    ),
+    Mistake(
+        "FlatSlices",
+        replaces="ShardedOptimizer",
+        fails=[_OWNERS],
+        says=["none of the model's parameters", "shards by whole parameters", "right elsewhere"],
     ),
     Mistake(
         "ZeroGradOwnedOnly",

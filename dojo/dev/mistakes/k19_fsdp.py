@@ -153,6 +153,42 @@ class OutermostUnitTakesAll(_Sharding):
                 self._add(prefix, module, own)
 
 
+class ChunkedNoPadding(_Sharding):
+    """A real course's FSDP (Stanford's systems course), in this kata's names: each unit's vector
+    cut with torch.chunk, no padding, and gathered into a list of pieces of the chunks' sizes
+    (where gloo refused: "ProcessGroupGloo::allgather: invalid tensor size (expected 170, got
+    171)")."""
+
+    def _add(self, prefix, module, own):
+        names = [name[len(prefix) + 1 :] if prefix else name for name, _ in own]
+        flat = torch.cat([p.detach().reshape(-1) for _, p in own])
+        shard = nn.Parameter(flat.chunk(self.world_size)[self.rank].clone())
+        unit = ShardedUnit(module, prefix, names, [p.shape for _, p in own], flat.numel(), shard)
+        self._remove(module, names)
+        self.units.append(unit)
+        self.shards.append(shard)
+
+    def _unshard(self, unit):
+        if unit.full is None:
+            piece = unit.shard.detach().to(self.compute_dtype or unit.shard.dtype)
+            full = torch.empty(unit.numel, dtype=piece.dtype)
+            dist.all_gather(list(full.chunk(self.world_size)), piece, group=self.process_group)
+            unit.full = full
+        return unit.full
+
+
+class EveryUnitTakesAllBeneath(_Sharding):
+    def _shard_units(self):
+        units, _ = self._taken()
+        every = {  # each unit's parameters, all of them, before any is removed
+            prefix: [(f"{prefix}.{n}" if prefix else n, p) for n, p in m.named_parameters()]
+            for prefix, m in units.items()
+        }
+        for prefix, module in units.items():  # the model's unit holds the blocks' ones too
+            if every[prefix]:
+                self._add(prefix, module, every[prefix])
+
+
 class UnitPerParameter(_Sharding):
     def _add(self, prefix, module, own):
         for name, param in own:  # one vector, one all-gather, per parameter
@@ -187,6 +223,27 @@ class SumNotMean(torch.autograd.Function):
         grad = torch.empty(grad_full.numel() // size, dtype=grad_full.dtype)
         reference.reduce_scatter_flat(grad, grad_full.contiguous(), ctx.group)
         return grad.to(ctx.dtype), None, None, None  # the sum over the ranks
+
+
+class BackwardDividesByTheWorld(reference.AllGatherShard):
+    @staticmethod
+    def backward(ctx, grad_full):
+        size = dist.get_world_size(ctx.group)
+        grad = torch.empty(grad_full.numel() // size, dtype=grad_full.dtype)
+        reference.reduce_scatter_flat(grad, grad_full.contiguous(), ctx.group)
+        return (grad / dist.get_world_size()).to(ctx.dtype), None, None, None  # the world's size
+
+
+class DividedBeforeTheReduceScatter(reference.AllGatherShard):
+    """Right: each rank's gradient divided by the group's size first, then summed: what
+    fully_shard does (a / 2 + b / 2); in float16 it may round an ulp from the other order."""
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        size = dist.get_world_size(ctx.group)
+        grad = torch.empty(grad_full.numel() // size, dtype=grad_full.dtype)
+        reference.reduce_scatter_flat(grad, (grad_full / size).contiguous(), ctx.group)
+        return grad.to(ctx.dtype), None, None, None
 
 
 class GatheredIgnored(reference.AllGatherShard):
@@ -308,6 +365,13 @@ class PrefetchBlocks(_Reference):
         return full
 
 
+class PrefetchWaitsAtOnce(_Reference):
+    def _prefetch(self, unit):
+        super()._prefetch(unit)
+        if unit is not None and unit.pending is not None:
+            unit.pending[0].wait()  # "to be safe": launched ahead, then waited for on the spot
+
+
 class NeverWaited(_Reference):
     def _wait(self, unit):
         work, full = unit.pending  # "the gather was launched long ago": maybe not filled yet
@@ -393,6 +457,21 @@ class NamesWithThePrefix(_Reference):
     def gather_full_params(self):
         full = super().gather_full_params()
         return {f"module.{name}": value for name, value in full.items()}  # the wrapper's names
+
+
+class FullParamsUnitsFirst(_Reference):
+    def gather_full_params(self):
+        found = {}
+        for unit in self.units:  # the units' parameters first, then the replicated ones
+            full = reference.gather_shard(unit.shard, self.process_group)
+            offset = 0
+            for name, shape in zip(unit.names, unit.shapes):
+                key = f"{unit.prefix}.{name}" if unit.prefix else name
+                found[key] = full[offset : offset + shape.numel()].view(shape).clone()
+                offset += shape.numel()
+        for name, param in self.module.named_parameters():
+            found[name] = param.detach().clone()
+        return found
 
 
 class PaddingKept(_Reference):
@@ -488,6 +567,18 @@ MISTAKES = [
         says=["except those beneath a deeper unit"],
     ),
     Mistake(
+        "ChunkedNoPadding",
+        replaces="FullyShardedModule",
+        fails=[f"{_SHARDED}[3]"],
+        says=["pad the flat vector", "torch.chunk's last piece is shorter"],
+    ),
+    Mistake(
+        "EveryUnitTakesAllBeneath",
+        replaces="FullyShardedModule",
+        fails=[_BLOCKS],
+        says=["the deeper units' too", "the deepest unit above it"],
+    ),
+    Mistake(
         "UnitPerParameter",
         replaces="FullyShardedModule",
         fails=[_SHARDED, "test_a_subgroup_shards_by_its_own_ranks"],
@@ -510,6 +601,12 @@ MISTAKES = [
         replaces="AllGatherShard",
         fails=[f"{_GATHER}[fp32]"],
         says=["the sum over the 3 ranks", "divide by the group's size"],
+    ),
+    Mistake(
+        "BackwardDividesByTheWorld",
+        replaces="AllGatherShard",
+        fails=["test_training_in_a_subgroup"],
+        says=["gradient of the shard of", "divided by 3, the whole world's size"],
     ),
     Mistake(
         "GatheredIgnored",
@@ -572,6 +669,12 @@ MISTAKES = [
         says=["no wrapper prefix"],
     ),
     Mistake(
+        "FullParamsUnitsFirst",
+        replaces="FullyShardedModule",
+        fails=[f"{_TRAIN}[2-sgd]"],
+        says=["in another order", "the model's own order", "your order would do"],
+    ),
+    Mistake(
         "PaddingKept",
         replaces="FullyShardedModule",
         fails=[f"{_TRAIN}[3-sgd]"],
@@ -594,6 +697,12 @@ MISTAKES = [
         replaces="FullyShardedModule",
         fails=[_AHEAD],
         says=["not launched ahead", "async_op=True"],
+    ),
+    Mistake(
+        "PrefetchWaitsAtOnce",
+        replaces="FullyShardedModule",
+        fails=[_AHEAD],
+        says=["waited for it at once", "nothing overlapped"],
     ),
     Mistake(
         "NeverWaited",
@@ -637,6 +746,7 @@ MISTAKES = [
 RIGHT_ANSWERS = [
     RightAnswer("padded_with_pad", replaces="shard_of"),
     RightAnswer("gathered_as_a_list", replaces="gather_shard"),
+    RightAnswer("DividedBeforeTheReduceScatter", replaces="AllGatherShard", steps=(3, 4, 5, 6)),
     RightAnswer("NoteAsADict", replaces="FullyShardedModule", steps=(4, 5, 6)),
     RightAnswer("FlatAveraged", replaces="FullyShardedModule", steps=(5,)),
     RightAnswer("NextByIndex", replaces="FullyShardedModule", steps=(6,)),
