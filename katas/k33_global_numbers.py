@@ -451,8 +451,11 @@ def show_rank(rank: int, world_size: int, args) -> dict:
     )
     grads = whole_gradient(args.seed)
     clipped = clipped_alone(grads, args.max_norm, args.norm_type)
+    meshes = {tuple(pipeline.mesh_dim_names): pipeline}  # one mesh a shape: groups cost time
     for label, (shape, layout) in LAYOUTS.items():
-        mesh = make_mesh(shape)
+        if tuple(shape) not in meshes:
+            meshes[tuple(shape)] = make_mesh(shape)
+        mesh = meshes[tuple(shape)]
         pieces = lay_out(grads, mesh, layout)
         before = [piece.grad.clone() for piece in pieces]
         norm = clip_grad_norm(pieces, args.max_norm, mesh, args.norm_type, stages_of(layout))

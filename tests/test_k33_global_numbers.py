@@ -322,6 +322,8 @@ def _accumulate(rank, world_size, case):
         out["losses"].append(_number(loss))
         out["weights"].append(_weights(model))
         out["zeroed"].append(all(p.grad is None or not p.grad.any() for p in model.parameters()))
+    if rank == 0:  # one process's run, in a warm rank of one thread
+        out["alone"] = _alone(case)
     return out
 
 
@@ -330,13 +332,11 @@ def _accumulation_results(case):
     return run_world(_accumulate, len(ACCUMULATION[case]), case, deadline=40)
 
 
-@functools.cache
 def _alone(case: str) -> dict:
     """One process on every rank's micro-batches at once: the loss before each step, the
     weights after it, and what the usual mistakes would have made of the first update."""
     ranks = len(ACCUMULATION[case])
     model = make_transformer(SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"weights": [_weights(model)], "losses": []}
     for step in range(STEPS):
         every = [b for r in range(ranks) for b in _micro_batches(case, r, step)]
@@ -344,8 +344,10 @@ def _alone(case: str) -> dict:
         loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
         out["losses"].append(loss.item())
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        with torch.no_grad():  # SGD's step, by hand: a first optimizer imports torch._dynamo
+            for param in model.parameters():
+                param.add_(param.grad, alpha=-LR)
+                param.grad = None
         out["weights"].append(_weights(model))
     # the first step's gradient of each rank's token sum and of its micro-batches' own means
     # (k11's recipe, a micro-batch of padding only adding nothing), for the usual mistakes
@@ -443,7 +445,7 @@ def _explain_first_step(where: str, rank: int, mine: dict, alone: dict, case: st
 @pytest.mark.parametrize("case", list(ACCUMULATION))
 def test_accumulation_step_trains_like_one_process(kata, case):
     results = _accumulation_results(case)
-    alone = _alone(case)
+    alone = results[0]["alone"]
     where = f"accumulation_step under torch's DDP on {case}, valid tokens {ACCUMULATION[case]}"
     for rank, got in enumerate(results):
         for step in range(1, STEPS + 1):
@@ -480,7 +482,7 @@ def test_accumulation_step_trains_like_one_process(kata, case):
 @pytest.mark.parametrize("case", list(ACCUMULATION))
 def test_accumulation_step_returns_the_global_loss(kata, case):
     results = _accumulation_results(case)
-    alone = _alone(case)
+    alone = results[0]["alone"]
     where = f"accumulation_step under torch's DDP on {case}"
     for rank, got in enumerate(results):
         for step, (value, expected) in enumerate(zip(got["losses"], alone["losses"])):
@@ -837,8 +839,12 @@ def _hand_expected(case: str, p: float) -> float:
 
 
 @pytest.mark.step(4)
-@pytest.mark.parametrize("case", list(HAND))
-def test_global_grad_norm_counts_every_element_once(kata, case):
+def test_global_grad_norm_counts_every_element_once(kata):
+    for case in HAND:
+        check_hand_made(case)
+
+
+def check_hand_made(case: str) -> None:
     shape, stages, _ = HAND[case]
     try:
         results = _hand_results()
@@ -905,6 +911,8 @@ def _layout_norms(rank, world_size):
         facts = [(piece.sharded_on, piece.grad.clone()) for piece in pieces]
         norms = {p: _number(kata.global_grad_norm(pieces, mesh, p, stages)) for p in NORMS}
         out[case] = {"coords": coords, "pieces": facts, "norms": norms}
+    grads = list(_whole_gradient().values())  # one process's norms
+    out["alone"] = {p: torch.nn.utils.get_total_norm(grads, p).item() for p in NORMS}
     return out
 
 
@@ -914,18 +922,15 @@ def _layout_norm_results():
 
 
 @pytest.mark.step(4)
-@pytest.mark.parametrize("case", list(LAYOUTS))
-def test_global_grad_norm_equals_one_process_on_the_transformer(kata, case):
-    shape, layout = LAYOUTS[case]
-    stages = next((d for d, kind in layout.items() if kind == "pp"), None)
-    results = _layout_norm_results()
-    grads = list(_whole_gradient().values())
-    ranks = [{"coords": r[case]["coords"], "pieces": r[case]["pieces"]} for r in results]
-    where = f"global_grad_norm of the TinyTransformer's gradient laid out {layout} on {shape}"
-    for p in NORMS:
-        expected = torch.nn.utils.get_total_norm(grads, p).item()
-        got = [r[case]["norms"][p] for r in results]
-        explain_norm(where, got, shape, stages, ranks, p, expected)
+def test_global_grad_norm_equals_one_process_on_the_transformer(kata):
+    results = _layout_norm_results()  # one world for every layout
+    for case, (shape, layout) in LAYOUTS.items():
+        stages = next((d for d, kind in layout.items() if kind == "pp"), None)
+        ranks = [{"coords": r[case]["coords"], "pieces": r[case]["pieces"]} for r in results]
+        where = f"global_grad_norm of the TinyTransformer's gradient laid out {layout} on {shape}"
+        for p in NORMS:
+            got = [r[case]["norms"][p] for r in results]
+            explain_norm(where, got, shape, stages, ranks, p, results[0]["alone"][p])
 
 
 PLAN = {  # TP_PLAN, the spec's own copy: which linears tensor parallelism splits, and how
@@ -961,13 +966,11 @@ def _placement(name: str, kind: str):
     return Replicate()
 
 
-def _torchs(mesh, layout: dict, grads: dict, p: float, max_norm: float | None = None):
-    """Torch's way: this rank's parameters as DTensors on the mesh's non-stage dimensions,
-    get_total_norm (full_tensor), torchtitan's all-reduce over the stages, and, with max_norm,
-    clip_grads_with_norm_. Returns the norm, and the clipped gradients' local tensors by name."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+def _as_dtensors(mesh, layout: dict, grads: dict) -> dict:
+    """Torch's way of holding the same pieces: this rank's parameters (its stage's) as DTensor
+    parameters with DTensor gradients on the mesh's other dimensions. Every rank holds the
+    whole gradient, so each takes its own shards (src_data_rank=None: nothing is sent)."""
+    from torch.distributed.tensor import distribute_tensor
 
     stages = next((d for d, kind in layout.items() if kind == "pp"), None)
     dims = [d for d in layout if d != stages]
@@ -977,12 +980,25 @@ def _torchs(mesh, layout: dict, grads: dict, p: float, max_norm: float | None = 
         if stages and _stage(name, mesh[stages].size()) != mesh.get_local_rank(stages):
             continue
         placements = [_placement(name, layout[d]) for d in dims]
-        param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(grad), sub, placements))
-        param.grad = distribute_tensor(grad.clone(), sub, placements)
+        param = torch.nn.Parameter(
+            distribute_tensor(torch.zeros_like(grad), sub, placements, src_data_rank=None)
+        )
+        param.grad = distribute_tensor(grad.clone(), sub, placements, src_data_rank=None)
         params[name] = param
+    return params
+
+
+def _torchs_norm(mesh, layout: dict, params: dict, p: float) -> torch.Tensor:
+    """get_total_norm of the DTensor gradients (full_tensor), then torchtitan's all-reduce of
+    the stages' norms over the pipeline's group."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import get_total_norm
+
     total = get_total_norm([q.grad for q in params.values()], p)
     total = total.full_tensor() if isinstance(total, DTensor) else total
-    if stages:  # torchtitan's clip_grad_norm_: the stages' norms combined over the pipeline
+    stages = next((d for d, kind in layout.items() if kind == "pp"), None)
+    if stages:
         group = mesh.get_group(stages)
         if math.isinf(p):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
@@ -990,9 +1006,7 @@ def _torchs(mesh, layout: dict, grads: dict, p: float, max_norm: float | None = 
             total = total**p
             dist.all_reduce(total, group=group)
             total = total ** (1.0 / p)
-    if max_norm is not None:
-        clip_grads_with_norm_(list(params.values()), max_norm, total)
-    return total.item(), {name: q.grad.to_local().clone() for name, q in params.items()}
+    return total
 
 
 def _against_torch_norms(rank, world_size):
@@ -1001,8 +1015,9 @@ def _against_torch_norms(rank, world_size):
     for case in AGAINST_TORCH:
         mesh, stages, pieces, _ = _layout_pieces(kata, case)
         _, layout = LAYOUTS[case]
+        params = _as_dtensors(mesh, layout, _whole_gradient())
         for p in (2.0, INF):
-            theirs, _ = _torchs(mesh, layout, _whole_gradient(), p)
+            theirs = _torchs_norm(mesh, layout, params, p).item()
             out[(case, p)] = (_number(kata.global_grad_norm(pieces, mesh, p, stages)), theirs)
     return out
 
@@ -1013,11 +1028,13 @@ def test_global_grad_norm_equals_torchs_get_total_norm_on_dtensors(kata):
     for rank, got in enumerate(results):
         for (case, p), (mine, theirs) in got.items():
             shape, layout = LAYOUTS[case]
+            torchs = "get_total_norm on the same gradients as DTensors" + (
+                ", with torchtitan's all-reduce over the stages" if "pp" in layout.values() else ""
+            )
             assert mine is not None and math.isclose(mine, theirs, rel_tol=1e-5), (
                 f"the TinyTransformer's gradient laid out {layout} on {shape}: rank {rank}'s "
-                f"global_grad_norm (norm_type {p}) is {mine}, torch's get_total_norm on the same "
-                f"gradients as DTensors{' (with torchtitan all-reduce over the stages)' if 'PP' in case else ''} "
-                f"gives {theirs:.6g}"
+                f"global_grad_norm (norm_type {p}) is {mine}, torch's {torchs} gives "
+                f"{theirs:.6g}"
             )
 
 
@@ -1123,14 +1140,14 @@ def _factors(before, after) -> list[float]:
 
 
 @pytest.mark.step(5)
-@pytest.mark.parametrize(
-    "case, p",
-    CLIPS,
-    ids=[f"{case}, {'inf' if math.isinf(p) else f'{p:g}'}-norm" for case, p in CLIPS],
-)
-def test_clip_grad_norm_clips_every_rank_by_one_factor(kata, case, p):
+def test_clip_grad_norm_clips_every_rank_by_one_factor(kata):
+    results = _clip_results()  # one world for every layout: the tests of a step share it
+    for case, p in CLIPS:
+        check_clipping(results, case, p)
+
+
+def check_clipping(results: list, case: str, p: float) -> None:
     shape, layout = LAYOUTS[case]
-    results = _clip_results()
     true = results[0][("true", p)]
     where = (
         f"clip_grad_norm(max_norm={SHRINK * true:.4g}, norm_type={p}) of the TinyTransformer's "
@@ -1198,23 +1215,22 @@ def test_clip_grad_norm_clips_every_rank_by_one_factor(kata, case, p):
 
 
 @pytest.mark.step(5)
-@pytest.mark.parametrize("case", list(LAYOUTS))
-def test_clip_grad_norm_leaves_small_gradients_alone(kata, case):
-    shape, layout = LAYOUTS[case]
+def test_clip_grad_norm_leaves_small_gradients_alone(kata):
     results = _clip_results()
     true = results[0][("true", 2.0)]
-    for rank, got in enumerate(results):
-        facts = got[(case, 2.0, GROW)]
-        for name, before, after in zip(facts["names"], facts["before"], facts["after"]):
-            if torch.equal(before, after):
-                continue
-            factor = (after.double().norm() / before.double().norm()).item()
-            raise AssertionError(
-                f"clip_grad_norm(max_norm={GROW * true:.4g}) of a gradient whose norm is only "
-                f"{true:.4g}, laid out {layout} on {shape}: rank {rank} scaled {name!r} by "
-                f"{factor:.4f}: below max_norm nothing changes (the factor is min(1, ...)): "
-                "clipping never scales up"
-            )
+    for case, (shape, layout) in LAYOUTS.items():
+        for rank, got in enumerate(results):
+            facts = got[(case, 2.0, GROW)]
+            for name, before, after in zip(facts["names"], facts["before"], facts["after"]):
+                if torch.equal(before, after):
+                    continue
+                factor = (after.double().norm() / before.double().norm()).item()
+                raise AssertionError(
+                    f"clip_grad_norm(max_norm={GROW * true:.4g}) of a gradient whose norm is "
+                    f"only {true:.4g}, laid out {layout} on {shape}: rank {rank} scaled "
+                    f"{name!r} by {factor:.4f}: below max_norm nothing changes (the factor is "
+                    "min(1, ...)): clipping never scales up"
+                )
 
 
 def _against_torch_clip(rank, world_size):
@@ -1225,7 +1241,11 @@ def _against_torch_clip(rank, world_size):
         true = torch.nn.utils.get_total_norm(list(_whole_gradient().values())).item()
         mesh, stages, pieces, _ = _layout_pieces(kata, case)
         kata.clip_grad_norm(pieces, SHRINK * true, mesh, 2.0, stages)
-        _, theirs = _torchs(mesh, layout, _whole_gradient(), 2.0, SHRINK * true)
+        params = _as_dtensors(mesh, layout, _whole_gradient())
+        torch.nn.utils.clip_grads_with_norm_(
+            list(params.values()), SHRINK * true, _torchs_norm(mesh, layout, params, 2.0)
+        )
+        theirs = {name: q.grad.to_local() for name, q in params.items()}
         out[case] = [(piece.name, piece.grad, theirs[piece.name]) for piece in pieces]
     return out
 
@@ -1243,7 +1263,11 @@ def test_clip_grad_norm_equals_torchs_clip_grads_with_norm_on_dtensors(kata):
                     f"{(mine - theirs).abs().max().item():.3g} from torch's "
                     "clip_grads_with_norm_ on the same gradients as DTensors, with the norm of "
                     "get_total_norm"
-                    + (" and torchtitan's all-reduce over the stages" if "PP" in case else "")
+                    + (
+                        " and torchtitan's all-reduce over the stages"
+                        if "pp" in layout.values()
+                        else ""
+                    )
                 )
 
 

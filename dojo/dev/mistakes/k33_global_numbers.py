@@ -680,13 +680,13 @@ MISTAKES = [
     Mistake(
         "norm_forgets_the_stages",
         replaces="global_grad_norm",
-        fails=[f"{_ONCE}[PP x TP]"],
+        fails=[_ONCE],
         says=["its stage's norm only", "the stages hold different parameters"],
     ),
     Mistake(
         "norm_stages_as_copies",
         replaces="global_grad_norm",
-        fails=[f"{_ONCE}[PP x TP]"],
+        fails=[_ONCE],
         says=["only the first stage's pieces"],
     ),
     Mistake(
@@ -768,6 +768,6 @@ RIGHT_ANSWERS = [
     RightAnswer("accumulation_scales_the_gradients_after", replaces="accumulation_step"),
     RightAnswer("pipeline_broadcast_from_the_last_stage", replaces="pipeline_mean"),
     RightAnswer("norm_weights_every_copy", replaces="global_grad_norm", steps=(4, 5)),
-    RightAnswer("norm_on_each_pieces_groups", replaces="global_grad_norm", steps=(4, 5)),
+    RightAnswer("norm_on_each_pieces_groups", replaces="global_grad_norm", steps=(4,)),
     RightAnswer("clip_with_torchs_clip_grads_with_norm_", replaces="clip_grad_norm"),
 ]
