@@ -815,13 +815,17 @@ def explain_norm(where: str, got: list, shape: dict, stages, ranks: list[dict], 
     if not wrong:
         return
     rank = wrong[0]
-    said = f"{where}: rank {rank}'s {name}-norm is {got[rank]:.6g}"
+    said = (
+        f"{where}: rank {rank}'s {name}-norm is {got[rank]:.6g}, one process's over the whole "
+        f"gradient {expected:.6g}"
+    )
     for mistake, values in _candidates(shape, stages, ranks, p).items():
         if mistake != "right" and all(close(v, c) for v, c in zip(got, values)):
-            raise AssertionError(f"{said}, {_why(mistake, p, dims, stages)}")
+            raise AssertionError(f"{said}: {_why(mistake, p, dims, stages)}")
     raise AssertionError(
-        f"{said}, expected {expected:.6g}, one process's over the whole gradient (the same on "
-        "every rank; the ranks got " + ", ".join(f"{v:.6g}" for v in got) + "). Every element "
+        f"{said} (the same on every rank; the ranks got "
+        + ", ".join(f"{v:.6g}" for v in got)
+        + "). Every element "
         "once: a piece's p-th powers summed over the dimensions it is sharded on, counted on "
         "the first rank of those it is a copy on, summed over the stages; the inf-norm the "
         "largest absolute entry (MAX)"
