@@ -257,7 +257,9 @@ def test_a_world_where_every_rank_is_stuck_ends_at_the_deadline(tmp_path):
     assert caught.value.stuck == [0, 1]
     message = str(caught.value)
     assert "ranks 0, 1 wait in recv (dojo/tests/test_harness.py:" in message, message
-    assert message.count("dist.recv(buffer") == 1, f"one stack for ranks stuck alike:\n{message}"
+    # One stack for ranks stuck alike (the advice before it quotes the line too, unindented).
+    stacks = message.count("\n    dist.recv(buffer")
+    assert stacks == 1, f"one stack for ranks stuck alike:\n{message}"
     assert "ranks 0, 1 are waiting here" in message, message
     _assert_gone(_read_pids(tmp_path, 2))
     # The next world works.
