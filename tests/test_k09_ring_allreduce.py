@@ -200,7 +200,7 @@ def watching(given=None, trace_path=None):
         sending = "send" in name
 
         @functools.wraps(original)
-        def call(tensor, *args, **kwargs):
+        def wrapper(tensor, *args, **kwargs):  # the name culprit.py skips: torch's call is named
             if getattr(inside, "active", False):
                 return original(tensor, *args, **kwargs)
             peer = args[0] if args else kwargs.get("dst" if sending else "src")
@@ -226,7 +226,7 @@ def watching(given=None, trace_path=None):
                 seen["requests"].append(work)
             return work
 
-        return call
+        return wrapper
 
     def forbidden(name):
         def collective(*args, **kwargs):

@@ -279,6 +279,61 @@ def ring_allreduce_world_of_one_returns_none(tensor):
     return kata.ring_all_gather(tensor, owned)
 
 
+def _exchange(outgoing, incoming, right, left):
+    """A course's exchange: isend right, recv from the left, wait (an empty chunk: neither)."""
+    request = dist.isend(outgoing, right) if outgoing.numel() else None
+    if incoming.numel():
+        dist.recv(incoming, left)
+    if request is not None:
+        request.wait()
+
+
+def _ring_on_chunks(tensor, chunks):
+    """A course's whole ring over the views ``chunks`` of the flat tensor: add N-1 steps, then
+    store N-1 steps (the real students' code, adapted only to the kata's names)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        arriving = chunks[(rank - step - 1) % world]
+        incoming = torch.empty_like(arriving)
+        _exchange(chunks[(rank - step) % world], incoming, right, left)
+        arriving += incoming
+    for step in range(world - 1):
+        outgoing, arriving = chunks[(rank + 1 - step) % world], chunks[(rank - step) % world]
+        _exchange(outgoing.clone(), arriving, right, left)
+    return tensor
+
+
+def ring_allreduce_on_torch_chunk(tensor):
+    # A course's ring cut with torch.chunk, which returns FEWER than N pieces for a tensor of
+    # fewer than N elements (and 3, 3, 3, 1 for 10 on 4): chunks[...] is then out of range.
+    chunks = list(torch.chunk(_kata()._flat(tensor), dist.get_world_size()))
+    return _ring_on_chunks(tensor, chunks)
+
+
+def ring_allreduce_sends_before_its_loop(tensor):
+    # A repository's ring: its own chunk goes out before the loop, each summed chunk at the end
+    # of its step. Right on 2 ranks and more; on a world of one rank its first send is to itself.
+    kata = _kata()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = kata._flat(tensor)
+    bounds = kata.chunk_bounds(flat.numel(), world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    spare = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    a, b = bounds[rank]
+    sends = [dist.isend(flat[a:b], right)] if b > a else []  # right is itself on one rank
+    for step in range(world - 1):
+        c, d = bounds[(rank - step - 1) % world]
+        if d > c:
+            dist.recv(spare[: d - c], left)
+            flat[c:d] += spare[: d - c]
+            if step < world - 2:
+                sends.append(dist.isend(flat[c:d], right))
+    for request in sends:
+        request.wait()
+    return kata.ring_all_gather(tensor, (rank + 1) % world)
+
+
 # --------------------------------------------------------------------------- right answers
 
 
@@ -377,6 +432,12 @@ def ring_allreduce_in_one_loop(tensor):
         else:
             flat[c:d] = spare[: d - c]
     return tensor
+
+
+def ring_allreduce_on_tensor_split(tensor):
+    """The course's ring on torch.tensor_split, which always returns N pieces (some maybe empty,
+    which nobody sends): the kata's chunks."""
+    return _ring_on_chunks(tensor, _kata()._flat(tensor).tensor_split(dist.get_world_size()))
 
 
 # --------------------------------------------------------------------------- the catalogue
@@ -557,6 +618,18 @@ MISTAKES = [
         fails=["test_ring_allreduce_equals_all_reduce[1]"],
         says=["it returned None", "also when there is nothing to send"],
     ),
+    Mistake(
+        "ring_allreduce_on_torch_chunk",
+        replaces="ring_allreduce",
+        fails=["test_ring_allreduce_equals_all_reduce[2]"],
+        says=["raised IndexError", "torch.chunk(t, n) returns FEWER than n pieces"],
+    ),
+    Mistake(
+        "ring_allreduce_sends_before_its_loop",
+        replaces="ring_allreduce",
+        fails=["test_ring_allreduce_equals_all_reduce[1]"],
+        says=["a rank sent to (or received from) itself", "with world_size 1 the ring must not"],
+    ),
 ]
 
 # Each right answer must pass every test of its step.
@@ -567,4 +640,5 @@ RIGHT_ANSWERS = [
     RightAnswer("reduce_scatter_with_copies", replaces="ring_reduce_scatter"),
     RightAnswer("all_gather_through_a_buffer", replaces="ring_all_gather"),
     RightAnswer("ring_allreduce_in_one_loop", replaces="ring_allreduce"),
+    RightAnswer("ring_allreduce_on_tensor_split", replaces="ring_allreduce"),
 ]
