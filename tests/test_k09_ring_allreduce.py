@@ -208,6 +208,8 @@ def watching(given=None, trace_path=None):
                 peer = kwargs.get("group_dst" if sending else "group_src")
             chunk = _chunk_of(tensor, given, bounds)
             entry = {"chunk": chunk, "elements": tensor.numel(), "peer": peer}
+            if sending:  # a buffer the input never reached sends zeros (the inputs hold none)
+                entry["zeros"] = tensor.numel() > 0 and not bool(tensor.any())
             if sending:
                 seen["elements"] += tensor.numel()
                 seen["messages"] += 1
@@ -352,12 +354,19 @@ def sent_chunks(seen):
 
 def trace_text(rank, seen, expected):
     got = sent_chunks(seen)
-    shown = ", ".join("a copy matching no chunk" if c is None else str(c) for c in got)
+    names = [
+        str(e["chunk"])
+        if e["chunk"] is not None
+        else ("zeros" if e.get("zeros") else "a copy matching no chunk")
+        for e in seen["sends"]
+    ]
+    shown = ", ".join(names)
     if got == expected:
         return f"rank {rank} sent chunks {shown}, in the expected order"
     for step, (a, b) in enumerate(zip(got, expected)):
         if a != b:
-            first = f"in step {step} it sent chunk {a}, expected chunk {b}"
+            sent = f"chunk {a}" if a is not None else names[step]
+            first = f"in step {step} it sent {sent}, expected chunk {b}"
             break
     else:
         first = f"it sent {len(got)} chunks, expected {len(expected)}"
@@ -419,8 +428,22 @@ def _expected_ring_sends(rank, world_size, bounds):
     return [c for c in order if bounds[c][1] > bounds[c][0]]
 
 
+def _zeros_sent(outcome, rank):
+    """What a rank's sends show, for a result that holds no sum of the inputs: a sentence when
+    every message it sent held only zeros (no input holds a zero), else nothing."""
+    sends = outcome["seen"]["sends"]
+    if not sends or not all(entry.get("zeros") for entry in sends):
+        return ""
+    return (
+        f" Every one of the {len(sends)} messages rank {rank} sent held only zeros, though no "
+        "rank's tensor holds a zero: the values of the tensor passed in never reached what the "
+        "ring sends."
+    )
+
+
 def _diagnose_int(outcome, rank, n, name):
-    """For an integer case that came out wrong: which chunk (or the whole tensor), and why."""
+    """For an integer case that came out wrong: which chunk (or the whole tensor), and why (a
+    "Likely" only where what the ranks hold and sent supports it)."""
     got = outcome["given"].reshape(-1)
     length = got.numel()
     where = f"{name} on rank {rank} of {n} with {_describe(outcome['case'])}"
@@ -446,8 +469,11 @@ def _diagnose_int(outcome, rank, n, name):
                 "it still holds its own tensor: add what arrives into the tensor passed in (in "
                 "place: flat += incoming), N-1 times"
             )
-        else:
+        elif counts is not None and sum(counts):  # a partial sum: some hops brought nothing
             likely = "each of the N-1 hops must bring one more rank's tensor: add each arrival once"
+        else:  # zeros, or no sum of the inputs: say what was seen, guess nothing
+            seen = _zeros_sent(outcome, rank)
+            return f"{where}: the tensor holds {held}, expected the sum over all {n} ranks.{seen}"
         return (
             f"{where}: the tensor holds {held}, expected the sum over all {n} ranks. Likely: "
             f"{likely}"
@@ -476,17 +502,20 @@ def _diagnose_int(outcome, rank, n, name):
                 "a chunk was stored where it should have been added: the reduce-scatter adds the "
                 "arriving chunk (+=), only the all-gather stores it"
             )
-        else:
+        elif counts is not None and sum(counts):  # a partial sum: some addends never came
             likely = (
                 "the chunk was passed on before it had every addend, or another chunk was sent: "
                 "in step s send (rank - s) % N in the reduce-scatter, then (owned - s) % N in the "
                 "all-gather"
             )
+        else:  # zeros, or no sum of the inputs: say what was seen, guess nothing
+            likely = None
         expected_sends = _expected_ring_sends(rank, n, bounds)
         return (
             f"{where}: chunk {chunk} ({_span(bounds, chunk)}) holds {held}, expected the sum over "
-            f"all {n} ranks. Likely: {likely}.\n"
-            f"{trace_text(rank, outcome['seen'], expected_sends)} (reduce-scatter, then "
+            f"all {n} ranks."
+            + (f" Likely: {likely}." if likely else _zeros_sent(outcome, rank))
+            + f"\n{trace_text(rank, outcome['seen'], expected_sends)} (reduce-scatter, then "
             "all-gather)"
         )
     return f"{where}: the result differs from dist.all_reduce's"
@@ -797,16 +826,19 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
                 )
             elif counts is not None and any(c > 1 for c in counts):
                 likely = "add each arriving chunk once, into the chunk it is, and nothing else"
-            else:
+            elif counts is not None and sum(counts):  # a partial sum: some addends never came
                 likely = (
                     "the chunk you send in each step must be the one you just added into: send "
                     "(rank - s) % N, receive and add (rank - s - 1) % N"
                 )
+            else:  # zeros, or no sum of the inputs: say what was seen, guess nothing
+                likely = None
             raise AssertionError(
                 f"with {length} integers on {n} ranks, after the reduce-scatter's {n - 1} steps "
                 f"rank {rank} should own chunk {owned} ({_span(bounds, owned)}) summed over all "
-                f"{n} ranks, but it holds {what_it_holds(counts, n)}. Likely: {likely}.\n"
-                f"{trace_text(rank, outcome['seen'], expected_sends)} "
+                f"{n} ranks, but it holds {what_it_holds(counts, n)}."
+                + (f" Likely: {likely}." if likely else _zeros_sent(outcome, rank))
+                + f"\n{trace_text(rank, outcome['seen'], expected_sends)} "
                 f"(after the reduce-scatter {_owners_text(n)})"
             )
         for rank, outcomes in enumerate(by_rank):

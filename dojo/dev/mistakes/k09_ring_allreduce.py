@@ -334,6 +334,21 @@ def ring_allreduce_sends_before_its_loop(tensor):
     return kata.ring_all_gather(tensor, (rank + 1) % world)
 
 
+def ring_allreduce_from_a_zeroed_buffer(tensor):
+    # A repository's ring: the sums kept in a buffer of its own, made with torch.zeros_like and
+    # never filled from the input (meant: flat.clone()), copied back at the end.
+    kata = _kata()
+    world = dist.get_world_size()
+    if world == 1:
+        return tensor  # nothing to add on one rank
+    flat = kata._flat(tensor)
+    buffer = torch.zeros_like(flat)
+    chunks = [buffer[a:b] for a, b in kata.chunk_bounds(flat.numel(), world)]
+    _ring_on_chunks(buffer, chunks)
+    flat.copy_(buffer)
+    return tensor
+
+
 # --------------------------------------------------------------------------- right answers
 
 
@@ -629,6 +644,19 @@ MISTAKES = [
         replaces="ring_allreduce",
         fails=["test_ring_allreduce_equals_all_reduce[1]"],
         says=["a rank sent to (or received from) itself", "with world_size 1 the ring must not"],
+    ),
+    Mistake(
+        "ring_allreduce_from_a_zeroed_buffer",
+        replaces="ring_allreduce",
+        fails=[
+            "test_ring_allreduce_equals_all_reduce[2]",
+            "test_ring_allreduce_equals_all_reduce[4]",
+        ],
+        says=[
+            "holds zeros (no rank's value)",
+            "sent held only zeros",
+            "never reached what the ring sends",
+        ],
     ),
 ]
 
