@@ -421,6 +421,28 @@ def world_outcomes(function_name, world_size):
     return run_ring_world(_run_cases, world_size, function_name, _cases())
 
 
+def padding_rule(seens, length, world_size, steps):
+    """The kata's rule of uneven chunks, with its reason, when the ranks' sends show a tensor
+    padded to N equal chunks (every message ceil(length / N) long, one per step on every rank,
+    where the length does not divide by N); else None."""
+    n, size = world_size, -(-length // world_size)
+    sizes = [entry["elements"] for seen in seens for entry in seen["sends"]]
+    if length % n == 0 or len(sizes) != n * steps or any(s != size for s in sizes):
+        return None
+    return (
+        f"every message was {size} element{'s' if size > 1 else ''} long, {steps} per rank: "
+        f"the tensor was padded to N = {n} equal chunks ({length} -> {n * size} elements), and "
+        f"the padding travelled with it ({steps * (n * size - length)} of the "
+        f"{n * steps * size} elements sent). Padding to equal chunks makes a correct ring, and "
+        "it is right elsewhere (FSDP pads its flat shards; "
+        "dist.reduce_scatter_tensor and all_gather_into_tensor need equal pieces), but this "
+        "kata's ring cuts the tensor with chunk_bounds (torch.tensor_split's rule: chunks one "
+        "element apart, empty ones not sent) so that only the tensor's own elements travel: "
+        "exactly 2(N-1)/N of it per rank, in place, with no copy to pad and cut, however short "
+        "the tensor"
+    )
+
+
 def _expected_ring_sends(rank, world_size, bounds):
     """The chunks the optimal ring sends, in order (empty chunks are not sent)."""
     n = world_size
@@ -999,6 +1021,12 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
     n = world_size
     for i, (length, _, _) in enumerate(_cases()):
         sent = [outcomes[i]["seen"]["elements"] for outcomes in by_rank]
+        padded = padding_rule([o[i]["seen"] for o in by_rank], length, n, 2 * (n - 1))
+        if padded:
+            raise AssertionError(
+                f"ring_allreduce of {length} elements on {n} ranks: the ranks sent {sent} "
+                f"elements, {2 * (n - 1) * length} in all expected; {padded}"
+            )
         if length % n == 0:
             expected = 2 * (n - 1) * length // n
             assert sent == [expected] * n, (

@@ -349,6 +349,20 @@ def ring_allreduce_from_a_zeroed_buffer(tensor):
     return tensor
 
 
+def ring_allreduce_padded_to_equal_chunks(tensor):
+    # A course's ring (the way it asks): the tensor padded with zeros to N equal chunks, the ring
+    # run on the padded copy, the padding cut off at the end. Right sums; the padding travels.
+    kata = _kata()
+    world = dist.get_world_size()
+    flat = kata._flat(tensor)
+    size = -(-flat.numel() // world)
+    padded = torch.zeros(size * world, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    _ring_on_chunks(padded, list(padded.split(size)) if size else [padded] * world)
+    flat.copy_(padded[: flat.numel()])
+    return tensor
+
+
 # --------------------------------------------------------------------------- right answers
 
 
@@ -656,6 +670,17 @@ MISTAKES = [
             "holds zeros (no rank's value)",
             "sent held only zeros",
             "never reached what the ring sends",
+        ],
+    ),
+    Mistake(
+        "ring_allreduce_padded_to_equal_chunks",
+        replaces="ring_allreduce",
+        fails=["test_ring_allreduce_sends_two_n_minus_one_over_n"],  # on every world
+        says=[
+            "the tensor was padded to N = ",
+            "the padding travelled with it",
+            "right elsewhere",
+            "so that only the tensor's own elements travel",
         ],
     ),
 ]
