@@ -327,8 +327,9 @@ def run_ring_world(fn, world_size, *args):
     trace_dir = tempfile.mkdtemp(prefix="dojo-k09-")
     try:
         return run_world(fn, world_size, *args, trace_dir, deadline=DEADLINE_S)
-    except WorldDeadlock as error:
-        raise AssertionError(f"{explain_deadlock(trace_dir, world_size)}\n\n{error}") from error
+    except WorldDeadlock as error:  # the ring's own diagnosis stands alone
+        why = explain_deadlock(trace_dir, world_size)
+        raise AssertionError(f"{why}\n\n{error.without_advice()}") from error
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
 

@@ -371,6 +371,9 @@ def test_ranks_that_both_send_first_are_told_about_sends_not_collectives():
     assert "ranks 0, 1 wait in send (dojo/tests/test_harness.py:" in message, message
     assert "returns only once its peer has made the matching call" in message, message
     assert "collective" not in message.split("\n")[0], message
+    plain = caught.value.without_advice()  # behind a spec's own diagnosis
+    assert caught.value.advice in message and "matching call" not in plain, plain
+    assert "ranks 0, 1 wait in send (dojo/tests/test_harness.py:" in plain, plain
 
 
 def _abort_while_the_peer_waits(rank, world_size):
