@@ -422,15 +422,18 @@ def world_outcomes(function_name, world_size):
     return run_ring_world(_run_cases, world_size, function_name, _cases())
 
 
-def padding_rule(seens, length, world_size, steps):
-    """The kata's rule of uneven chunks, with its reason, when the ranks' sends show a tensor
-    padded to N equal chunks (every message ceil(length / N) long, one per step on every rank,
-    where the length does not divide by N); else None."""
+def check_not_padded(seens, length, world_size, steps, name):
+    """Fail with the kata's rule of uneven chunks, and its reason, when the ranks' sends show a
+    tensor padded to N equal chunks: every message ceil(length / N) long, ``steps`` per rank,
+    where the length does not divide by N."""
     n, size = world_size, -(-length // world_size)
     sizes = [entry["elements"] for seen in seens for entry in seen["sends"]]
     if length % n == 0 or len(sizes) != n * steps or any(s != size for s in sizes):
-        return None
-    return (
+        return
+    sent = [seen["elements"] for seen in seens]
+    raise AssertionError(
+        f"{name} of {length} elements on {n} ranks: the ranks sent {sent} elements, "
+        f"{steps * length} in all expected; "
         f"every message was {size} element{'s' if size > 1 else ''} long, {steps} per rank: "
         f"the tensor was padded to N = {n} equal chunks ({length} -> {n * size} elements), and "
         f"the padding travelled with it ({steps * (n * size - length)} of the "
@@ -439,8 +442,8 @@ def padding_rule(seens, length, world_size, steps):
         "dist.reduce_scatter_tensor and all_gather_into_tensor need equal pieces), but this "
         "kata's ring cuts the tensor with chunk_bounds (torch.tensor_split's rule: chunks one "
         "element apart, empty ones not sent) so that only the tensor's own elements travel: "
-        "exactly 2(N-1)/N of it per rank, in place, with no copy to pad and cut, however short "
-        "the tensor"
+        "exactly (N-1)/N of it per rank in each half of the ring, in place, with no copy to "
+        "pad and cut, however short the tensor"
     )
 
 
@@ -807,6 +810,7 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
     for i in order:
         length = LENGTHS[i]
         bounds = expected_bounds(length, n)
+        check_not_padded([o[i]["seen"] for o in by_rank], length, n, n - 1, "ring_reduce_scatter")
         owners = [outcomes[i]["owned"] for outcomes in by_rank]
         expected_owners = [(r + 1) % n for r in range(n)]
         assert owners == expected_owners, (
@@ -1022,12 +1026,7 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
     n = world_size
     for i, (length, _, _) in enumerate(_cases()):
         sent = [outcomes[i]["seen"]["elements"] for outcomes in by_rank]
-        padded = padding_rule([o[i]["seen"] for o in by_rank], length, n, 2 * (n - 1))
-        if padded:
-            raise AssertionError(
-                f"ring_allreduce of {length} elements on {n} ranks: the ranks sent {sent} "
-                f"elements, {2 * (n - 1) * length} in all expected; {padded}"
-            )
+        check_not_padded([o[i]["seen"] for o in by_rank], length, n, 2 * (n - 1), "ring_allreduce")
         if length % n == 0:
             expected = 2 * (n - 1) * length // n
             assert sent == [expected] * n, (

@@ -214,6 +214,23 @@ def reduce_scatter_returns_rank(tensor):
     )
 
 
+def reduce_scatter_padded(tensor):
+    # A course's way: a zero-padded copy cut into N equal chunks, reduce-scattered, copied back.
+    kata = _kata()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = kata._flat(tensor)
+    size = -(-flat.numel() // world)
+    padded = torch.zeros(size * world, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    spare = torch.empty(size, dtype=flat.dtype)
+    for step in range(world - 1):
+        a, c = (rank - step) % world * size, (rank - step - 1) % world * size
+        kata._send_right_receive_left(padded[a : a + size], spare)
+        padded[c : c + size] += spare
+    flat.copy_(padded[: flat.numel()])
+    return (rank + 1) % world
+
+
 def reduce_scatter_all_reduces_chunks(tensor):
     kata = _kata()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -597,6 +614,12 @@ MISTAKES = [
         replaces="ring_reduce_scatter",
         fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank"],  # on every world
         says=["returned the chunk indices [0, 1", "rank r owns chunk (r + 1) % N"],
+    ),
+    Mistake(
+        "reduce_scatter_padded",
+        replaces="ring_reduce_scatter",
+        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank"],  # on every world
+        says=["the tensor was padded to N = ", "right elsewhere", "(N-1)/N of it per rank"],
     ),
     Mistake(
         "reduce_scatter_all_reduces_chunks",
