@@ -254,14 +254,20 @@ def _general_problem(traces: dict[int, dict], world_size: int) -> str | None:
     if unmatched:
         return unmatched
     stuck = {rank: _stuck_in(traces[rank]) for rank in range(world_size)}
+    each = ", ".join(f"rank {rank} in {call}" for rank, call in stuck.items())
     if all(s and s.startswith("send(") for s in stuck.values()):
         return (
-            "every rank is inside a blocking send and none has reached its receive: a send returns "
-            "only once its receiver has taken the data, so each rank waits for a neighbour that "
-            "is waiting too."
+            f"every rank is inside a blocking send ({each}) and none has reached its receive: a "
+            "send returns only once its receiver has taken the data, so each rank waits for a "
+            "peer that is sending too. Let one side receive first, or post the send with "
+            "dist.isend, then receive, then wait on the send."
         )
     if all(s and s.startswith("recv(") for s in stuck.values()):
-        return "every rank is inside a blocking recv: nobody sent anything."
+        return (
+            f"every rank is inside a blocking recv ({each}) and none of them sends: a recv returns "
+            "only once its source sends to it, so each rank waits for a peer that is receiving "
+            "too. Let one side send first, or post the sends with dist.isend before receiving."
+        )
     return None
 
 

@@ -191,12 +191,27 @@ def why_partitions_differ(got, expected, length, sizes):
     )
 
 
+def check_data_untouched(data, before, call):
+    """The caller's list stays the caller's: shuffled in place, it reaches the next partitioner
+    (every rank builds its own) in another order, and that one cuts other parts."""
+    if data != before:
+        shown = ", ".join(map(repr, data[:6])) + (", ..." if len(data) > 6 else "")
+        raise AssertionError(
+            f"{call} changed the list it was given: it held the samples in order, now [{shown}]. "
+            "random.Random(seed).shuffle(x) shuffles x itself, so shuffling data reorders the "
+            "caller's samples, and the next DataPartitioner built on that list shuffles an "
+            "already shuffled list and cuts other parts. Shuffle a list of indices of your own, "
+            "list(range(len(data))), and leave data as it was given"
+        )
+
+
 @pytest.mark.step(1)
 def test_every_rank_gets_the_same_cut(kata):
     """Each rank builds its own DataPartitioner: only a shared seed makes the parts disjoint."""
     data = list(range(50))
     random.seed(99)  # a partitioner that uses the global random module would depend on this
     first = kata.DataPartitioner(data, [0.25] * 4).partitions
+    check_data_untouched(data, list(range(50)), "DataPartitioner(data of 50, [0.25] * 4)")
     random.seed(11)
     second = kata.DataPartitioner(data, [0.25] * 4).partitions
     assert [list(p) for p in first] == [list(p) for p in second], (
@@ -223,6 +238,7 @@ def test_data_partitioner_cuts_as_the_tutorial_does(kata, length, sizes, seed):
     expected = tutorial_partitions(length, sizes, seed)
     got = [list(p) for p in partitioner.partitions]
     call = f"DataPartitioner(data of {length}, sizes={list(sizes)}, seed={seed})"
+    check_data_untouched(data, [f"sample {i}" for i in range(length)], call)
     assert got == expected, f"{call}.partitions is {got}, expected the tutorial's {expected}: " + (
         why_partitions_differ(got, expected, length, sizes)
     )

@@ -226,8 +226,16 @@ def is_assertion(type_name: str) -> bool:
     return type_name == "AssertionError" or type_name in _ASSERTIONS
 
 
-# The harness's and the specs' own failures, all AssertionErrors written for a learner.
-_ASSERTIONS = {"RankFailed", "RankCrashed", "WorldDeadlock", "WorldFailure", "DidNotReturn"}
+# The harness's and the specs' own failures, all written for a learner: AssertionErrors, and
+# pytest.fail's Failed (a spec's message with pytrace=False).
+_ASSERTIONS = {
+    "RankFailed",
+    "RankCrashed",
+    "WorldDeadlock",
+    "WorldFailure",
+    "DidNotReturn",
+    "Failed",
+}
 
 
 def is_raw(type_name: str, message: str, culprit: Culprit | None) -> bool:

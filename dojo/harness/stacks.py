@@ -107,14 +107,20 @@ def where(frames: list[Frame] | None) -> str:
     and the line of its own code that made it."""
     if not frames:
         return "an unknown place (no stack)"
-    own = [f for f in frames if not f.in_torch]
-    # The learner's line, not a test's wrapper around torch.distributed (which records calls).
-    own = [f for f in own if f.is_learners] or own
+    own = _own_frame(frames)
     call = _call(frames)
-    if not own:
+    if own is None:
         return call or frames[-1].function
-    line = f"{own[-1].shown_path}:{own[-1].line}, {own[-1].function}"
-    return f"{call} ({line})" if call else f"{own[-1].function} ({line})"
+    line = f"{own.shown_path}:{own.line}, {own.function}"
+    return f"{call} ({line})" if call else f"{own.function} ({line})"
+
+
+def _own_frame(frames: list[Frame] | None) -> Frame | None:
+    """The innermost frame outside torch: the learner's line, not a test's wrapper around
+    torch.distributed (which records calls), where the learner's code is on the stack."""
+    own = [f for f in frames or [] if not f.in_torch]
+    own = [f for f in own if f.is_learners] or own
+    return own[-1] if own else None
 
 
 # torch.distributed's point-to-point calls: a rank that waits in one waits for one peer.
@@ -181,26 +187,90 @@ def calls(dumps: dict[int, str]) -> set[str]:
 
 
 def advice(dumps: dict[int, str]) -> str:
-    """What a learner should check, for the calls the ranks wait in: a blocking send or recv
-    waits for its peer's matching call; a collective for every rank of the group."""
-    waited = calls(dumps) - {"wait"}  # an async handle's wait: a collective's or a send's
-    if waited and waited <= _POINT_TO_POINT:
+    """What the stacks show the ranks wait in, and the lesson for those calls only: a send or
+    recv waits for its peer's matching call, a request's wait() for the call at its other end,
+    a collective for every rank of its group. Where no rank waits in a torch.distributed call,
+    it says so and advises nothing."""
+    waiting: dict[str, list[int]] = {}
+    for number, dump in sorted(dumps.items()):
+        call = _call(main_thread_frames(dump))
+        if call:
+            waiting.setdefault(call, []).append(number)
+    called = set(waiting)
+    if not called:
+        return "No rank waits inside a torch.distributed call: the stacks below say where each is."
+    seen = _waits_text(waiting, dumps)
+    point, handles = called & _POINT_TO_POINT, "wait" in called
+    everyone = sum(map(len, waiting.values())) == len(dumps)  # no stuck rank is elsewhere
+    collectives = called - _POINT_TO_POINT - {"wait"}
+    if collectives and point:
         return (
-            "A send or recv returns only once its peer has made the matching call (gloo's send "
-            "waits for the recv): does every send have a recv on its destination, and is it "
-            "posted in time (two ranks that both send first, or both receive first, wait for each "
-            "other; let one side receive first, or use isend/irecv and wait on both)?"
-        )
-    if waited & _POINT_TO_POINT:
-        return (
-            "Some ranks wait in a send or recv, others in a collective: a rank whose peer is "
-            "inside a collective never gets the matching call. Does every rank make the same "
+            f"{seen}. Some ranks wait in a send or recv, others in a collective: a rank whose peer "
+            "is inside a collective never gets the matching call. Does every rank make the same "
             "calls in the same order?"
         )
+    if collectives and not handles:
+        return (
+            f"{seen}. Every rank of a group must call every collective, in the same order: is "
+            "there one that only some ranks call, or that they call in a different order?"
+        )
+    if collectives:
+        return (
+            f"{seen}. A request's wait() returns once every rank of its group has started the "
+            "collective it came from (async_op=True): does every rank start the same collectives, "
+            "in the same order?"
+        )
+    if called == {"wait"}:
+        return (
+            f"{seen}. A request completes only once its peer makes the matching call (the recv "
+            "for an isend, the send for an irecv, the same collective for one started with "
+            "async_op=True): which call does each waiting request need, and does its peer make "
+            "it (and wait on its own request)?"
+        )
+    if called == {"send"} and everyone:
+        return (
+            f"{seen}. A blocking send returns only once its peer has made the matching call "
+            "(gloo's send waits for the recv), so ranks that all send first wait for each other: "
+            "let one side receive first, or post the send with dist.isend, then receive, then "
+            "wait on the send."
+        )
+    if called == {"recv"} and everyone:
+        return (
+            f"{seen}. A recv returns only once its source sends to it, and every waiting rank is "
+            "receiving: which rank should send each of these messages, and does it, to this rank "
+            "with this tag, before it waits itself? Let one side send first, or post the sends "
+            "with dist.isend before receiving."
+        )
     return (
-        "Every rank of a group must call every collective, in the same order: is there one that "
-        "only some ranks call, or that they call in a different order?"
+        f"{seen}. A send or recv returns only once its peer has made the matching call: does "
+        "every send have its recv on the destination (same peer, same tag), posted in time? "
+        "Blocking sends on both sides wait for each other: post them with dist.isend or "
+        "dist.irecv and wait on the requests."
     )
+
+
+def _waits_text(waiting: dict[str, list[int]], dumps: dict[int, str]) -> str:
+    """``Ranks 0, 1 wait in recv (`dist.recv(t, src=1 - rank)`); rank 2 in send (...)``: which
+    ranks wait in which call, with their line that made it (it names the peer) where they share
+    one."""
+    parts = []
+    for call, numbers in waiting.items():
+        lines = {_calling_line(main_thread_frames(dumps[n])) for n in numbers}
+        line = lines.pop() if len(lines) == 1 else None
+        what = "wait() on a request" if call == "wait" else call
+        parts.append((numbers, what + (f" (`{line}`)" if line else "")))
+    (numbers, what), *others = parts
+    first = f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {what}"
+    rest = [f"{ranks_text(n)} in {w}" for n, w in others]
+    return "; ".join([first[0].upper() + first[1:], *rest])
+
+
+def _calling_line(frames: list[Frame] | None) -> str | None:
+    """The source of the line outside torch that made the call a rank waits in, without its
+    comment."""
+    own = _own_frame(frames)
+    source = linecache.getline(own.file, own.line) if own else ""
+    return re.sub(r"\s+#.*$", "", source.strip()) or None
 
 
 def only_in_checking_code(dumps: dict[int, str]) -> bool:

@@ -93,11 +93,17 @@ class RankCrashed(WorldFailure):
 
 
 class WorldDeadlock(WorldFailure):
-    """Some ranks did not finish by the deadline."""
+    """Some ranks did not finish by the deadline. ``advice``: the general advice its message
+    gives (``dojo.harness.stacks.advice``, read from where the ranks wait)."""
 
-    def __init__(self, message: str, stuck: list[int]):
+    def __init__(self, message: str, stuck: list[int], advice: str = ""):
         super().__init__(message)
-        self.stuck = stuck
+        self.stuck, self.advice = stuck, advice
+
+    def without_advice(self) -> str:
+        """The report without its general advice: behind a spec's own diagnosis, which stands
+        alone."""
+        return str(self).replace(f" {self.advice}", "", 1) if self.advice else str(self)
 
 
 @dataclass
@@ -717,7 +723,7 @@ def _deadlock(
         )
     text = f"{head}\n{stacks.summary(dumps, finished)}\n\n{stacks.grouped_stacks(dumps)}"
     _kill(ranks)
-    return WorldDeadlock(text, numbers)
+    return WorldDeadlock(text, numbers, advice)
 
 
 def _lasted(seconds: float, stretched: float | None, what: str = "") -> str:

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from dojo.harness.calls import recording
-from dojo.harness.world import WorldFailure, run_world
+from dojo.harness.world import WorldDeadlock, WorldFailure, run_world
 
 
 class RankTrace:
@@ -110,7 +110,9 @@ def run_traced(fn, world_size: int, *args, explain, deadline: float, empty: dict
     """``run_world(fn, world_size, *args, trace_dir=a fresh folder)``: ``(results, traces)``.
     When the world fails, the test fails with what ``explain(traces, report)`` says (a list of
     paragraphs; None for one that has nothing to say) in front of the harness's report. The
-    folder goes afterwards."""
+    first paragraph is the spec's own diagnosis: where there is one, it stands alone (a
+    deadlock's report follows without the harness's general advice). The folder goes
+    afterwards."""
     folder = tempfile.mkdtemp(prefix="dojo-trace-")
     try:
         try:
@@ -119,7 +121,10 @@ def run_traced(fn, world_size: int, *args, explain, deadline: float, empty: dict
         except WorldFailure as failure:
             traces = read_traces(folder, world_size, empty)
             report = str(failure)
-        why = [paragraph for paragraph in explain(traces, report) if paragraph]
-        pytest.fail("\n\n".join([*why, report]), pytrace=False)
+            plain = failure.without_advice() if isinstance(failure, WorldDeadlock) else report
+        why = explain(traces, report)
+        if why and why[0]:
+            report = plain
+        pytest.fail("\n\n".join([*(p for p in why if p), report]), pytrace=False)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -147,3 +147,10 @@ def test_a_spec_crash_and_an_unexplained_torch_error_are_raw():
     assert known_errors.is_raw("RuntimeError", "some new torch message", torch_side)
     said = known_errors.said("KeyError", "tensor([0.07])", spec)
     assert said.startswith("the test's own code failed on what your code gave it"), said
+
+
+def test_a_spec_that_fails_with_pytest_fail_speaks_its_own_words():
+    spec = culprit.Culprit("spec", "", "tests/test_k07_point_to_point.py", 380, "t", "fail()", "")
+    message = "rank 0 received [2, 4, 6], expected [1, 3, 5]: it noted the counter after adding 1"
+    assert not known_errors.is_raw("Failed", message, spec)
+    assert known_errors.said("Failed", message, spec) == message

@@ -461,6 +461,16 @@ def batch_not_waited(strip):
     return torch.cat([from_left, strip, from_right])
 
 
+def halo_receives_first(strip):
+    rank, world_size, left, right = _halo_checks(strip)
+    from_left, from_right = torch.empty_like(strip[:1]), torch.empty_like(strip[:1])
+    dist.recv(from_left, src=left, tag=TAG_TO_RIGHT)  # every rank waits for its neighbour,
+    dist.recv(from_right, src=right, tag=TAG_TO_LEFT)  # which waits too: nobody ever sends
+    dist.send(strip[:1].clone(), dst=left, tag=TAG_TO_LEFT)
+    dist.send(strip[-1:].clone(), dst=right, tag=TAG_TO_RIGHT)
+    return torch.cat([from_left, strip, from_right])
+
+
 def halo_with_views(strip):
     """Right: sends slices of the strip itself (no copies), receives first, fills one new tensor."""
     rank, world_size, left, right = _halo_checks(strip)
@@ -636,6 +646,16 @@ MISTAKES = [
         replaces="halo_exchange",
         fails=["test_halo_exchange[2]"],
         says=["never called dist.batch_isend_irecv"],
+    ),
+    Mistake(
+        "halo_receives_first",
+        replaces="halo_exchange",
+        fails=["test_halo_exchange[2]", "test_halo_exchange[3]"],
+        says=[
+            "every rank is inside a blocking recv (rank 0 in recv(src=",
+            "none of them sends",
+            "post the sends with dist.isend before receiving",
+        ],
     ),
     Mistake(
         "batch_not_waited",

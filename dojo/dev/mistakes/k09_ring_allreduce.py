@@ -214,6 +214,23 @@ def reduce_scatter_returns_rank(tensor):
     )
 
 
+def reduce_scatter_padded(tensor):
+    # A course's way: a zero-padded copy cut into N equal chunks, reduce-scattered, copied back.
+    kata = _kata()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = kata._flat(tensor)
+    size = -(-flat.numel() // world)
+    padded = torch.zeros(size * world, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    spare = torch.empty(size, dtype=flat.dtype)
+    for step in range(world - 1):
+        a, c = (rank - step) % world * size, (rank - step - 1) % world * size
+        kata._send_right_receive_left(padded[a : a + size], spare)
+        padded[c : c + size] += spare
+    flat.copy_(padded[: flat.numel()])
+    return (rank + 1) % world
+
+
 def reduce_scatter_all_reduces_chunks(tensor):
     kata = _kata()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -277,6 +294,90 @@ def ring_allreduce_world_of_one_returns_none(tensor):
     kata = _kata()
     owned = kata.ring_reduce_scatter(tensor)
     return kata.ring_all_gather(tensor, owned)
+
+
+def _exchange(outgoing, incoming, right, left):
+    """A course's exchange: isend right, recv from the left, wait (an empty chunk: neither)."""
+    request = dist.isend(outgoing, right) if outgoing.numel() else None
+    if incoming.numel():
+        dist.recv(incoming, left)
+    if request is not None:
+        request.wait()
+
+
+def _ring_on_chunks(tensor, chunks):
+    """A course's whole ring over the views ``chunks`` of the flat tensor: add N-1 steps, then
+    store N-1 steps (the real students' code, adapted only to the kata's names)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        arriving = chunks[(rank - step - 1) % world]
+        incoming = torch.empty_like(arriving)
+        _exchange(chunks[(rank - step) % world], incoming, right, left)
+        arriving += incoming
+    for step in range(world - 1):
+        outgoing, arriving = chunks[(rank + 1 - step) % world], chunks[(rank - step) % world]
+        _exchange(outgoing.clone(), arriving, right, left)
+    return tensor
+
+
+def ring_allreduce_on_torch_chunk(tensor):
+    # A course's ring cut with torch.chunk, which returns FEWER than N pieces for a tensor of
+    # fewer than N elements (and 3, 3, 3, 1 for 10 on 4): chunks[...] is then out of range.
+    chunks = list(torch.chunk(_kata()._flat(tensor), dist.get_world_size()))
+    return _ring_on_chunks(tensor, chunks)
+
+
+def ring_allreduce_sends_before_its_loop(tensor):
+    # A repository's ring: its own chunk goes out before the loop, each summed chunk at the end
+    # of its step. Right on 2 ranks and more; on a world of one rank its first send is to itself.
+    kata = _kata()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = kata._flat(tensor)
+    bounds = kata.chunk_bounds(flat.numel(), world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    spare = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+    a, b = bounds[rank]
+    sends = [dist.isend(flat[a:b], right)] if b > a else []  # right is itself on one rank
+    for step in range(world - 1):
+        c, d = bounds[(rank - step - 1) % world]
+        if d > c:
+            dist.recv(spare[: d - c], left)
+            flat[c:d] += spare[: d - c]
+            if step < world - 2:
+                sends.append(dist.isend(flat[c:d], right))
+    for request in sends:
+        request.wait()
+    return kata.ring_all_gather(tensor, (rank + 1) % world)
+
+
+def ring_allreduce_from_a_zeroed_buffer(tensor):
+    # A repository's ring: the sums kept in a buffer of its own, made with torch.zeros_like and
+    # never filled from the input (meant: flat.clone()), copied back at the end.
+    kata = _kata()
+    world = dist.get_world_size()
+    if world == 1:
+        return tensor  # nothing to add on one rank
+    flat = kata._flat(tensor)
+    buffer = torch.zeros_like(flat)
+    chunks = [buffer[a:b] for a, b in kata.chunk_bounds(flat.numel(), world)]
+    _ring_on_chunks(buffer, chunks)
+    flat.copy_(buffer)
+    return tensor
+
+
+def ring_allreduce_padded_to_equal_chunks(tensor):
+    # A course's ring (the way it asks): the tensor padded with zeros to N equal chunks, the ring
+    # run on the padded copy, the padding cut off at the end. Right sums; the padding travels.
+    kata = _kata()
+    world = dist.get_world_size()
+    flat = kata._flat(tensor)
+    size = -(-flat.numel() // world)
+    padded = torch.zeros(size * world, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    _ring_on_chunks(padded, list(padded.split(size)) if size else [padded] * world)
+    flat.copy_(padded[: flat.numel()])
+    return tensor
 
 
 # --------------------------------------------------------------------------- right answers
@@ -377,6 +478,12 @@ def ring_allreduce_in_one_loop(tensor):
         else:
             flat[c:d] = spare[: d - c]
     return tensor
+
+
+def ring_allreduce_on_tensor_split(tensor):
+    """The course's ring on torch.tensor_split, which always returns N pieces (some maybe empty,
+    which nobody sends): the kata's chunks."""
+    return _ring_on_chunks(tensor, _kata()._flat(tensor).tensor_split(dist.get_world_size()))
 
 
 # --------------------------------------------------------------------------- the catalogue
@@ -509,6 +616,12 @@ MISTAKES = [
         says=["returned the chunk indices [0, 1", "rank r owns chunk (r + 1) % N"],
     ),
     Mistake(
+        "reduce_scatter_padded",
+        replaces="ring_reduce_scatter",
+        fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank"],  # on every world
+        says=["the tensor was padded to N = ", "right elsewhere", "(N-1)/N of it per rank"],
+    ),
+    Mistake(
         "reduce_scatter_all_reduces_chunks",
         replaces="ring_reduce_scatter",
         fails=["test_reduce_scatter_leaves_one_summed_chunk_per_rank[2]"],
@@ -557,6 +670,42 @@ MISTAKES = [
         fails=["test_ring_allreduce_equals_all_reduce[1]"],
         says=["it returned None", "also when there is nothing to send"],
     ),
+    Mistake(
+        "ring_allreduce_on_torch_chunk",
+        replaces="ring_allreduce",
+        fails=["test_ring_allreduce_equals_all_reduce[2]"],
+        says=["raised IndexError", "torch.chunk(t, n) returns FEWER than n pieces"],
+    ),
+    Mistake(
+        "ring_allreduce_sends_before_its_loop",
+        replaces="ring_allreduce",
+        fails=["test_ring_allreduce_equals_all_reduce[1]"],
+        says=["a rank sent to (or received from) itself", "with world_size 1 the ring must not"],
+    ),
+    Mistake(
+        "ring_allreduce_from_a_zeroed_buffer",
+        replaces="ring_allreduce",
+        fails=[
+            "test_ring_allreduce_equals_all_reduce[2]",
+            "test_ring_allreduce_equals_all_reduce[4]",
+        ],
+        says=[
+            "holds zeros (no rank's value)",
+            "sent held only zeros",
+            "never reached what the ring sends",
+        ],
+    ),
+    Mistake(
+        "ring_allreduce_padded_to_equal_chunks",
+        replaces="ring_allreduce",
+        fails=["test_ring_allreduce_sends_two_n_minus_one_over_n"],  # on every world
+        says=[
+            "the tensor was padded to N = ",
+            "the padding travelled with it",
+            "right elsewhere",
+            "so that only the tensor's own elements travel",
+        ],
+    ),
 ]
 
 # Each right answer must pass every test of its step.
@@ -567,4 +716,5 @@ RIGHT_ANSWERS = [
     RightAnswer("reduce_scatter_with_copies", replaces="ring_reduce_scatter"),
     RightAnswer("all_gather_through_a_buffer", replaces="ring_all_gather"),
     RightAnswer("ring_allreduce_in_one_loop", replaces="ring_allreduce"),
+    RightAnswer("ring_allreduce_on_tensor_split", replaces="ring_allreduce"),
 ]

@@ -83,6 +83,22 @@ class PartitionerSilentValueError(_Partitioner):
             raise ValueError("invalid argument")
 
 
+class PartitionerShufflesTheCallersList(_Partitioner):
+    """The tutorial's random.Random(seed), used on the caller's own list: data shuffled in place
+    and the parts cut from it (on a data set of indices, 0..49, the tutorial's parts, once; a
+    second partitioner on the same list shuffles the shuffled list again)."""
+
+    def __init__(self, data, sizes=(0.7, 0.2, 0.1), seed=1234):
+        self.check(sizes)
+        self.data = data
+        random.Random(seed).shuffle(data)  # the caller's list, in place
+        self.partitions, start = [], 0
+        for fraction in sizes:
+            part_len = self.part_length(fraction, len(data))
+            self.partitions.append(data[start : start + part_len])
+            start += part_len
+
+
 class PartitionerRightWithAccumulate:
     """Right, written another way: cut points from running totals, one slice per part."""
 
@@ -351,6 +367,16 @@ MISTAKES = [
         replaces="DataPartitioner",
         fails=["test_every_rank_gets_the_same_cut", "test_default_partitioner_is_the_tutorials"],
         says=["random.Random(seed)"],
+    ),
+    Mistake(
+        "PartitionerShufflesTheCallersList",
+        replaces="DataPartitioner",
+        fails=["test_every_rank_gets_the_same_cut"],
+        says=[
+            "changed the list it was given",
+            "shuffles x itself",
+            "a list of indices of your own",
+        ],
     ),
     Mistake(
         "PartitionerRoundsSizes",
