@@ -624,12 +624,15 @@ def _against_torch(rank, world_size):
         transformer_loss(alone(tokens), targets).backward()
         alone_optimizer.step()
         alone_optimizer.zero_grad()
+    # torch's whole state first: a call of full_state's that its peers never make then leaves
+    # them waiting in full_state alone, where the report shows them, not in torch's gathers
+    their_state = {n: p.full_tensor().detach().clone() for n, p in theirs.named_parameters()}
     with recording() as recorded:
         state = kata.full_state(model, mesh)
     return {
         "state": {n: t.detach().clone() for n, t in state.items()},
         "alone": {n: p.detach().clone() for n, p in alone.named_parameters()},
-        "theirs": {n: p.full_tensor().detach().clone() for n, p in theirs.named_parameters()},
+        "theirs": their_state,
         "losses": losses,
         "calls": _calls(recorded, mesh),
     }

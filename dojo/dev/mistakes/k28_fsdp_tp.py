@@ -360,7 +360,7 @@ def step_with_chunk(model, optimizer, tokens, targets, mesh):
 # --------------------------------------------------------------------------- step 5: the whole state
 
 
-def _state(model, mesh, dim_of):
+def _state(model, mesh, dim_of, gathers_row=True):
     units = [("embedding.", model.embedding)]
     units += [(f"blocks.{i}.", unit) for i, unit in enumerate(model.blocks)]
     units += [("", model.head)]
@@ -375,7 +375,7 @@ def _state(model, mesh, dim_of):
                 if unit is model.head:
                     name = name.replace("0.", "norm.", 1).replace("1.", "output.", 1)
                 dim = dim_of(style, kind)
-                if dim is None:
+                if dim is None or not gathers_row:
                     out[prefix + name] = local.clone()
                     continue
                 pieces = [torch.empty_like(local) for _ in range(mesh.tp)]
@@ -402,6 +402,19 @@ def state_gathers_row_biases(model, mesh):
             None if style is None else 1 if style == "row" and kind == "weight" else 0
         ),
     )
+
+
+def state_gathered_by_the_row_s_first_rank(model, mesh):
+    """Real code: only the row's first rank joins the gather across the row ("it writes the
+    checkpoint"); the others keep their slices and go on. Its peers never join it."""
+    return _state(model, mesh, _dim_split, gathers_row=mesh.tp_index == 0)
+
+
+def _dim_split(style, kind):
+    """The dimension a TP parameter was split along; None for a replicated one."""
+    if style is None or (style == "row" and kind == "bias"):
+        return None
+    return 1 if style == "row" else 0
 
 
 def state_never_gathers_the_row(model, mesh):
@@ -614,6 +627,17 @@ MISTAKES = [
         replaces="full_state",
         fails=[_STATE],
         says=["attention.out.bias differs", "replicated parameters need no gather"],
+    ),
+    Mistake(
+        "state_gathered_by_the_row_s_first_rank",
+        replaces="full_state",
+        fails=[_STATE],
+        says=[
+            "deadlock: rank(s) 0, 2",
+            "no progress for 3 s",
+            "wait in all_gather",
+            "1, 3 returned",
+        ],
     ),
     Mistake(
         "state_never_gathers_the_row",
