@@ -684,10 +684,21 @@ def test_against_torchs_fully_shard_and_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_trains_like_one_process(kata):
-    out = run_program_ok(KATA, "--dp", "2", "--tp", "2", "--steps", "2").stdout
-    assert "[rank 3] dp 1, tp 1" in out, out
-    assert "tp: all-reduce 8; dp: all-gather 4, reduce-scatter 4; world: nothing" in out, out
-    assert "every rank's whole model equals one process's" in out, out
+    args = ("--dp", "2", "--tp", "2", "--steps", "2")
+    out = run_program_ok(KATA, *args).stdout
+    shown = f"`python -m katas.{KATA} {' '.join(args)}`"
+    for line, why in (
+        ("[rank 3] dp 1, tp 1", "rank 3 = dp_index 1 * tp 2 + tp_index 1"),
+        (
+            "tp: all-reduce 8; dp: all-gather 4, reduce-scatter 4; world: nothing",
+            "one step's collectives, each on its own group",
+        ),
+        (
+            "every rank's whole model equals one process's",
+            "its verdict: the trained model equals one process's",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

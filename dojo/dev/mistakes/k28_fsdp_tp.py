@@ -651,7 +651,7 @@ RIGHT_ANSWERS = [
     RightAnswer("mesh_columns_first", replaces="make_mesh"),
     RightAnswer("shard_with_chunk", replaces="tp_shard"),
     RightAnswer("shard_of_with_tensor_split", replaces="shard_of"),
-    RightAnswer("GatherWithLists", replaces="GatherFromColumn"),
+    RightAnswer("GatherWithLists", replaces="GatherFromColumn", steps=(3, 5)),
     RightAnswer("step_with_chunk", replaces="train_step"),
     RightAnswer("state_with_flat_gathers", replaces="full_state"),
 ]
