@@ -11,11 +11,11 @@ from torch import nn
 
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
-from dojo.harness.world import run_world
+from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program_ok, shared_run, succeeded
+from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
 
@@ -577,6 +577,107 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
         assert got["count"] == 2, (
             f"rank {rank}: sync_sequence_parallel_grads returned {got['count']!r}, expected 2 "
             "(the LayerNorm's weight and bias: the gradients it summed)"
+        )
+
+
+def _without_gradients(members: list[int]) -> list[int]:
+    """The ranks a test leaves without gradients: the last of each group."""
+    return [members[-1]]
+
+
+def _norm_partly_unused(rank, world_size, groups):
+    """The LayerNorm's partial gradients where the group's last rank has none (its positions took
+    no part in this backward: .grad None), the sync, and what it left."""
+    kata = load_kata(KATA)
+    group, members, size, index, per = _place(rank, world_size, groups)
+    holder = _NormAndOther(kata.SequenceParallelLayerNorm(_dense_norm()))
+    holder.other.grad = torch.full((5,), float(rank + 1))
+    bare = rank in _without_gradients(members)
+    shares = {}  # every rank of the group's share (small integers: the sums are exact)
+    for member in members:
+        if member not in _without_gradients(members):
+            shares[member] = (torch.full((16,), float(member + 1)), torch.arange(16.0) * member)
+    if not bare:
+        holder.norm.weight.grad, holder.norm.bias.grad = (t.clone() for t in shares[rank])
+    try:
+        with recording() as synced:
+            kata.sync_sequence_parallel_grads(holder, group)
+    except KataTodo:
+        raise
+    except Exception as error:  # its peers wait in the sync: say it now, in the kata's words
+        raise AssertionError(
+            f"sync_sequence_parallel_grads raised {type(error).__name__}: {str(error)[:300]}"
+            + (
+                ", on a rank whose LayerNorm has no gradient (.grad None: its positions took no "
+                "part in this backward). A missing gradient counts as zeros "
+                "(torch.zeros_like(p)): this rank makes the same all-reduce as its peers"
+                if bare
+                else ""
+            )
+        ) from error
+    expected = [sum(share[i] for share in shares.values()) for i in range(2)]
+    grads = (holder.norm.weight.grad, holder.norm.bias.grad)
+    return {
+        "rank": rank,
+        "members": members,
+        "bare": bare,
+        "grads": [None if g is None else g.clone() for g in grads],
+        "expected": expected,
+        "other": holder.other.grad.clone(),
+        "calls": _calls(synced, group),
+    }
+
+
+@pytest.mark.step(3)
+@pytest.mark.parametrize("world", ["2", "4-rows"])
+def test_sync_makes_the_same_call_on_a_rank_without_gradients(kata, world):
+    where = _where(world)
+    world_size, groups = WORLDS[world]
+    bare = [m for members in groups or [list(range(world_size))] for m in members[-1:]]
+    try:
+        results = run_world(_norm_partly_unused, world_size, groups)
+    except WorldDeadlock as deadlock:
+        stuck = sorted(deadlock.stuck)
+        if set(stuck).isdisjoint(bare):
+            why = (
+                f"{ranks_phrase(bare)}, whose LayerNorm has no gradient (.grad None: its "
+                "positions took no part in this backward), returned without the all-reduce that "
+                f"{ranks_phrase(stuck)} waited in for ever. Every rank of the group must make "
+                "the same call, whatever it holds: count a missing gradient as zeros "
+                "(torch.zeros_like(p)) rather than leaving it out"
+            )
+        else:
+            why = (
+                f"the ranks waited for each other for ever ({ranks_phrase(bare)} holding no "
+                f"gradient, {ranks_phrase(stuck)} stuck)"
+            )
+        raise AssertionError(f"sync_sequence_parallel_grads {where}: {why}.\n{deadlock}") from None
+    for got in results:
+        rank, members = got["rank"], got["members"]
+        weight, bias = got["grads"]
+        if got["bare"] and (weight is None or bias is None):
+            raise AssertionError(
+                f"rank {rank}: after sync_sequence_parallel_grads {where} the LayerNorm's "
+                "gradient is still None on this rank, which had none: its LayerNorm is a replica "
+                "like every other rank's, so it needs the group's sum too (or it drifts apart "
+                f"from {ranks_phrase([m for m in members if m != rank])}'s). Give it the summed "
+                "buffer, as the others"
+            )
+        for name, grad, expected in zip(("weight", "bias"), (weight, bias), got["expected"]):
+            assert grad is not None and torch.equal(grad, expected), (
+                f"rank {rank}: after sync_sequence_parallel_grads the LayerNorm's {name} "
+                f"gradient is not the group's sum ({gap(grad, expected)}) {where}, where "
+                f"{ranks_phrase(bare)} had no gradient: expected the sum of the others' shares "
+                "(a missing gradient counts as zeros)"
+            )
+        assert torch.equal(got["other"], torch.full((5,), float(rank + 1))), (
+            f"rank {rank}: sync_sequence_parallel_grads changed the gradient of a parameter not "
+            f"marked sequence_parallel {where}: sum only p.sequence_parallel ones"
+        )
+        assert [c[0] for c in got["calls"]] == ["all-reduce"], (
+            f"rank {rank}: sync_sequence_parallel_grads called {_kinds(got['calls'])} {where}, "
+            f"where {ranks_phrase(bare)} had no gradient: one all-reduce on every rank, whatever "
+            "it holds"
         )
 
 
