@@ -1251,10 +1251,28 @@ def test_activation_bytes_is_what_autograd_saved(kata, ranks):
 @pytest.mark.step(6)
 def test_program_splits_a_block_along_the_sequence(kata):
     out = run_program_ok(KATA, "--world-size", "2").stdout
-    assert "[rank 1] positions 4..7; forward: all-gather 2" in out, out
-    assert "reduce-scatter 2" in out, out
-    assert "then all-reduce 1" in out, out
-    assert "every rank's positions and gradients equal the dense block's" in out, out
+    shown = f"`python -m katas.{KATA} --world-size 2`"
+    for line, why in (
+        (
+            "[rank 1] positions 4..7; forward: all-gather 2",
+            "rank 1 holds positions 4..7 of 8 and gathers twice forward (before the attention's "
+            "q, k and v, and before the MLP's up)",
+        ),
+        (
+            "reduce-scatter 2",
+            "two reduce-scatters forward (after the attention's out and after the MLP's down)",
+        ),
+        (
+            "then all-reduce 1",
+            "the partial gradients (the LayerNorms', the row-parallel biases') summed in ONE "
+            "all-reduce after backward",
+        ),
+        (
+            "every rank's positions and gradients equal the dense block's",
+            "its verdict: the split block equals the dense one",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -112,6 +112,16 @@ def scatter_through_movedim(x, group=None):
     return mine.movedim(0, 1).contiguous()
 
 
+def scatter_from_a_list(x, group=None):
+    """Right: dist.reduce_scatter from a list of every rank's positions."""
+    size = dist.get_world_size(group)
+    sequence_range(x.shape[1], group)  # the check, before any collective
+    pieces = [piece.contiguous() for piece in x.chunk(size, dim=1)]
+    mine = torch.empty_like(pieces[0])
+    dist.reduce_scatter(mine, pieces, group=group)
+    return mine
+
+
 # --------------------------------------------------------------------------- step 2
 
 _Gather = reference.GatherFromSequenceParallelRegion
@@ -810,7 +820,9 @@ MISTAKES = [
 
 RIGHT_ANSWERS = [
     RightAnswer("sequence_range_with_chunks", replaces="sequence_range"),
-    RightAnswer("gather_with_a_list", replaces="all_gather_sequence", steps=(1, 2)),
+    # into a list and from one: every step that gathers or scatters, the program's counts too
+    RightAnswer("gather_with_a_list", replaces="all_gather_sequence", steps=(1, 2, 4, 5, 6)),
+    RightAnswer("scatter_from_a_list", replaces="reduce_scatter_sequence", steps=(1, 2, 4, 5, 6)),
     RightAnswer("scatter_through_movedim", replaces="reduce_scatter_sequence", steps=(1, 2)),
     RightAnswer("NormByHand", replaces="SequenceParallelLayerNorm"),
     RightAnswer("sync_with_flatten_utils", replaces="sync_sequence_parallel_grads", steps=(3, 4)),
