@@ -192,6 +192,29 @@ def _known_mistakes(p, m, r):
     ]
 
 
+# Why the kata asks one order of GPipe's actions, where any order of the forwards, then any of
+# the backwards, would be GPipe.
+GPIPE_ORDER = (
+    "this kata runs both in micro-batch order, as torch's ScheduleGPipe does, so that a stage's "
+    "gradients add up in the order of one process looping over the micro-batches (the tests "
+    "compare them bit for bit) and simulate's clock draws the lesson's picture"
+)
+
+
+def _order(actions, kind: str) -> list[int]:
+    """The micro-batches of ``kind`` ("F" or "B") in the order the actions run them."""
+    return [i for k, i in actions if k == kind]
+
+
+def _in_flight(actions) -> int:
+    """The most micro-batches whose forward ran and backward had not yet, at once."""
+    held, most = 0, 0
+    for k, _ in actions:
+        held += 1 if k == "F" else -1
+        most = max(most, held)
+    return most
+
+
 def _call_schedule(kata, kind, p, m, r):
     call = f"{FUNCTIONS[kind]}(stages={p}, micro_batches={m}, rank={r})"
     got = getattr(kata, FUNCTIONS[kind])(p, m, r)
@@ -219,17 +242,27 @@ def test_schedules_as_data(kata, kind):
                     f"and one ('B', i), its forward first. Expected {expected}"
                 )
             if kind == "gpipe":
+                forwards_first = all(k == "F" for k, _ in got[:m])
                 raise AssertionError(
-                    f"{call} returned {got}, expected {expected}: GPipe runs every forward, then "
-                    "every backward, both in micro-batch order (as torch's ScheduleGPipe does)"
+                    f"{call} returned {got}, expected {expected}: "
+                    + (
+                        f"its forwards and backwards run in the orders {_order(got, 'F')} and "
+                        f"{_order(got, 'B')}. Every forward, then every backward, is GPipe in any "
+                        f"order, and right elsewhere; {GPIPE_ORDER}"
+                        if forwards_first
+                        else "GPipe runs every forward, then every backward; " + GPIPE_ORDER
+                    )
                 )
             for wrong, why in _known_mistakes(p, m, r):
                 if got == wrong:
                     raise AssertionError(f"{call} returned {got}, expected {expected}: {why}")
             raise AssertionError(
-                f"{call} returned {got}, expected {expected}: after the warm-up, alternate one "
-                "forward and one backward (the forward first) while forwards are left, then run "
-                "the backwards left (cool-down), in micro-batch order"
+                f"{call} returned {got}, expected {expected}: it holds up to {_in_flight(got)} "
+                f"micro-batches' activations at once on this rank (1F1B: min(p - r, m) = "
+                f"{min(p - r, m)}). After the warm-up of p - 1 - r "
+                "forwards, alternate one forward and one backward (the forward first) while "
+                "forwards are left, then run the backwards left (cool-down), in micro-batch "
+                "order: the order of torch's Schedule1F1B, whose activations the tests count"
             )
 
 

@@ -121,6 +121,14 @@ def backward_first_in_the_steady_state(stages, micro_batches, rank):
     return _one_f_one_b(stages, micro_batches, rank, stages - 1 - rank, backward_first=True)
 
 
+def gpipe_backwards_last_first(stages, micro_batches, rank):
+    """A course's GPipe: every forward, then the backwards last micro-batch first. GPipe too,
+    and right elsewhere, but not the order this kata (and torch's ScheduleGPipe) runs."""
+    _check(stages, micro_batches, rank)
+    forwards = [("F", i) for i in range(micro_batches)]
+    return forwards + [("B", i) for i in reversed(range(micro_batches))]
+
+
 def gpipe_interleaved(stages, micro_batches, rank):
     # "forward then backward, micro-batch by micro-batch": no pipelining at all
     _check(stages, micro_batches, rank)
@@ -386,6 +394,12 @@ MISTAKES = [
         replaces="one_f_one_b_actions",
         fails=[f"{_SCHEDULES}[1f1b]"],
         says=["alternate one forward and one backward (the forward first"],
+    ),
+    Mistake(
+        "gpipe_backwards_last_first",
+        replaces="gpipe_actions",
+        fails=[f"{_SCHEDULES}[gpipe]"],
+        says=["orders [0, 1, 2] and [2, 1, 0]", "right elsewhere", "ScheduleGPipe", "bit for bit"],
     ),
     Mistake(
         "gpipe_interleaved",
