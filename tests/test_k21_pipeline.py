@@ -301,8 +301,21 @@ def _pipeline_rank(rank, world_size, kind, m, group_ranks=None):
         "grads": grads,
         "loss": run.loss,
         "peak": run.peak_activations,
-        "calls": [(c.name, dict(c.peers)) for c in calls],
+        "calls": _messages(calls),
     }
+
+
+def _messages(calls) -> list[tuple[str, dict, int]]:
+    """Each message a rank posted: (send, isend, recv or irecv; its peer; its bytes), the parts
+    of a batch_isend_irecv one by one."""
+    out = []
+    for call in calls:
+        if call.name == "batch_isend_irecv":
+            for kind, peer, _, size in call.parts:
+                out.append((kind, {"dst" if kind == "isend" else "src": peer}, size))
+        else:
+            out.append((call.name, dict(call.peers), call.bytes))
+    return out
 
 
 def _one_process(m: int):
@@ -420,6 +433,20 @@ def check_gradients(where, results, m):
         assert got["loss"] is None, f"{where}: stage {r} returned a loss: only the last one has it"
 
 
+# Why a tensor travels alone, where messages of its own (its shape first, say) would work too.
+ONE_MESSAGE = (
+    "This kata sends each tensor alone: every stage knows its shape already (tokens.shape + "
+    "(MODEL_DIM,): the micro-batches are alike), and every message more is one more wait on the "
+    "pipeline's critical path. Telling the peer a shape first is right elsewhere, where "
+    "micro-batches differ in shape (torch's PipelineStage agrees on the shapes once, at its "
+    "first step), but not here"
+)
+
+
+def _sizes(messages) -> list[int]:
+    return sorted({size for _, _, size in messages})
+
+
 def check_messages(where, results, m, members=None):
     p = len(results)
     members = members or list(range(p))
@@ -429,6 +456,13 @@ def check_messages(where, results, m, members=None):
         before = members[r - 1] if r > 0 else None
         after = members[r + 1] if r < p - 1 else None
         wanted_sends = m * ((before is not None) + (after is not None))
+        if len(sends) > wanted_sends or len(recvs) > wanted_sends:
+            raise AssertionError(
+                f"{where}: stage {r} sent {len(sends)} messages (of {_sizes(sends)} bytes) and "
+                f"received {len(recvs)} (of {_sizes(recvs)} bytes), expected {wanted_sends} of "
+                "each: one activation per micro-batch to the next stage and one gradient to the "
+                f"previous, and their recvs. {ONE_MESSAGE}"
+            )
         assert len(sends) == wanted_sends and len(recvs) == wanted_sends, (
             f"{where}: stage {r} made {len(sends)} send(s) and {len(recvs)} recv(s), expected "
             f"{wanted_sends} of each: per micro-batch one activation to the next stage and one "
