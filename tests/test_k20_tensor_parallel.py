@@ -914,10 +914,17 @@ def test_parallel_attention_matches_torchs_parallelize_module(kata):
 @pytest.mark.step(5)
 def test_program_splits_a_block_and_counts_its_all_reduces(kata):
     out = run_program_ok(KATA, "--world-size", "2").stdout
-    assert "mlp: each rank keeps up.weight (32, 16)" in out, out
-    assert "[rank 1] mlp: 1 all-reduce forward, 1 backward" in out, out
-    assert "[rank 0] attention: 1 all-reduce forward, 1 backward" in out, out
-    assert "every rank's output and input gradient equal the dense block's" in out, out
+    shown = f"`python -m katas.{KATA} --world-size 2`"
+    for line, why in (
+        ("mlp: each rank keeps up.weight (32, 16)", "half of up's 64 output features each"),
+        ("[rank 1] mlp: 1 all-reduce forward, 1 backward", "the MLP's one g and one f"),
+        ("[rank 0] attention: 1 all-reduce forward, 1 backward", "attention's one g and one f"),
+        (
+            "every rank's output and input gradient equal the dense block's",
+            "its verdict: the split layers equal the dense ones",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

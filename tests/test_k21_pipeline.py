@@ -630,13 +630,19 @@ def test_simulate_refuses_a_schedule_that_waits_for_ever(kata):
 
 @pytest.mark.step(4)
 def test_program_draws_the_schedule(kata):
-    out = run_program_ok(
-        KATA, "--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4"
-    ).stdout
-    assert "rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3" in out, out
-    assert "rank 1:  . F0 F1 F2 F3 B0 B1 B2 B3" in out, out
-    assert "rank 0 idle 0.200 of 10 ticks; (p-1)/(m+p-1) = 0.200" in out, out
-    assert "rank 0 held at most 4 micro-batches' activations at once" in out, out
+    args = ("--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4")
+    out = run_program_ok(KATA, *args).stdout
+    shown = f"`python -m katas.{KATA} {' '.join(args)}`"
+    for line, why in (
+        ("rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3", "the lesson's GPipe picture, rank 0"),
+        ("rank 1:  . F0 F1 F2 F3 B0 B1 B2 B3", "the lesson's GPipe picture, rank 1"),
+        ("rank 0 idle 0.200 of 10 ticks; (p-1)/(m+p-1) = 0.200", "the bubble, as the formula"),
+        (
+            "rank 0 held at most 4 micro-batches' activations at once",
+            "GPipe holds every micro-batch before the first backward",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA
