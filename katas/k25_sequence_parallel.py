@@ -260,8 +260,8 @@ def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | N
     # the group (None: the world; a missing gradient counts as zeros, so that every rank makes the
     # same call), in ONE collective call whatever their number; other parameters untouched; return
     # how many gradients were summed. The tests compare with the dense LayerNorm's gradients, give
-    # an unmarked parameter a gradient of its own, and record the calls, on 2 and 4 ranks and in
-    # subgroups.
+    # an unmarked parameter a gradient of its own, leave one rank of each group without any
+    # gradient, and record the calls, on 2 and 4 ranks and in subgroups.
     raise KataTodo("k25", 3, "SequenceParallelLayerNorm and its partial gradients")
 
 
