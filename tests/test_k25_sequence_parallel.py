@@ -456,6 +456,11 @@ class _NormAndOther(nn.Module):
         self.other = nn.Parameter(torch.zeros(5))
 
 
+def _norm_grads(norm) -> tuple:
+    """The LayerNorm's weight and bias gradients, copies (None where there is none)."""
+    return tuple(None if p.grad is None else p.grad.clone() for p in (norm.weight, norm.bias))
+
+
 def _norm(rank, world_size, groups):
     kata = load_kata(KATA)
     group, members, size, index, per = _place(rank, world_size, groups)
@@ -470,7 +475,7 @@ def _norm(rank, world_size, groups):
         with recording() as forward:
             y = norm(leaf)
         y.backward(upstream[:, mine])
-        local = (norm.weight.grad.clone(), norm.bias.grad.clone())
+        local = _norm_grads(norm)
         holder = _NormAndOther(norm)
         holder.other.grad = torch.full((5,), float(rank + 1))
         with recording() as synced:
@@ -489,7 +494,7 @@ def _norm(rank, world_size, groups):
         "x_grad": leaf.grad.clone(),
         "forward": _calls(forward, group),
         "local": local,
-        "synced": (norm.weight.grad.clone(), norm.bias.grad.clone()),
+        "synced": _norm_grads(norm),
         "expected": (dense.weight.grad.clone(), dense.bias.grad.clone()),
         "other": holder.other.grad.clone(),
         "count": count,
@@ -515,7 +520,8 @@ def test_layer_norm_normalizes_my_positions_without_communicating(kata, world):
         assert _close(got["output"], got["expected_output"]), (
             f"rank {rank}: SequenceParallelLayerNorm's output is not the dense LayerNorm's at "
             f"this rank's positions ({gap(got['output'], got['expected_output'])}) {where}: "
-            "normalize over the last dimension (normalized_shape) with the weight and bias"
+            "normalize over the last dimension (normalized_shape) with its weight and bias "
+            "(self.weight, self.bias)"
         )
 
 
@@ -528,9 +534,22 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
     for got in results:
         succeeded(got)
         rank, members, size = got["rank"], got["members"], got["size"]
+        for i, name in enumerate(("weight", "bias")):
+            if any(r["local"][i] is None for r in results):
+                raise AssertionError(
+                    f"rank {rank}: the LayerNorm's {name} got no gradient in backward {where}: "
+                    "SequenceParallelLayerNorm's forward did not use it (self.weight, self.bias: "
+                    "F.layer_norm(x, shape, self.weight, self.bias, eps) uses both)"
+                )
         local_sum = [sum(results[m]["local"][i] for m in members) for i in range(2)]
         for i, name in enumerate(("weight", "bias")):
             grad, expected = got["synced"][i], got["expected"][i]
+            if grad is None:
+                raise AssertionError(
+                    f"rank {rank}: after sync_sequence_parallel_grads the LayerNorm's {name} has "
+                    f"no gradient (.grad None) {where}: the sync leaves every marked parameter "
+                    "its gradient, summed over the group"
+                )
             if _close(grad, got["local"][i]) and size > 1:
                 raise AssertionError(
                     f"rank {rank}: after sync_sequence_parallel_grads the LayerNorm's {name} "

@@ -191,6 +191,12 @@ class NormGathersFirst(reference.SequenceParallelLayerNorm):
         return normed[:, start:end]
 
 
+class NormWithoutWeightAndBias(reference.SequenceParallelLayerNorm):
+    def forward(self, x):
+        # "a LayerNorm normalizes": its weight and bias forgotten, so they get no gradient
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+
 class NormByHand(reference.SequenceParallelLayerNorm):
     """Right: the LayerNorm written out (biased variance, as nn.LayerNorm's)."""
 
@@ -667,6 +673,12 @@ MISTAKES = [
         replaces="SequenceParallelLayerNorm",
         fails=[_NORM],
         says=["forward called ['all-gather']", "need nothing from any other rank"],
+    ),
+    Mistake(
+        "NormWithoutWeightAndBias",
+        replaces="SequenceParallelLayerNorm",
+        fails=[_NORM, _SYNC],
+        says=["LayerNorm", "(self.weight, self.bias"],
     ),
     Mistake(
         "sync_averages",
