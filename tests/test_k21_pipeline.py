@@ -285,6 +285,9 @@ def _micro_batches(m: int, seed: int = 1):
     return pipelines.micro_batches(m, PER_MICRO_BATCH, seed)
 
 
+_MISSING = object()  # an attribute a kata's result lacks
+
+
 def _pipeline_rank(rank, world_size, kind, m, group_ranks=None):
     kata = load_kata(KATA)
     placed = pipelines.stage_of(rank, world_size, group_ranks)
@@ -296,11 +299,17 @@ def _pipeline_rank(rank, world_size, kind, m, group_ranks=None):
     actions = EXPECTED[kind](p, m, me)  # the test's schedule: step 2 is tested on its own
     with recording() as calls:
         run = kata.run_schedule(stage, actions, _micro_batches(m), process_group=group)
+    loss, peak = (getattr(run, name, _MISSING) for name in ("loss", "peak_activations"))
+    if loss is _MISSING or peak is _MISSING:
+        raise AssertionError(
+            f"run_schedule returned {run!r}: return PipelineRun(loss, peak_activations), the last "
+            "stage's loss (None on the others) and the most micro-batches held at once"
+        )
     grads = {n: None if q.grad is None else q.grad.clone() for n, q in stage.named_parameters()}
     return {
         "grads": grads,
-        "loss": run.loss,
-        "peak": run.peak_activations,
+        "loss": loss,
+        "peak": peak,
         "calls": _messages(calls),
     }
 
@@ -571,8 +580,20 @@ def test_against_torch_pipelining(kata, kind, p, m):
 # --------------------------------------------------------------------------- step 4: simulate
 
 
-def _ticks_for(kata, schedules):
+def _simulated(kata, schedules):
+    """``kata.simulate(schedules)``, a Timeline (or what it returned, named)."""
     timeline = kata.simulate(schedules)
+    if any(getattr(timeline, name, _MISSING) is _MISSING for name in ("ticks", "length", "idle")):
+        raise AssertionError(
+            f"simulate(...) returned {timeline!r}: return Timeline(ticks, length, idle), the "
+            "start tick of each action per rank, the ticks until the last ends and each rank's "
+            "idle fraction"
+        )
+    return timeline
+
+
+def _ticks_for(kata, schedules):
+    timeline = _simulated(kata, schedules)
     return timeline, [list(t) for t in timeline.ticks]
 
 
@@ -607,7 +628,7 @@ def test_simulate_places_each_action_on_the_clock(kata, kind):
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_bubble_matches_the_formula(kata, kind):
     for p, m in [(1, 3), (2, 1), (2, 4), (3, 5), (4, 4), (4, 8)]:
-        timeline = kata.simulate([EXPECTED[kind](p, m, r) for r in range(p)])
+        timeline = _simulated(kata, [EXPECTED[kind](p, m, r) for r in range(p)])
         formula = (p - 1) / (m + p - 1)
         for r, idle in enumerate(timeline.idle):
             assert abs(idle - formula) < 1e-12, (

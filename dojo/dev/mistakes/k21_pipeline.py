@@ -277,6 +277,11 @@ def sends_the_shape_first(stage, actions, micro_batches, process_group=None):
     return _run(stage, actions, micro_batches, process_group, shape_first=True)
 
 
+def returns_a_tuple(stage, actions, micro_batches, process_group=None):
+    run = _run(stage, actions, micro_batches, process_group)
+    return run.loss, run.peak_activations  # "the loss and the peak": not the PipelineRun asked
+
+
 # Right answers written another way.
 
 
@@ -331,6 +336,11 @@ def idle_over_its_own_span(schedules):
 
 def forward_does_not_wait(schedules):
     return _simulate(schedules, forward_waits=False)
+
+
+def returns_a_dict(schedules):
+    timeline = _simulate(schedules)  # the right numbers, in a dict rather than a Timeline
+    return {"ticks": timeline.ticks, "length": timeline.length, "idle": timeline.idle}
 
 
 def waits_for_ever(schedules):
@@ -479,6 +489,18 @@ MISTAKES = [
         replaces="run_schedule",
         fails=[f"{_GRADS}[gpipe-p2-m4]"],
         says=["sent 8 messages", "This kata sends each tensor alone", "right elsewhere"],
+    ),
+    Mistake(
+        "returns_a_tuple",
+        replaces="run_schedule",
+        fails=[f"{_GRADS}[gpipe-p2-m4]"],
+        says=["run_schedule returned (", "return PipelineRun(loss, peak_activations)"],
+    ),
+    Mistake(
+        "returns_a_dict",
+        replaces="simulate",
+        fails=["test_simulate_places_each_action_on_the_clock"],
+        says=["simulate(...) returned {", "return Timeline(ticks, length, idle)"],
     ),
     Mistake(
         "idle_over_its_own_span",
