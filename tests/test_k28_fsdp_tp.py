@@ -81,6 +81,10 @@ def _tp_slice(tensor: torch.Tensor, name: str, tp_index: int, tp: int) -> torch.
 # --------------------------------------------------------------------------- step 1: the mesh
 
 
+# What a Mesh holds (the dataclass written for the learner): the tests read each.
+MESH_FIELDS = ("dp", "tp", "dp_index", "tp_index", "tp_group", "dp_group", "tp_ranks", "dp_ranks")
+
+
 def _meshes(rank, world_size):
     import torch.distributed as dist
 
@@ -88,6 +92,12 @@ def _meshes(rank, world_size):
     out = {}
     for dp, tp in MESHES:
         mesh = kata.make_mesh(dp, tp)
+        lacks = [name for name in MESH_FIELDS if not hasattr(mesh, name)]
+        if lacks:
+            raise AssertionError(
+                f"make_mesh({dp}, {tp}) returned {mesh!r}, which has no {', '.join(lacks)}: "
+                f"return the Mesh written for you, Mesh({', '.join(MESH_FIELDS)})"
+            )
         # Only all-reduce over the groups when every rank is in its own row and column: a rank
         # outside the group it was given would leave its peers waiting for ever.
         fits = (mesh.dp_index, mesh.tp_index) == divmod(rank, tp) and all(

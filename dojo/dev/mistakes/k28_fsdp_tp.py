@@ -56,6 +56,15 @@ def mesh_transposed(dp, tp):
     return _mesh(dp, tp, rank % dp, rank // dp, rows, columns)
 
 
+def mesh_as_two_groups(dp, tp):
+    """The right groups, returned as a pair rather than the Mesh written for the learner."""
+    _checked(dp, tp)
+    world, rows, columns = _grid(dp, tp)
+    dp_index, tp_index = divmod(dist.get_rank(), tp)
+    mesh = _mesh(dp, tp, dp_index, tp_index, rows, columns)
+    return mesh.tp_group, mesh.dp_group
+
+
 def mesh_groups_swapped(dp, tp):
     """The row's group kept as dp_group and the column's as tp_group."""
     _checked(dp, tp)
@@ -466,6 +475,12 @@ _ONE = "test_training_equals_one_process"
 _STATE = "test_full_state_equals_one_process"
 
 MISTAKES = [
+    Mistake(
+        "mesh_as_two_groups",
+        replaces="make_mesh",
+        fails=[f"{_MESH}[2-2]"],
+        says=["make_mesh(2, 2) returned (", "return the Mesh written for you"],
+    ),
     Mistake(
         "mesh_transposed",
         replaces="make_mesh",
