@@ -875,7 +875,9 @@ def _against_torch(rank, world_size, name):
         outputs.append(torch.as_tensor(y.detach()).clone())
         grads.append(
             {
-                n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                n: None
+                if p.grad is None
+                else (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                 for n, p in module.named_parameters()
             }
         )

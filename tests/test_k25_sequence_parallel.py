@@ -1137,7 +1137,7 @@ def _against_torch(rank, world_size):
         y = y.to_local() if hasattr(y, "to_local") else y
         y.backward(upstream)
         outputs.append(y.detach().clone())
-        x_grads.append(leaf.grad.clone())
+        x_grads.append(None if leaf.grad is None else leaf.grad.clone())
     kata.sync_sequence_parallel_grads(mine, None)
     for module in (mine, theirs):
         found = {}

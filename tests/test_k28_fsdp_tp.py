@@ -639,6 +639,11 @@ def _against_torch(rank, world_size):
     their_state = {n: p.full_tensor().detach().clone() for n, p in theirs.named_parameters()}
     with recording() as recorded:
         state = kata.full_state(model, mesh)
+    if not isinstance(state, dict):
+        raise AssertionError(
+            f"full_state returned {type(state).__name__}: return a dict, the dense model's "
+            "parameter names to their whole tensors"
+        )
     return {
         "state": {n: t.detach().clone() for n, t in state.items()},
         "alone": {n: p.detach().clone() for n, p in alone.named_parameters()},

@@ -426,6 +426,11 @@ def _dim_split(style, kind):
     return 1 if style == "row" else 0
 
 
+def state_as_a_list(model, mesh):
+    """The right tensors, in the model's order, without their names."""
+    return list(_state(model, mesh, _dim_split).values())
+
+
 def state_never_gathers_the_row(model, mesh):
     """Only the column gathered: each rank's TP slices returned as if they were whole."""
     return _state(model, mesh, lambda style, kind: None)
@@ -653,6 +658,12 @@ MISTAKES = [
             "wait in all_gather",
             "1, 3 returned",
         ],
+    ),
+    Mistake(
+        "state_as_a_list",
+        replaces="full_state",
+        fails=[_STATE],
+        says=["full_state returned list", "return a dict"],
     ),
     Mistake(
         "state_never_gathers_the_row",
