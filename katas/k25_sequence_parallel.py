@@ -260,8 +260,8 @@ def sync_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | N
     # the group (None: the world; a missing gradient counts as zeros, so that every rank makes the
     # same call), in ONE collective call whatever their number; other parameters untouched; return
     # how many gradients were summed. The tests compare with the dense LayerNorm's gradients, give
-    # an unmarked parameter a gradient of its own, and record the calls, on 2 and 4 ranks and in
-    # subgroups.
+    # an unmarked parameter a gradient of its own, leave one rank of each group without any
+    # gradient, and record the calls, on 2 and 4 ranks and in subgroups.
     raise KataTodo("k25", 3, "SequenceParallelLayerNorm and its partial gradients")
 
 
@@ -446,14 +446,26 @@ def saved_activation_bytes(run, module: nn.Module) -> tuple[object, int]:
     return result, sum(saved.values())
 
 
+def _bytes(value) -> int:
+    """The bytes of a tensor, or of a list of tensors together (``dist.all_gather``'s output)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(v) for v in value)
+    return 0
+
+
 def _counted(run) -> tuple[object, dict]:
-    """``run()``'s result and this rank's all-gathers, reduce-scatters and all-reduces meanwhile:
-    how many, and the bytes of the whole tensor each gathers or sums (an all-reduce of B bytes
-    costs what a reduce-scatter and an all-gather of B bytes cost: it is the two)."""
+    """``run()``'s result and this rank's all-gathers, reduce-scatters and all-reduces meanwhile,
+    into one tensor or into a list alike: how many, and the bytes of the whole tensor each
+    gathers or sums (an all-reduce of B bytes costs what a reduce-scatter and an all-gather of B
+    bytes cost: it is the two)."""
     counts: dict = {}
     names = {
+        "all_gather": "all-gather",
         "all_gather_single": "all-gather",
         "all_gather_into_tensor": "all-gather",
+        "reduce_scatter": "reduce-scatter",
         "reduce_scatter_single": "reduce-scatter",
         "reduce_scatter_tensor": "reduce-scatter",
         "all_reduce": "all-reduce",
@@ -463,8 +475,7 @@ def _counted(run) -> tuple[object, dict]:
     def wrap(name, original):
         def counted(*args, **kwargs):
             calls, size = counts.get(names[name], (0, 0))
-            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-            whole = max(t.numel() * t.element_size() for t in tensors)  # the gathered or summed
+            whole = max(_bytes(v) for v in (*args, *kwargs.values()))  # the gathered or summed
             counts[names[name]] = (calls + 1, size + whole)
             return original(*args, **kwargs)
 

@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -526,7 +527,8 @@ def full_state(model: FsdpTpTransformer, mesh: Mesh) -> dict[str, torch.Tensor]:
 
 
 def _counted_step(model, optimizer, tokens, targets, mesh) -> tuple[float, dict[str, list[str]]]:
-    """``train_step`` while every all-reduce, all-gather and reduce-scatter is noted by group."""
+    """``train_step`` while every all-reduce, all-gather and reduce-scatter (into one tensor or a
+    list alike) is noted by group, however the group was passed."""
     seen: dict[str, list[str]] = {"tp": [], "dp": [], "world": []}
     originals = {}
 
@@ -537,8 +539,10 @@ def _counted_step(model, optimizer, tokens, targets, mesh) -> tuple[float, dict[
 
     for name, short in (
         ("all_reduce", "all-reduce"),
+        ("all_gather", "all-gather"),
         ("all_gather_single", "all-gather"),
         ("all_gather_into_tensor", "all-gather"),
+        ("reduce_scatter", "reduce-scatter"),
         ("reduce_scatter_single", "reduce-scatter"),
         ("reduce_scatter_tensor", "reduce-scatter"),
     ):
@@ -548,7 +552,11 @@ def _counted_step(model, optimizer, tokens, targets, mesh) -> tuple[float, dict[
         originals[name] = original
 
         def counted(*args, _original=original, _short=short, **kwargs):
-            seen[which(kwargs.get("group"))].append(_short)
+            try:
+                group = inspect.signature(_original).bind_partial(*args, **kwargs).arguments
+            except TypeError:  # torch's own call says what is wrong with them
+                group = {}
+            seen[which(group.get("group"))].append(_short)
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)

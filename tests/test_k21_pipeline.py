@@ -192,6 +192,29 @@ def _known_mistakes(p, m, r):
     ]
 
 
+# Why the kata asks one order of GPipe's actions, where any order of the forwards, then any of
+# the backwards, would be GPipe.
+GPIPE_ORDER = (
+    "this kata runs both in micro-batch order, as torch's ScheduleGPipe does, so that a stage's "
+    "gradients add up in the order of one process looping over the micro-batches (the tests "
+    "compare them bit for bit) and simulate's clock draws the lesson's picture"
+)
+
+
+def _order(actions, kind: str) -> list[int]:
+    """The micro-batches of ``kind`` ("F" or "B") in the order the actions run them."""
+    return [i for k, i in actions if k == kind]
+
+
+def _in_flight(actions) -> int:
+    """The most micro-batches whose forward ran and backward had not yet, at once."""
+    held, most = 0, 0
+    for k, _ in actions:
+        held += 1 if k == "F" else -1
+        most = max(most, held)
+    return most
+
+
 def _call_schedule(kata, kind, p, m, r):
     call = f"{FUNCTIONS[kind]}(stages={p}, micro_batches={m}, rank={r})"
     got = getattr(kata, FUNCTIONS[kind])(p, m, r)
@@ -219,17 +242,27 @@ def test_schedules_as_data(kata, kind):
                     f"and one ('B', i), its forward first. Expected {expected}"
                 )
             if kind == "gpipe":
+                forwards_first = all(k == "F" for k, _ in got[:m])
                 raise AssertionError(
-                    f"{call} returned {got}, expected {expected}: GPipe runs every forward, then "
-                    "every backward, both in micro-batch order (as torch's ScheduleGPipe does)"
+                    f"{call} returned {got}, expected {expected}: "
+                    + (
+                        f"its forwards and backwards run in the orders {_order(got, 'F')} and "
+                        f"{_order(got, 'B')}. Every forward, then every backward, is GPipe in any "
+                        f"order, and right elsewhere; {GPIPE_ORDER}"
+                        if forwards_first
+                        else "GPipe runs every forward, then every backward; " + GPIPE_ORDER
+                    )
                 )
             for wrong, why in _known_mistakes(p, m, r):
                 if got == wrong:
                     raise AssertionError(f"{call} returned {got}, expected {expected}: {why}")
             raise AssertionError(
-                f"{call} returned {got}, expected {expected}: after the warm-up, alternate one "
-                "forward and one backward (the forward first) while forwards are left, then run "
-                "the backwards left (cool-down), in micro-batch order"
+                f"{call} returned {got}, expected {expected}: it holds up to {_in_flight(got)} "
+                f"micro-batches' activations at once on this rank (1F1B: min(p - r, m) = "
+                f"{min(p - r, m)}). After the warm-up of p - 1 - r "
+                "forwards, alternate one forward and one backward (the forward first) while "
+                "forwards are left, then run the backwards left (cool-down), in micro-batch "
+                "order: the order of torch's Schedule1F1B, whose activations the tests count"
             )
 
 
@@ -252,6 +285,9 @@ def _micro_batches(m: int, seed: int = 1):
     return pipelines.micro_batches(m, PER_MICRO_BATCH, seed)
 
 
+_MISSING = object()  # an attribute a kata's result lacks
+
+
 def _pipeline_rank(rank, world_size, kind, m, group_ranks=None):
     kata = load_kata(KATA)
     placed = pipelines.stage_of(rank, world_size, group_ranks)
@@ -263,13 +299,32 @@ def _pipeline_rank(rank, world_size, kind, m, group_ranks=None):
     actions = EXPECTED[kind](p, m, me)  # the test's schedule: step 2 is tested on its own
     with recording() as calls:
         run = kata.run_schedule(stage, actions, _micro_batches(m), process_group=group)
+    loss, peak = (getattr(run, name, _MISSING) for name in ("loss", "peak_activations"))
+    if loss is _MISSING or peak is _MISSING:
+        raise AssertionError(
+            f"run_schedule returned {run!r}: return PipelineRun(loss, peak_activations), the last "
+            "stage's loss (None on the others) and the most micro-batches held at once"
+        )
     grads = {n: None if q.grad is None else q.grad.clone() for n, q in stage.named_parameters()}
     return {
         "grads": grads,
-        "loss": run.loss,
-        "peak": run.peak_activations,
-        "calls": [(c.name, dict(c.peers)) for c in calls],
+        "loss": loss,
+        "peak": peak,
+        "calls": _messages(calls),
     }
+
+
+def _messages(calls) -> list[tuple[str, dict, int]]:
+    """Each message a rank posted: (send, isend, recv or irecv; its peer; its bytes), the parts
+    of a batch_isend_irecv one by one."""
+    out = []
+    for call in calls:
+        if call.name == "batch_isend_irecv":
+            for kind, peer, _, size in call.parts:
+                out.append((kind, {"dst" if kind == "isend" else "src": peer}, size))
+        else:
+            out.append((call.name, dict(call.peers), call.bytes))
+    return out
 
 
 def _one_process(m: int):
@@ -387,6 +442,20 @@ def check_gradients(where, results, m):
         assert got["loss"] is None, f"{where}: stage {r} returned a loss: only the last one has it"
 
 
+# Why a tensor travels alone, where messages of its own (its shape first, say) would work too.
+ONE_MESSAGE = (
+    "This kata sends each tensor alone: every stage knows its shape already (tokens.shape + "
+    "(MODEL_DIM,): the micro-batches are alike), and every message more is one more wait on the "
+    "pipeline's critical path. Telling the peer a shape first is right elsewhere, where "
+    "micro-batches differ in shape (torch's PipelineStage agrees on the shapes once, at its "
+    "first step), but not here"
+)
+
+
+def _sizes(messages) -> list[int]:
+    return sorted({size for _, _, size in messages})
+
+
 def check_messages(where, results, m, members=None):
     p = len(results)
     members = members or list(range(p))
@@ -396,6 +465,13 @@ def check_messages(where, results, m, members=None):
         before = members[r - 1] if r > 0 else None
         after = members[r + 1] if r < p - 1 else None
         wanted_sends = m * ((before is not None) + (after is not None))
+        if len(sends) > wanted_sends or len(recvs) > wanted_sends:
+            raise AssertionError(
+                f"{where}: stage {r} sent {len(sends)} messages (of {_sizes(sends)} bytes) and "
+                f"received {len(recvs)} (of {_sizes(recvs)} bytes), expected {wanted_sends} of "
+                "each: one activation per micro-batch to the next stage and one gradient to the "
+                f"previous, and their recvs. {ONE_MESSAGE}"
+            )
         assert len(sends) == wanted_sends and len(recvs) == wanted_sends, (
             f"{where}: stage {r} made {len(sends)} send(s) and {len(recvs)} recv(s), expected "
             f"{wanted_sends} of each: per micro-batch one activation to the next stage and one "
@@ -504,8 +580,20 @@ def test_against_torch_pipelining(kata, kind, p, m):
 # --------------------------------------------------------------------------- step 4: simulate
 
 
-def _ticks_for(kata, schedules):
+def _simulated(kata, schedules):
+    """``kata.simulate(schedules)``, a Timeline (or what it returned, named)."""
     timeline = kata.simulate(schedules)
+    if any(getattr(timeline, name, _MISSING) is _MISSING for name in ("ticks", "length", "idle")):
+        raise AssertionError(
+            f"simulate(...) returned {timeline!r}: return Timeline(ticks, length, idle), the "
+            "start tick of each action per rank, the ticks until the last ends and each rank's "
+            "idle fraction"
+        )
+    return timeline
+
+
+def _ticks_for(kata, schedules):
+    timeline = _simulated(kata, schedules)
     return timeline, [list(t) for t in timeline.ticks]
 
 
@@ -540,7 +628,7 @@ def test_simulate_places_each_action_on_the_clock(kata, kind):
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_bubble_matches_the_formula(kata, kind):
     for p, m in [(1, 3), (2, 1), (2, 4), (3, 5), (4, 4), (4, 8)]:
-        timeline = kata.simulate([EXPECTED[kind](p, m, r) for r in range(p)])
+        timeline = _simulated(kata, [EXPECTED[kind](p, m, r) for r in range(p)])
         formula = (p - 1) / (m + p - 1)
         for r, idle in enumerate(timeline.idle):
             assert abs(idle - formula) < 1e-12, (
@@ -563,13 +651,19 @@ def test_simulate_refuses_a_schedule_that_waits_for_ever(kata):
 
 @pytest.mark.step(4)
 def test_program_draws_the_schedule(kata):
-    out = run_program_ok(
-        KATA, "--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4"
-    ).stdout
-    assert "rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3" in out, out
-    assert "rank 1:  . F0 F1 F2 F3 B0 B1 B2 B3" in out, out
-    assert "rank 0 idle 0.200 of 10 ticks; (p-1)/(m+p-1) = 0.200" in out, out
-    assert "rank 0 held at most 4 micro-batches' activations at once" in out, out
+    args = ("--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4")
+    out = run_program_ok(KATA, *args).stdout
+    shown = f"`python -m katas.{KATA} {' '.join(args)}`"
+    for line, why in (
+        ("rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3", "the lesson's GPipe picture, rank 0"),
+        ("rank 1:  . F0 F1 F2 F3 B0 B1 B2 B3", "the lesson's GPipe picture, rank 1"),
+        ("rank 0 idle 0.200 of 10 ticks; (p-1)/(m+p-1) = 0.200", "the bubble, as the formula"),
+        (
+            "rank 0 held at most 4 micro-batches' activations at once",
+            "GPipe holds every micro-batch before the first backward",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -11,11 +11,11 @@ from torch import nn
 
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
-from dojo.harness.world import run_world
+from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import run_program_ok, shared_run, succeeded
+from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
 
@@ -456,6 +456,11 @@ class _NormAndOther(nn.Module):
         self.other = nn.Parameter(torch.zeros(5))
 
 
+def _norm_grads(norm) -> tuple:
+    """The LayerNorm's weight and bias gradients, copies (None where there is none)."""
+    return tuple(None if p.grad is None else p.grad.clone() for p in (norm.weight, norm.bias))
+
+
 def _norm(rank, world_size, groups):
     kata = load_kata(KATA)
     group, members, size, index, per = _place(rank, world_size, groups)
@@ -470,7 +475,7 @@ def _norm(rank, world_size, groups):
         with recording() as forward:
             y = norm(leaf)
         y.backward(upstream[:, mine])
-        local = (norm.weight.grad.clone(), norm.bias.grad.clone())
+        local = _norm_grads(norm)
         holder = _NormAndOther(norm)
         holder.other.grad = torch.full((5,), float(rank + 1))
         with recording() as synced:
@@ -489,7 +494,7 @@ def _norm(rank, world_size, groups):
         "x_grad": leaf.grad.clone(),
         "forward": _calls(forward, group),
         "local": local,
-        "synced": (norm.weight.grad.clone(), norm.bias.grad.clone()),
+        "synced": _norm_grads(norm),
         "expected": (dense.weight.grad.clone(), dense.bias.grad.clone()),
         "other": holder.other.grad.clone(),
         "count": count,
@@ -515,7 +520,8 @@ def test_layer_norm_normalizes_my_positions_without_communicating(kata, world):
         assert _close(got["output"], got["expected_output"]), (
             f"rank {rank}: SequenceParallelLayerNorm's output is not the dense LayerNorm's at "
             f"this rank's positions ({gap(got['output'], got['expected_output'])}) {where}: "
-            "normalize over the last dimension (normalized_shape) with the weight and bias"
+            "normalize over the last dimension (normalized_shape) with its weight and bias "
+            "(self.weight, self.bias)"
         )
 
 
@@ -528,9 +534,22 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
     for got in results:
         succeeded(got)
         rank, members, size = got["rank"], got["members"], got["size"]
+        for i, name in enumerate(("weight", "bias")):
+            if any(r["local"][i] is None for r in results):
+                raise AssertionError(
+                    f"rank {rank}: the LayerNorm's {name} got no gradient in backward {where}: "
+                    "SequenceParallelLayerNorm's forward did not use it (self.weight, self.bias: "
+                    "F.layer_norm(x, shape, self.weight, self.bias, eps) uses both)"
+                )
         local_sum = [sum(results[m]["local"][i] for m in members) for i in range(2)]
         for i, name in enumerate(("weight", "bias")):
             grad, expected = got["synced"][i], got["expected"][i]
+            if grad is None:
+                raise AssertionError(
+                    f"rank {rank}: after sync_sequence_parallel_grads the LayerNorm's {name} has "
+                    f"no gradient (.grad None) {where}: the sync leaves every marked parameter "
+                    "its gradient, summed over the group"
+                )
             if _close(grad, got["local"][i]) and size > 1:
                 raise AssertionError(
                     f"rank {rank}: after sync_sequence_parallel_grads the LayerNorm's {name} "
@@ -577,6 +596,107 @@ def test_sync_sums_the_partial_gradients_in_one_all_reduce(kata, world):
         assert got["count"] == 2, (
             f"rank {rank}: sync_sequence_parallel_grads returned {got['count']!r}, expected 2 "
             "(the LayerNorm's weight and bias: the gradients it summed)"
+        )
+
+
+def _without_gradients(members: list[int]) -> list[int]:
+    """The ranks a test leaves without gradients: the last of each group."""
+    return [members[-1]]
+
+
+def _norm_partly_unused(rank, world_size, groups):
+    """The LayerNorm's partial gradients where the group's last rank has none (its positions took
+    no part in this backward: .grad None), the sync, and what it left."""
+    kata = load_kata(KATA)
+    group, members, size, index, per = _place(rank, world_size, groups)
+    holder = _NormAndOther(kata.SequenceParallelLayerNorm(_dense_norm()))
+    holder.other.grad = torch.full((5,), float(rank + 1))
+    bare = rank in _without_gradients(members)
+    shares = {}  # every rank of the group's share (small integers: the sums are exact)
+    for member in members:
+        if member not in _without_gradients(members):
+            shares[member] = (torch.full((16,), float(member + 1)), torch.arange(16.0) * member)
+    if not bare:
+        holder.norm.weight.grad, holder.norm.bias.grad = (t.clone() for t in shares[rank])
+    try:
+        with recording() as synced:
+            kata.sync_sequence_parallel_grads(holder, group)
+    except KataTodo:
+        raise
+    except Exception as error:  # its peers wait in the sync: say it now, in the kata's words
+        raise AssertionError(
+            f"sync_sequence_parallel_grads raised {type(error).__name__}: {str(error)[:300]}"
+            + (
+                ", on a rank whose LayerNorm has no gradient (.grad None: its positions took no "
+                "part in this backward). A missing gradient counts as zeros "
+                "(torch.zeros_like(p)): this rank makes the same all-reduce as its peers"
+                if bare
+                else ""
+            )
+        ) from error
+    expected = [sum(share[i] for share in shares.values()) for i in range(2)]
+    grads = (holder.norm.weight.grad, holder.norm.bias.grad)
+    return {
+        "rank": rank,
+        "members": members,
+        "bare": bare,
+        "grads": [None if g is None else g.clone() for g in grads],
+        "expected": expected,
+        "other": holder.other.grad.clone(),
+        "calls": _calls(synced, group),
+    }
+
+
+@pytest.mark.step(3)
+@pytest.mark.parametrize("world", ["2", "4-rows"])
+def test_sync_makes_the_same_call_on_a_rank_without_gradients(kata, world):
+    where = _where(world)
+    world_size, groups = WORLDS[world]
+    bare = [m for members in groups or [list(range(world_size))] for m in members[-1:]]
+    try:
+        results = run_world(_norm_partly_unused, world_size, groups)
+    except WorldDeadlock as deadlock:
+        stuck = sorted(deadlock.stuck)
+        if set(stuck).isdisjoint(bare):
+            why = (
+                f"{ranks_phrase(bare)}, whose LayerNorm has no gradient (.grad None: its "
+                "positions took no part in this backward), returned without the all-reduce that "
+                f"{ranks_phrase(stuck)} waited in for ever. Every rank of the group must make "
+                "the same call, whatever it holds: count a missing gradient as zeros "
+                "(torch.zeros_like(p)) rather than leaving it out"
+            )
+        else:
+            why = (
+                f"the ranks waited for each other for ever ({ranks_phrase(bare)} holding no "
+                f"gradient, {ranks_phrase(stuck)} stuck)"
+            )
+        raise AssertionError(f"sync_sequence_parallel_grads {where}: {why}.\n{deadlock}") from None
+    for got in results:
+        rank, members = got["rank"], got["members"]
+        weight, bias = got["grads"]
+        if got["bare"] and (weight is None or bias is None):
+            raise AssertionError(
+                f"rank {rank}: after sync_sequence_parallel_grads {where} the LayerNorm's "
+                "gradient is still None on this rank, which had none: its LayerNorm is a replica "
+                "like every other rank's, so it needs the group's sum too (or it drifts apart "
+                f"from {ranks_phrase([m for m in members if m != rank])}'s). Give it the summed "
+                "buffer, as the others"
+            )
+        for name, grad, expected in zip(("weight", "bias"), (weight, bias), got["expected"]):
+            assert grad is not None and torch.equal(grad, expected), (
+                f"rank {rank}: after sync_sequence_parallel_grads the LayerNorm's {name} "
+                f"gradient is not the group's sum ({gap(grad, expected)}) {where}, where "
+                f"{ranks_phrase(bare)} had no gradient: expected the sum of the others' shares "
+                "(a missing gradient counts as zeros)"
+            )
+        assert torch.equal(got["other"], torch.full((5,), float(rank + 1))), (
+            f"rank {rank}: sync_sequence_parallel_grads changed the gradient of a parameter not "
+            f"marked sequence_parallel {where}: sum only p.sequence_parallel ones"
+        )
+        assert [c[0] for c in got["calls"]] == ["all-reduce"], (
+            f"rank {rank}: sync_sequence_parallel_grads called {_kinds(got['calls'])} {where}, "
+            f"where {ranks_phrase(bare)} had no gradient: one all-reduce on every rank, whatever "
+            "it holds"
         )
 
 
@@ -1017,7 +1137,7 @@ def _against_torch(rank, world_size):
         y = y.to_local() if hasattr(y, "to_local") else y
         y.backward(upstream)
         outputs.append(y.detach().clone())
-        x_grads.append(leaf.grad.clone())
+        x_grads.append(None if leaf.grad is None else leaf.grad.clone())
     kata.sync_sequence_parallel_grads(mine, None)
     for module in (mine, theirs):
         found = {}
@@ -1150,10 +1270,28 @@ def test_activation_bytes_is_what_autograd_saved(kata, ranks):
 @pytest.mark.step(6)
 def test_program_splits_a_block_along_the_sequence(kata):
     out = run_program_ok(KATA, "--world-size", "2").stdout
-    assert "[rank 1] positions 4..7; forward: all-gather 2" in out, out
-    assert "reduce-scatter 2" in out, out
-    assert "then all-reduce 1" in out, out
-    assert "every rank's positions and gradients equal the dense block's" in out, out
+    shown = f"`python -m katas.{KATA} --world-size 2`"
+    for line, why in (
+        (
+            "[rank 1] positions 4..7; forward: all-gather 2",
+            "rank 1 holds positions 4..7 of 8 and gathers twice forward (before the attention's "
+            "q, k and v, and before the MLP's up)",
+        ),
+        (
+            "reduce-scatter 2",
+            "two reduce-scatters forward (after the attention's out and after the MLP's down)",
+        ),
+        (
+            "then all-reduce 1",
+            "the partial gradients (the LayerNorms', the row-parallel biases') summed in ONE "
+            "all-reduce after backward",
+        ),
+        (
+            "every rank's positions and gradients equal the dense block's",
+            "its verdict: the split block equals the dense one",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

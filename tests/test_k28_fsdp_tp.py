@@ -81,6 +81,10 @@ def _tp_slice(tensor: torch.Tensor, name: str, tp_index: int, tp: int) -> torch.
 # --------------------------------------------------------------------------- step 1: the mesh
 
 
+# What a Mesh holds (the dataclass written for the learner): the tests read each.
+MESH_FIELDS = ("dp", "tp", "dp_index", "tp_index", "tp_group", "dp_group", "tp_ranks", "dp_ranks")
+
+
 def _meshes(rank, world_size):
     import torch.distributed as dist
 
@@ -88,6 +92,12 @@ def _meshes(rank, world_size):
     out = {}
     for dp, tp in MESHES:
         mesh = kata.make_mesh(dp, tp)
+        lacks = [name for name in MESH_FIELDS if not hasattr(mesh, name)]
+        if lacks:
+            raise AssertionError(
+                f"make_mesh({dp}, {tp}) returned {mesh!r}, which has no {', '.join(lacks)}: "
+                f"return the Mesh written for you, Mesh({', '.join(MESH_FIELDS)})"
+            )
         # Only all-reduce over the groups when every rank is in its own row and column: a rank
         # outside the group it was given would leave its peers waiting for ever.
         fits = (mesh.dp_index, mesh.tp_index) == divmod(rank, tp) and all(
@@ -624,12 +634,20 @@ def _against_torch(rank, world_size):
         transformer_loss(alone(tokens), targets).backward()
         alone_optimizer.step()
         alone_optimizer.zero_grad()
+    # torch's whole state first: a call of full_state's that its peers never make then leaves
+    # them waiting in full_state alone, where the report shows them, not in torch's gathers
+    their_state = {n: p.full_tensor().detach().clone() for n, p in theirs.named_parameters()}
     with recording() as recorded:
         state = kata.full_state(model, mesh)
+    if not isinstance(state, dict):
+        raise AssertionError(
+            f"full_state returned {type(state).__name__}: return a dict, the dense model's "
+            "parameter names to their whole tensors"
+        )
     return {
         "state": {n: t.detach().clone() for n, t in state.items()},
         "alone": {n: p.detach().clone() for n, p in alone.named_parameters()},
-        "theirs": {n: p.full_tensor().detach().clone() for n, p in theirs.named_parameters()},
+        "theirs": their_state,
         "losses": losses,
         "calls": _calls(recorded, mesh),
     }
@@ -681,10 +699,21 @@ def test_against_torchs_fully_shard_and_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_trains_like_one_process(kata):
-    out = run_program_ok(KATA, "--dp", "2", "--tp", "2", "--steps", "2").stdout
-    assert "[rank 3] dp 1, tp 1" in out, out
-    assert "tp: all-reduce 8; dp: all-gather 4, reduce-scatter 4; world: nothing" in out, out
-    assert "every rank's whole model equals one process's" in out, out
+    args = ("--dp", "2", "--tp", "2", "--steps", "2")
+    out = run_program_ok(KATA, *args).stdout
+    shown = f"`python -m katas.{KATA} {' '.join(args)}`"
+    for line, why in (
+        ("[rank 3] dp 1, tp 1", "rank 3 = dp_index 1 * tp 2 + tp_index 1"),
+        (
+            "tp: all-reduce 8; dp: all-gather 4, reduce-scatter 4; world: nothing",
+            "one step's collectives, each on its own group",
+        ),
+        (
+            "every rank's whole model equals one process's",
+            "its verdict: the trained model equals one process's",
+        ),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

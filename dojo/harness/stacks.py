@@ -51,6 +51,14 @@ class Frame:
         return f"{os.sep}torch{os.sep}" in self.file
 
     @property
+    def in_torch_distributed(self) -> bool:
+        """In torch.distributed's own code (its futures too: an async handle's result)."""
+        folder = os.sep + "torch" + os.sep
+        return (
+            folder + "distributed" + os.sep in self.file or folder + "futures" + os.sep in self.file
+        )
+
+    @property
     def is_learners(self) -> bool:
         """In a kata (the learner's, the reference, or a catalogue's stand-in for it)."""
         return any(f"{os.sep}{folder}{os.sep}" in self.file for folder in _KATA_CODE)
@@ -87,7 +95,10 @@ def main_thread_frames(dump: str) -> list[Frame] | None:
             if frame.file.startswith("<") or any(part in frame.file for part in _HIDDEN):
                 continue
             if shown and shown[-1].in_torch and frame.in_torch:
-                shown[-1] = frame  # keep only the innermost torch frame of a run
+                # keep only the innermost torch frame of a run: the torch.distributed call, not
+                # the op dispatch beneath it (a functional collective's wait, a DTensor's)
+                if frame.in_torch_distributed or not shown[-1].in_torch_distributed:
+                    shown[-1] = frame
                 continue
             shown.append(frame)
         return shown
@@ -127,8 +138,8 @@ def _own_frame(frames: list[Frame] | None) -> Frame | None:
 _POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
 
 
-def innermost(dump: str) -> Frame | None:
-    """The frame the rank's main thread is executing, harness and library frames included."""
+def _all_frames(dump: str) -> list[Frame]:
+    """The rank's main-thread frames, innermost first, harness and library frames included."""
     for block in _THREAD.split(dump)[1:]:
         frames = [
             Frame(m["file"], int(m["line"]), m["func"])
@@ -139,20 +150,33 @@ def innermost(dump: str) -> Frame | None:
             f.function == "main" and f.file.endswith(os.path.join("dojo", "harness", "rank.py"))
             for f in frames
         ):
-            return frames[0] if frames else None
-    return None
+            return frames
+    return []
+
+
+def innermost(dump: str) -> Frame | None:
+    """The frame the rank's main thread is executing, harness and library frames included."""
+    frames = _all_frames(dump)
+    return frames[0] if frames else None
 
 
 def waits_in_torch_distributed(dump: str) -> bool:
     """Whether the rank's main thread is blocked in a torch.distributed call: in its Python
-    code (``dist.all_reduce``, ``dist.recv``, a barrier) or in the C++ ``wait()`` of an
-    asynchronous operation's handle (``work.wait()``, whose innermost Python frame is the line
-    that called it). A rank that sleeps, computes, imports or waits for a process is not."""
-    frame = innermost(dump)
-    if frame is None:
+    code (``dist.all_reduce``, ``dist.recv``, a barrier), in torch's op dispatch beneath it (a
+    functional collective's wait: DTensor's ``full_tensor``, ``redistribute``, a comparison
+    world's torch side) or in the C++ ``wait()`` of an asynchronous operation's handle
+    (``work.wait()``, whose innermost Python frame is the line that called it). A rank that
+    sleeps, computes, imports or waits for a process is not."""
+    frames = _all_frames(dump)
+    if not frames:
         return False
-    folder = os.sep + "torch" + os.sep
-    if folder + "distributed" + os.sep in frame.file or folder + "futures" + os.sep in frame.file:
+    frame = frames[0]
+    torch_run = []  # the innermost frames that are torch's: the call the rank is inside
+    for outer in frames:
+        if not outer.in_torch:
+            break
+        torch_run.append(outer)
+    if any(f.in_torch_distributed for f in torch_run):
         return True
     if any(frame.file.endswith(os.path.join("dojo", "harness", n)) for n in _RECORDERS):
         return True  # inside the recorder's wrapper of a torch.distributed call or a wait()

@@ -312,6 +312,31 @@ def test_stall_ends_a_deadlock_seconds_after_the_ranks_stop(stall, fn):
     assert "made no progress for" in str(caught.value), str(caught.value)
 
 
+def _gather_a_dtensor_that_no_peer_gathers(rank, world_size):
+    """Rank 0 waits in DTensor's full_tensor (a functional collective, beneath torch's op
+    dispatch: a comparison world's torch side), rank 1 in a recv that nothing sends."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    if rank == 0:
+        DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).full_tensor()
+    else:
+        dist.recv(torch.zeros(1), src=0)
+
+
+def test_stall_ends_a_deadlock_inside_torch_s_own_collectives():
+    """A rank idle in a functional collective's wait (DTensor, FSDP2, a spec's comparison with
+    torch) waits inside torch.distributed too: reported in seconds, not at the deadline."""
+    _warm()
+    start = time.monotonic()
+    with pytest.raises(WorldDeadlock) as caught:
+        run_world(_gather_a_dtensor_that_no_peer_gathers, 2, deadline=120)
+    assert time.monotonic() - start < 60, f"it waited for its deadline: {caught.value}"
+    assert "made no progress for" in str(caught.value), str(caught.value)
+    assert "rank 0 waits in wait_tensor" in str(caught.value), str(caught.value)
+
+
 def _receive_in_own_group(rank, world_size, path):
     """A world that makes its own group (as katas 01-03 do), then waits in it for ever."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"

@@ -111,3 +111,42 @@ def test_ranks_outside_torch_distributed_get_no_advice():
     said = stacks.advice({0: _waiting_in("sleep"), 1: _waiting_in("sleep")})
     assert said.startswith("No rank waits inside a torch.distributed call"), said
     assert "collective" not in said and "recv" not in said, said
+
+
+def test_a_rank_inside_a_functional_collective_waits_in_torch_distributed():
+    """DTensor's full_tensor (a comparison world's torch side) waits beneath torch's op dispatch:
+    its innermost frame is torch/_ops.py, inside a torch.distributed call all the same."""
+    torch = os.path.join("site-packages", "torch")
+    dump = _dump(
+        (os.path.join(os.sep, "venv", torch, "_ops.py"), 926, "redispatch"),
+        (os.path.join(os.sep, "venv", torch, "_library", "autograd.py"), 43, "redispatch_no_grad"),
+        (os.path.join(os.sep, "venv", torch, "_ops.py"), 1350, "__call__"),
+        (
+            os.path.join(os.sep, "venv", torch, "distributed", "_functional_collectives.py"),
+            142,
+            "wait_tensor",
+        ),
+        (
+            os.path.join(os.sep, "venv", torch, "distributed", "tensor", "_api.py"),
+            856,
+            "full_tensor",
+        ),
+        (KATA, 90, "average_gradients"),
+        (os.path.join(HARNESS, "rank.py"), 200, "main"),
+    )
+    assert stacks.waits_in_torch_distributed(dump), "inside DTensor's full_tensor, waiting"
+    assert stacks.calls({0: dump}) == {"wait_tensor"}, (
+        f"the call shown is {stacks.calls({0: dump})}: the torch.distributed one, not the op "
+        "dispatch beneath it"
+    )
+
+
+def test_a_rank_computing_inside_torch_ops_does_not_wait_in_torch_distributed():
+    torch = os.path.join("site-packages", "torch")
+    dump = _dump(
+        (os.path.join(os.sep, "venv", torch, "_ops.py"), 926, "redispatch"),
+        (os.path.join(os.sep, "venv", torch, "nn", "functional.py"), 100, "linear"),
+        (KATA, 90, "average_gradients"),
+        (os.path.join(HARNESS, "rank.py"), 200, "main"),
+    )
+    assert not stacks.waits_in_torch_distributed(dump), "a torch op outside torch.distributed"

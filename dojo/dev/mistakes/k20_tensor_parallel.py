@@ -272,6 +272,22 @@ class RowBiasOnRankZero(_Row):
         return reduce_from_parallel_region(partial, self.process_group)
 
 
+class RowBiasLivesOnRankZero(_Row):
+    """A tensor-parallel repository's layer: the bias kept on the group's rank 0 only and added
+    there before the sum. The output is right (the sum counts it once), and the design is right
+    elsewhere, but this kata keeps the whole bias on every rank, as Megatron-LM does."""
+
+    def _shard(self, linear):
+        start, end = shard_range(linear.in_features, self.process_group, "RowParallelLinear")
+        keeps = dist.get_rank(self.process_group) == 0 and linear.bias is not None
+        with torch.no_grad():
+            return linear.weight[:, start:end].clone(), linear.bias.clone() if keeps else None
+
+    def forward(self, x):
+        partial = F.linear(x, self.weight, self.bias)  # the bias only where it lives
+        return reduce_from_parallel_region(partial, self.process_group)
+
+
 class RowWithoutG(_Row):
     def forward(self, x):
         return F.linear(x, self.weight) + self.bias  # the partial product taken for the output
@@ -534,6 +550,12 @@ MISTAKES = [
         replaces="RowParallelLinear",
         fails=[f"{_ROW}[2]", f"{_ROW}[4-rows]"],
         says=["bias", "add the bias on every rank, after the all-reduce"],
+    ),
+    Mistake(
+        "RowBiasLivesOnRankZero",
+        replaces="RowParallelLinear",
+        fails=[f"{_ROW_SHARD}[2]", f"{_ROW_SHARD}[4-rows]"],
+        says=["rank 1", "has no bias", "keep", "Megatron-LM", "right elsewhere"],
     ),
     Mistake(
         "RowWithoutG",

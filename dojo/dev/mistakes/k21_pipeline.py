@@ -121,6 +121,14 @@ def backward_first_in_the_steady_state(stages, micro_batches, rank):
     return _one_f_one_b(stages, micro_batches, rank, stages - 1 - rank, backward_first=True)
 
 
+def gpipe_backwards_last_first(stages, micro_batches, rank):
+    """A course's GPipe: every forward, then the backwards last micro-batch first. GPipe too,
+    and right elsewhere, but not the order this kata (and torch's ScheduleGPipe) runs."""
+    _check(stages, micro_batches, rank)
+    forwards = [("F", i) for i in range(micro_batches)]
+    return forwards + [("B", i) for i in reversed(range(micro_batches))]
+
+
 def gpipe_interleaved(stages, micro_batches, rank):
     # "forward then backward, micro-batch by micro-batch": no pipelining at all
     _check(stages, micro_batches, rank)
@@ -161,6 +169,8 @@ def _run(
     free=True,
     global_peers=True,
     receive_async=False,
+    shape_first=False,
+    batched=False,
 ):
     rank = dist.get_rank(process_group)
     size = dist.get_world_size(process_group)
@@ -175,14 +185,28 @@ def _run(
     held, sends, peak, total = {}, [], 0, None
 
     def send(tensor, dst):
+        if shape_first:  # the peer is told the shape before the tensor
+            shape = torch.tensor(tensor.shape, dtype=torch.int64)
+            sends.append(dist.isend(shape, dst=dst, group=process_group))
         if blocking:
             dist.send(tensor, dst=dst, group=process_group)
+        elif batched:
+            op = dist.P2POp(dist.isend, tensor, dst, process_group)
+            sends.extend(dist.batch_isend_irecv([op]))
         else:
             sends.append(dist.isend(tensor, dst=dst, group=process_group))
 
     def recv(tensor, src):
+        if shape_first:
+            shape = torch.empty(tensor.dim(), dtype=torch.int64)
+            dist.recv(shape, src=src, group=process_group)
+            assert tuple(shape.tolist()) == tuple(tensor.shape)
         if receive_async:
             dist.irecv(tensor, src=src, group=process_group).wait()
+        elif batched:
+            op = dist.P2POp(dist.irecv, tensor, src, process_group)
+            for work in dist.batch_isend_irecv([op]):
+                work.wait()
         else:
             dist.recv(tensor, src=src, group=process_group)
 
@@ -246,12 +270,29 @@ def peers_as_group_ranks(stage, actions, micro_batches, process_group=None):
     return _run(stage, actions, micro_batches, process_group, global_peers=False)
 
 
-# Right answer written another way.
+def sends_the_shape_first(stage, actions, micro_batches, process_group=None):
+    """A course's pipeline: every tensor preceded by a message with its shape. Right elsewhere
+    (micro-batches of different shapes), but a message more per tensor, which this kata's
+    stages, all knowing the shape, do without."""
+    return _run(stage, actions, micro_batches, process_group, shape_first=True)
+
+
+def returns_a_tuple(stage, actions, micro_batches, process_group=None):
+    run = _run(stage, actions, micro_batches, process_group)
+    return run.loss, run.peak_activations  # "the loss and the peak": not the PipelineRun asked
+
+
+# Right answers written another way.
 
 
 def receives_with_irecv(stage, actions, micro_batches, process_group=None):
     """irecv and wait at once: a blocking receive written with the asynchronous call."""
     return _run(stage, actions, micro_batches, process_group, receive_async=True)
+
+
+def messages_through_batch_isend_irecv(stage, actions, micro_batches, process_group=None):
+    """Every send and recv posted through dist.batch_isend_irecv (as torch's schedules do)."""
+    return _run(stage, actions, micro_batches, process_group, batched=True)
 
 
 # --------------------------------------------------------------------------- simulate
@@ -295,6 +336,11 @@ def idle_over_its_own_span(schedules):
 
 def forward_does_not_wait(schedules):
     return _simulate(schedules, forward_waits=False)
+
+
+def returns_a_dict(schedules):
+    timeline = _simulate(schedules)  # the right numbers, in a dict rather than a Timeline
+    return {"ticks": timeline.ticks, "length": timeline.length, "idle": timeline.idle}
 
 
 def waits_for_ever(schedules):
@@ -388,6 +434,12 @@ MISTAKES = [
         says=["alternate one forward and one backward (the forward first"],
     ),
     Mistake(
+        "gpipe_backwards_last_first",
+        replaces="gpipe_actions",
+        fails=[f"{_SCHEDULES}[gpipe]"],
+        says=["orders [0, 1, 2] and [2, 1, 0]", "right elsewhere", "ScheduleGPipe", "bit for bit"],
+    ),
+    Mistake(
         "gpipe_interleaved",
         replaces="gpipe_actions",
         fails=[f"{_SCHEDULES}[gpipe]"],
@@ -433,6 +485,24 @@ MISTAKES = [
         says=["global ranks of the group"],
     ),
     Mistake(
+        "sends_the_shape_first",
+        replaces="run_schedule",
+        fails=[f"{_GRADS}[gpipe-p2-m4]"],
+        says=["sent 8 messages", "This kata sends each tensor alone", "right elsewhere"],
+    ),
+    Mistake(
+        "returns_a_tuple",
+        replaces="run_schedule",
+        fails=[f"{_GRADS}[gpipe-p2-m4]"],
+        says=["run_schedule returned (", "return PipelineRun(loss, peak_activations)"],
+    ),
+    Mistake(
+        "returns_a_dict",
+        replaces="simulate",
+        fails=["test_simulate_places_each_action_on_the_clock"],
+        says=["simulate(...) returned {", "return Timeline(ticks, length, idle)"],
+    ),
+    Mistake(
         "idle_over_its_own_span",
         replaces="simulate",
         fails=["test_bubble_matches_the_formula"],
@@ -456,5 +526,6 @@ RIGHT_ANSWERS = [
     RightAnswer("split_with_tensor_split", replaces="split_stages"),
     RightAnswer("one_f_one_b_by_counting", replaces="one_f_one_b_actions"),
     RightAnswer("receives_with_irecv", replaces="run_schedule"),
+    RightAnswer("messages_through_batch_isend_irecv", replaces="run_schedule"),
     RightAnswer("tick_by_tick", replaces="simulate"),
 ]

@@ -112,6 +112,16 @@ def scatter_through_movedim(x, group=None):
     return mine.movedim(0, 1).contiguous()
 
 
+def scatter_from_a_list(x, group=None):
+    """Right: dist.reduce_scatter from a list of every rank's positions."""
+    size = dist.get_world_size(group)
+    sequence_range(x.shape[1], group)  # the check, before any collective
+    pieces = [piece.contiguous() for piece in x.chunk(size, dim=1)]
+    mine = torch.empty_like(pieces[0])
+    dist.reduce_scatter(mine, pieces, group=group)
+    return mine
+
+
 # --------------------------------------------------------------------------- step 2
 
 _Gather = reference.GatherFromSequenceParallelRegion
@@ -181,6 +191,12 @@ class NormGathersFirst(reference.SequenceParallelLayerNorm):
         return normed[:, start:end]
 
 
+class NormWithoutWeightAndBias(reference.SequenceParallelLayerNorm):
+    def forward(self, x):
+        # "a LayerNorm normalizes": its weight and bias forgotten, so they get no gradient
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+
 class NormByHand(reference.SequenceParallelLayerNorm):
     """Right: the LayerNorm written out (biased variance, as nn.LayerNorm's)."""
 
@@ -224,14 +240,23 @@ def sync_every_parameter(module, group=None):
     return len(grads)
 
 
+def _zero_filled(params):
+    """Their gradients, a missing one made zeros (every rank then makes the same call)."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    return [param.grad for param in params]
+
+
 def sync_only_layer_norms(module, group=None):
-    grads = [
-        p.grad
-        for m in module.modules()
-        if isinstance(m, reference.SequenceParallelLayerNorm)
-        for p in m.parameters()
-        if p.grad is not None
-    ]  # "the LayerNorms are the sequence-parallel part": the row-parallel biases forgotten
+    grads = _zero_filled(
+        [
+            p
+            for m in module.modules()
+            if isinstance(m, reference.SequenceParallelLayerNorm)
+            for p in m.parameters()
+        ]
+    )  # "the LayerNorms are the sequence-parallel part": the row-parallel biases forgotten
     if not grads:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -261,11 +286,49 @@ def sync_on_the_world(module, group=None):
     return len(grads)
 
 
+def sync_returns_early_without_gradients(module, group=None):
+    """Real code: the gradients a rank has, and nothing to do where it has none."""
+    grads = _marked(module)
+    if not grads:
+        return 0  # "nothing to sum here": but the peers wait in their all-reduce for this rank
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return len(grads)
+
+
+def sync_skips_missing_gradients(module, group=None):
+    grads = _marked(module)  # where a rank has none: torch.cat of nothing
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return len(grads)
+
+
+def sync_zeros_kept_to_itself(module, group=None):
+    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # the same call everywhere: right
+    offset = 0
+    for param, grad in zip(params, grads):
+        if param.grad is not None:  # but the rank without a gradient never gets the sum
+            param.grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return len(grads)
+
+
 def sync_with_flatten_utils(module, group=None):
     """Right: torch's own flatten and unflatten helpers (what DDP's buckets use)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = _marked(module)
+    grads = _zero_filled([p for p in module.parameters() if getattr(p, "sequence_parallel", False)])
     if not grads:
         return 0
     flat = _flatten_dense_tensors(grads)
@@ -519,6 +582,7 @@ _GATHER_REGION = "test_gather_region_all_gathers_forward_and_reduce_scatters_bac
 _SCATTER_REGION = "test_reduce_scatter_region_reduce_scatters_forward_and_all_gathers_backward"
 _NORM = "test_layer_norm_normalizes_my_positions_without_communicating"
 _SYNC = "test_sync_sums_the_partial_gradients_in_one_all_reduce"
+_SYNC_BARE = "test_sync_makes_the_same_call_on_a_rank_without_gradients"
 _COLUMN = "test_column_parallel_gathers_once_and_keeps_only_my_positions"
 _SEVERAL = "test_all_gather_linear_serves_several_layers_with_one_gather"
 _ROW = "test_row_parallel_reduce_scatters_and_adds_the_bias_once"
@@ -611,6 +675,12 @@ MISTAKES = [
         says=["forward called ['all-gather']", "need nothing from any other rank"],
     ),
     Mistake(
+        "NormWithoutWeightAndBias",
+        replaces="SequenceParallelLayerNorm",
+        fails=[_NORM, _SYNC],
+        says=["LayerNorm", "(self.weight, self.bias"],
+    ),
+    Mistake(
         "sync_averages",
         replaces="sync_sequence_parallel_grads",
         fails=[_SYNC],
@@ -633,6 +703,28 @@ MISTAKES = [
         replaces="sync_sequence_parallel_grads",
         fails=[_ROW],
         says=["its gradient is a partial sum like a LayerNorm's", "every marked parameter"],
+    ),
+    Mistake(
+        "sync_returns_early_without_gradients",
+        replaces="sync_sequence_parallel_grads",
+        fails=[_SYNC_BARE],
+        says=[
+            "has no gradient",
+            "returned without the all-reduce",
+            "count a missing gradient as zeros",
+        ],
+    ),
+    Mistake(
+        "sync_skips_missing_gradients",
+        replaces="sync_sequence_parallel_grads",
+        fails=[f"{_SYNC_BARE}[2]"],
+        says=["raised", "on a rank whose LayerNorm has no gradient", "counts as zeros"],
+    ),
+    Mistake(
+        "sync_zeros_kept_to_itself",
+        replaces="sync_sequence_parallel_grads",
+        fails=[_SYNC_BARE],
+        says=["still None on this rank, which had none", "needs the group's sum too"],
     ),
     Mistake(
         "sync_forgets_to_copy_back",
@@ -740,7 +832,9 @@ MISTAKES = [
 
 RIGHT_ANSWERS = [
     RightAnswer("sequence_range_with_chunks", replaces="sequence_range"),
-    RightAnswer("gather_with_a_list", replaces="all_gather_sequence", steps=(1, 2)),
+    # into a list and from one: every step that gathers or scatters, the program's counts too
+    RightAnswer("gather_with_a_list", replaces="all_gather_sequence", steps=(1, 2, 4, 5, 6)),
+    RightAnswer("scatter_from_a_list", replaces="reduce_scatter_sequence", steps=(1, 2, 4, 5, 6)),
     RightAnswer("scatter_through_movedim", replaces="reduce_scatter_sequence", steps=(1, 2)),
     RightAnswer("NormByHand", replaces="SequenceParallelLayerNorm"),
     RightAnswer("sync_with_flatten_utils", replaces="sync_sequence_parallel_grads", steps=(3, 4)),

@@ -56,6 +56,15 @@ def mesh_transposed(dp, tp):
     return _mesh(dp, tp, rank % dp, rank // dp, rows, columns)
 
 
+def mesh_as_two_groups(dp, tp):
+    """The right groups, returned as a pair rather than the Mesh written for the learner."""
+    _checked(dp, tp)
+    world, rows, columns = _grid(dp, tp)
+    dp_index, tp_index = divmod(dist.get_rank(), tp)
+    mesh = _mesh(dp, tp, dp_index, tp_index, rows, columns)
+    return mesh.tp_group, mesh.dp_group
+
+
 def mesh_groups_swapped(dp, tp):
     """The row's group kept as dp_group and the column's as tp_group."""
     _checked(dp, tp)
@@ -360,7 +369,7 @@ def step_with_chunk(model, optimizer, tokens, targets, mesh):
 # --------------------------------------------------------------------------- step 5: the whole state
 
 
-def _state(model, mesh, dim_of):
+def _state(model, mesh, dim_of, gathers_row=True):
     units = [("embedding.", model.embedding)]
     units += [(f"blocks.{i}.", unit) for i, unit in enumerate(model.blocks)]
     units += [("", model.head)]
@@ -375,7 +384,7 @@ def _state(model, mesh, dim_of):
                 if unit is model.head:
                     name = name.replace("0.", "norm.", 1).replace("1.", "output.", 1)
                 dim = dim_of(style, kind)
-                if dim is None:
+                if dim is None or not gathers_row:
                     out[prefix + name] = local.clone()
                     continue
                 pieces = [torch.empty_like(local) for _ in range(mesh.tp)]
@@ -402,6 +411,24 @@ def state_gathers_row_biases(model, mesh):
             None if style is None else 1 if style == "row" and kind == "weight" else 0
         ),
     )
+
+
+def state_gathered_by_the_row_s_first_rank(model, mesh):
+    """Real code: only the row's first rank joins the gather across the row ("it writes the
+    checkpoint"); the others keep their slices and go on. Its peers never join it."""
+    return _state(model, mesh, _dim_split, gathers_row=mesh.tp_index == 0)
+
+
+def _dim_split(style, kind):
+    """The dimension a TP parameter was split along; None for a replicated one."""
+    if style is None or (style == "row" and kind == "bias"):
+        return None
+    return 1 if style == "row" else 0
+
+
+def state_as_a_list(model, mesh):
+    """The right tensors, in the model's order, without their names."""
+    return list(_state(model, mesh, _dim_split).values())
 
 
 def state_never_gathers_the_row(model, mesh):
@@ -453,6 +480,12 @@ _ONE = "test_training_equals_one_process"
 _STATE = "test_full_state_equals_one_process"
 
 MISTAKES = [
+    Mistake(
+        "mesh_as_two_groups",
+        replaces="make_mesh",
+        fails=[f"{_MESH}[2-2]"],
+        says=["make_mesh(2, 2) returned (", "return the Mesh written for you"],
+    ),
     Mistake(
         "mesh_transposed",
         replaces="make_mesh",
@@ -616,6 +649,23 @@ MISTAKES = [
         says=["attention.out.bias differs", "replicated parameters need no gather"],
     ),
     Mistake(
+        "state_gathered_by_the_row_s_first_rank",
+        replaces="full_state",
+        fails=[_STATE],
+        says=[
+            "deadlock: rank(s) 0, 2",
+            "no progress for 3 s",
+            "wait in all_gather",
+            "1, 3 returned",
+        ],
+    ),
+    Mistake(
+        "state_as_a_list",
+        replaces="full_state",
+        fails=[_STATE],
+        says=["full_state returned list", "return a dict"],
+    ),
+    Mistake(
         "state_never_gathers_the_row",
         replaces="full_state",
         fails=[_STATE],
@@ -627,7 +677,7 @@ RIGHT_ANSWERS = [
     RightAnswer("mesh_columns_first", replaces="make_mesh"),
     RightAnswer("shard_with_chunk", replaces="tp_shard"),
     RightAnswer("shard_of_with_tensor_split", replaces="shard_of"),
-    RightAnswer("GatherWithLists", replaces="GatherFromColumn"),
+    RightAnswer("GatherWithLists", replaces="GatherFromColumn", steps=(3, 5)),
     RightAnswer("step_with_chunk", replaces="train_step"),
     RightAnswer("state_with_flat_gathers", replaces="full_state"),
 ]
