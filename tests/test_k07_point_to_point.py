@@ -68,8 +68,8 @@ class _Request:
 class _Trace(RankTrace):
     """What this rank asked of torch.distributed, written to ``<folder>/rank<N>.json`` as it happens.
 
-    Besides recording(), it stops a call to a peer outside the world with a ValueError that names
-    it (torch would hang or crash there), and watches isend/irecv requests (alone or in a
+    Besides recording(), it stops a call to a peer outside the world with a failed check that
+    names it (torch would hang or crash there), and watches isend/irecv requests (alone or in a
     batch_isend_irecv): peer, tag, the values of a small message, and whether wait() was called.
     """
 
@@ -112,7 +112,7 @@ class _Trace(RankTrace):
             peer = bound.get(key) if key else None
             if isinstance(peer, int) and not 0 <= peer < self.world_size:
                 self._raised()
-                raise ValueError(
+                raise AssertionError(
                     f"rank {self.rank} called dist.{name}({key.replace('group_', '')}={peer}), but "
                     f"this world has ranks 0..{self.world_size - 1} (the test stopped the call: torch "
                     "would hang or crash on it)"
