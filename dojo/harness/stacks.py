@@ -15,6 +15,8 @@ import re
 import sysconfig
 from dataclasses import dataclass
 
+from dojo.lang import t, tn
+
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _HIDDEN = (
     os.sep + "multiprocessing" + os.sep,
@@ -98,15 +100,15 @@ def format_stack_dump(dump: str) -> str:
     """A rank's dump as the report shows it (most recent call last)."""
     frames = main_thread_frames(dump)
     if frames is None:
-        return "  (no stack: the rank did not answer the request for one)"
-    return "\n".join(map(str, frames)) or "  (no Python frames outside the harness)"
+        return t("  (no stack: the rank did not answer the request for one)")
+    return "\n".join(map(str, frames)) or t("  (no Python frames outside the harness)")
 
 
 def where(frames: list[Frame] | None) -> str:
     """``all_reduce (katas/k04_allreduce.py:88, average_gradients)``: the call a rank is inside
     and the line of its own code that made it."""
     if not frames:
-        return "an unknown place (no stack)"
+        return t("an unknown place (no stack)")
     own = [f for f in frames if not f.in_torch]
     # The learner's line, not a test's wrapper around torch.distributed (which records calls).
     own = [f for f in own if f.is_learners] or own
@@ -185,19 +187,19 @@ def advice(dumps: dict[int, str]) -> str:
     waits for its peer's matching call; a collective for every rank of the group."""
     waited = calls(dumps) - {"wait"}  # an async handle's wait: a collective's or a send's
     if waited and waited <= _POINT_TO_POINT:
-        return (
+        return t(
             "A send or recv returns only once its peer has made the matching call (gloo's send "
             "waits for the recv): does every send have a recv on its destination, and is it "
             "posted in time (two ranks that both send first, or both receive first, wait for each "
             "other; let one side receive first, or use isend/irecv and wait on both)?"
         )
     if waited & _POINT_TO_POINT:
-        return (
+        return t(
             "Some ranks wait in a send or recv, others in a collective: a rank whose peer is "
             "inside a collective never gets the matching call. Does every rank make the same "
             "calls in the same order?"
         )
-    return (
+    return t(
         "Every rank of a group must call every collective, in the same order: is there one that "
         "only some ranks call, or that they call in a different order?"
     )
@@ -212,7 +214,7 @@ def only_in_checking_code(dumps: dict[int, str]) -> bool:
 
 
 def ranks_text(numbers: list[int]) -> str:
-    return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+    return tn("rank {ranks}", "ranks {ranks}", len(numbers), ranks=", ".join(map(str, numbers)))
 
 
 def summary(dumps: dict[int, str], returned: list[int]) -> str:
@@ -221,16 +223,25 @@ def summary(dumps: dict[int, str], returned: list[int]) -> str:
     for number, dump in _learners_first(dumps):
         groups.setdefault(where(main_thread_frames(dump)), []).append(number)
     parts = [
-        f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {place}"
+        tn(
+            "{ranks} waits in {place}",
+            "{ranks} wait in {place}",
+            len(numbers),
+            ranks=ranks_text(numbers),
+            place=place,
+        )
         for place, numbers in groups.items()
     ]
     line = "; ".join(parts)
     if returned:
-        line += f"; {ranks_text(returned)} returned"
+        line += "; " + t("{ranks} returned", ranks=ranks_text(returned))
     waited = calls(dumps)
     if len(waited) > 1:
-        kind = "collectives" if not waited & _POINT_TO_POINT else "calls"
-        line += f": the ranks called different {kind} ({', '.join(sorted(waited))})"
+        names = ", ".join(sorted(waited))
+        if waited & _POINT_TO_POINT:
+            line += t(": the ranks called different calls ({names})", names=names)
+        else:
+            line += t(": the ranks called different collectives ({names})", names=names)
     return line
 
 
@@ -246,6 +257,12 @@ def grouped_stacks(dumps: dict[int, str]) -> str:
     for number, dump in _learners_first(dumps):
         groups.setdefault(format_stack_dump(dump), []).append(number)
     return "\n\n".join(
-        f"{ranks_text(numbers)} {'is' if len(numbers) == 1 else 'are'} waiting here (most recent call last):\n{stack}"
+        tn(
+            "{ranks} is waiting here (most recent call last):",
+            "{ranks} are waiting here (most recent call last):",
+            len(numbers),
+            ranks=ranks_text(numbers),
+        )
+        + f"\n{stack}"
         for stack, numbers in groups.items()
     )
