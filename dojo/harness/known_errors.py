@@ -253,8 +253,11 @@ def is_assertion(type_name: str) -> bool:
     return type_name == "AssertionError" or type_name in _ASSERTIONS
 
 
-# The harness's and the specs' own failures, all AssertionErrors written for a learner.
-_ASSERTIONS = {"RankFailed", "RankCrashed", "WorldDeadlock", "WorldFailure", "DidNotReturn"}
+# The harness's and the specs' own failures, written for a learner: AssertionErrors, and the
+# Failed of a spec's pytest.fail(...).
+_ASSERTIONS = {
+    "RankFailed", "RankCrashed", "WorldDeadlock", "WorldFailure", "DidNotReturn", "Failed",
+}  # fmt: skip
 
 
 def is_raw(type_name: str, message: str, culprit: Culprit | None) -> bool:
