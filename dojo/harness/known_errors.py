@@ -185,10 +185,12 @@ def explain(type_name: str, message: str, culprit: Culprit | None = None) -> str
         if "high" in values:
             values["high_plus_one"] = str(int(values["high"]) + 1)
         fields = {name for _, name, _, _ in string.Formatter().parse(known.means) if name}
-        missing = {name: f"{{{name}}}" for name in fields - set(values)}
-        means = t(known.means, **values, **missing)
-        if missing:  # an alternative of the pattern without the group: say it plainly
-            means = re.sub(_UNFILLED, "", means)
+        if fields <= set(values):
+            means = t(known.means, **values)
+        else:  # an alternative of the pattern without the group: say it plainly, with no value
+            means = re.sub(
+                _UNFILLED, "", t(known.means, **{name: f"{{{name}}}" for name in fields})
+            )
         return t("Likely: {means}", means=means) if known.likely else means
     return None
 
