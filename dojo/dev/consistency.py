@@ -314,7 +314,7 @@ def catalogue_problems() -> list[str]:
     found = []
     for language in messages.languages():
         path = messages.po_path(language)
-        where = path.relative_to(curriculum.ROOT).as_posix()
+        where = messages.shown(path)
         if not path.exists():
             found.append(f"{where} is missing: {fix} it")
             continue
@@ -332,10 +332,7 @@ def catalogue_problems() -> list[str]:
                 found += [f"{where}: {p}" for p in _placeholder_problems(message, wanted[msgid])]
         mo = messages.mo_path(language)
         if not mo.exists() or mo.read_bytes() != messages.compiled(catalogue):
-            found.append(
-                f"{mo.relative_to(curriculum.ROOT).as_posix()} is not {path.name} compiled: "
-                f"{fix} (commit both)"
-            )
+            found.append(f"{messages.shown(mo)} is not {path.name} compiled: {fix} (commit both)")
     return found
 
 

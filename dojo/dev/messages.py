@@ -37,6 +37,15 @@ def sources() -> list[Path]:
     return found + sorted((root / "tests").glob("test_k*.py"))
 
 
+def shown(path: Path) -> str:
+    """A catalogue's path as the gate names it: from the checkout's root where it lies inside."""
+    return (
+        path.relative_to(curriculum.ROOT).as_posix()
+        if path.is_relative_to(curriculum.ROOT)
+        else str(path)
+    )
+
+
 def po_path(language: str) -> Path:
     return lang.LOCALE_DIR / language / "LC_MESSAGES" / f"{lang.DOMAIN}.po"
 
@@ -116,7 +125,7 @@ def update() -> list[str]:
         mo_path(language).write_bytes(compiled(read(language)))
         left = untranslated(read(language))
         said.append(
-            f"{path.relative_to(curriculum.ROOT)}: {len(catalogue)} messages"
+            f"{shown(path)}: {len(catalogue)} messages"
             + (f", {len(left)} to translate (empty or fuzzy)" if left else ", all translated")
             + f"; compiled into {mo_path(language).name}"
         )
