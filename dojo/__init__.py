@@ -16,7 +16,8 @@ What every floor stands on
                ``curriculum/steps``: what a step is and where one is found (a todo in a
                failure or a source, a test's marker), for every floor; ``curriculum/stubs``
                makes a kata's stub from its reference's marked regions
-    lang       the learner's language (English, Chinese) and the sentences said in it
+    lang       the learner's language (English, Chinese) and ``t``, through which every
+               sentence a learner reads is said in it (gettext: ``locale/LANG/LC_MESSAGES``)
     commands   how a learner types a command here; the packages a tool needs
 
 ``harness/``: the rank harness, which runs a world of rank processes (for the specs and for a
@@ -52,6 +53,7 @@ kata's own program)
     mistakes/  each kata's mistakes catalogue, run against its spec (``mistakes/plugin.py``)
     swaps      a catalogue's functions swapped in, in every process (an instrument)
     reach      which reference functions each test reaches (an instrument)
+    messages   the message catalogues: extract, merge and compile (``dojo dev messages``)
     shipped/   the stubs the gate makes from ``solutions/`` and checks (git-ignored)
 
 ``tests/``: the tooling's own tests.

@@ -17,6 +17,7 @@ import pytest
 
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
+from dojo.lang import t
 from dojo.spec.testing import run_program_ok
 from dojo.todo import KataTodo
 
@@ -58,21 +59,26 @@ def _explain_global_rank(kata, node: int, local: int, per_node: int, got) -> str
     expected = node * per_node + local
     formula = _formula_of(kata)
     if formula == "swapped" or (formula is None and got == local * per_node + node):
-        return (
+        return t(
             "node_rank and local_rank are swapped: the node picks the block of nproc_per_node "
             "ranks (node_rank * nproc_per_node), the local rank the place inside that block"
         )
     if formula == "added" or (formula is None and got == node + local):
-        return (
+        return t(
             "node_rank and local_rank were added: each node before this one "
             "holds nproc_per_node ranks, so multiply node_rank by nproc_per_node"
         )
     if formula == "from one" or got == expected + 1:
-        return "one too many: ranks count from 0 (local rank 0 on node 0 is rank 0)"
+        return t("one too many: ranks count from 0 (local rank 0 on node 0 is rank 0)")
     if node:
-        nodes = {1: "node 0", 2: "nodes 0 and 1"}.get(node, f"nodes 0 to {node - 1}")
-        return f"the {node * per_node} ranks of {nodes} come first"
-    return "on node 0 the rank is the local rank"
+        if node == 1:
+            nodes = t("node 0")
+        elif node == 2:
+            nodes = t("nodes 0 and 1")
+        else:
+            nodes = t("nodes 0 to {last}", last=node - 1)
+        return t("the {count} ranks of {nodes} come first", count=node * per_node, nodes=nodes)
+    return t("on node 0 the rank is the local rank")
 
 
 @pytest.mark.step(1)
@@ -90,9 +96,15 @@ def _explain_global_rank(kata, node: int, local: int, per_node: int, got) -> str
 )
 def test_global_rank(kata, node, local, per_node, expected):
     got = kata.global_rank(node, local, per_node)
-    assert got == expected, (
-        f"global_rank(node_rank={node}, local_rank={local}, nproc_per_node={per_node}) returned "
-        f"{got!r}, expected {expected}: {_explain_global_rank(kata, node, local, per_node, got)}"
+    assert got == expected, t(
+        "global_rank(node_rank={node}, local_rank={local}, nproc_per_node={per_node}) returned "
+        "{got!r}, expected {expected}: {why}",
+        node=node,
+        local=local,
+        per_node=per_node,
+        got=got,
+        expected=expected,
+        why=_explain_global_rank(kata, node, local, per_node, got),
     )
 
 
@@ -109,12 +121,20 @@ def test_global_rank(kata, node, local, per_node, expected):
 def test_world_size_of(kata, nnodes, per_node, expected):
     got = kata.world_size_of(nnodes, per_node)
     if got == nnodes + per_node and got != expected:
-        why = "it looks like nnodes + nproc_per_node: every node runs nproc_per_node processes, so multiply"
+        why = t(
+            "it looks like nnodes + nproc_per_node: every node runs nproc_per_node processes, "
+            "so multiply"
+        )
     else:
-        why = "every one of the nnodes nodes runs nproc_per_node processes"
-    assert got == expected, (
-        f"world_size_of(nnodes={nnodes}, nproc_per_node={per_node}) returned {got!r}, expected "
-        f"{expected}: {why}"
+        why = t("every one of the nnodes nodes runs nproc_per_node processes")
+    assert got == expected, t(
+        "world_size_of(nnodes={nnodes}, nproc_per_node={per_node}) returned {got!r}, expected "
+        "{expected}: {why}",
+        nnodes=nnodes,
+        per_node=per_node,
+        got=got,
+        expected=expected,
+        why=why,
     )
 
 
@@ -123,10 +143,11 @@ def test_tutorial_layout_numbers_every_rank_once(kata):
     layout = [(node, local) for node in range(2) for local in range(3)]
     ranks = [kata.global_rank(node, local, 3) for node, local in layout]
     wrong = [(n, lo, r) for (n, lo), r in zip(layout, ranks) if r != n * 3 + lo]
-    assert not wrong, (
-        f"the tutorial's 2 nodes x 3 processes got ranks {ranks} (node 0's local ranks 0, 1, 2, "
-        "then node 1's): expected [0, 1, 2, 3, 4, 5], every rank once; "
-        f"{_explain_global_rank(kata, wrong[0][0], wrong[0][1], 3, wrong[0][2])}"
+    assert not wrong, t(
+        "the tutorial's 2 nodes x 3 processes got ranks {ranks} (node 0's local ranks 0, 1, 2, "
+        "then node 1's): expected [0, 1, 2, 3, 4, 5], every rank once; {why}",
+        ranks=ranks,
+        why=_explain_global_rank(kata, wrong[0][0], wrong[0][1], 3, wrong[0][2]),
     )
 
 
@@ -136,31 +157,35 @@ def test_tutorial_layout_numbers_every_rank_once(kata):
 def _explain_greeting(got, rank: int, world_size: int) -> str:
     expected = f"world size:{world_size}. I'm rank {rank}."
     if got is None:
-        return (
+        return t(
             "greet returned None: return the line (print_greeting prints it); did you print it "
             "instead of returning it?"
         )
     if not isinstance(got, str):
-        return f"greet returned a {type(got).__name__}: return the line as a str"
+        return t(
+            "greet returned a {type_name}: return the line as a str", type_name=type(got).__name__
+        )
     if got == f"world size:{rank}. I'm rank {world_size}.":
-        return (
+        return t(
             "the rank and the world size are swapped: greet(rank, world_size) gets the rank first"
         )
     if got.strip() == expected:
-        return "remove the spaces or newline at the ends"
+        return t("remove the spaces or newline at the ends")
     if got.replace(" ", "") == expected.replace(" ", ""):
-        return (
+        return t(
             "only the spaces differ: the tutorial writes no space after 'world size:' and one "
             "after the full stop"
         )
     if got.lower() == expected.lower():
-        return "only capital letters differ: copy the tutorial's text exactly"
+        return t("only capital letters differ: copy the tutorial's text exactly")
     at = next(
         (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
     )
-    return (
-        f"they differ from character {at} on: {got[at : at + 12]!r} where the tutorial has "
-        f"{expected[at : at + 12]!r}"
+    return t(
+        "they differ from character {at} on: {got!r} where the tutorial has {expected!r}",
+        at=at,
+        got=got[at : at + 12],
+        expected=expected[at : at + 12],
     )
 
 
@@ -169,9 +194,13 @@ def _explain_greeting(got, rank: int, world_size: int) -> str:
 def test_greet(kata, rank, world_size):
     got = kata.greet(rank, world_size)
     expected = f"world size:{world_size}. I'm rank {rank}."
-    assert got == expected, (
-        f"greet({rank}, {world_size}) returned {got!r}, expected the tutorial's {expected!r}: "
-        f"{_explain_greeting(got, rank, world_size)}"
+    assert got == expected, t(
+        "greet({rank}, {world_size}) returned {got!r}, expected the tutorial's {expected!r}: {why}",
+        rank=rank,
+        world_size=world_size,
+        got=got,
+        expected=expected,
+        why=_explain_greeting(got, rank, world_size),
     )
 
 
@@ -199,18 +228,22 @@ def test_run_rank_reports_the_answer_with_its_rank(kata):
     kata.run_rank(_answer, 2, 4, answers)
     messages = _drain(answers)
     expected = (2, "ok", "2 of 4")
-    assert messages, (
+    assert messages, t(
         "run_rank(fn, rank=2, world_size=4, answers) put nothing on the queue: a spawned process "
         "cannot return a value to its parent, so put (rank, 'ok', fn(rank, world_size)) on it"
     )
-    assert len(messages) == 1, (
-        f"run_rank put {len(messages)} messages on the queue ({messages!r}): the launcher reads "
-        "exactly one per rank"
+    assert len(messages) == 1, t(
+        "run_rank put {count} messages on the queue ({messages!r}): the launcher reads exactly "
+        "one per rank",
+        count=len(messages),
+        messages=messages,
     )
-    assert messages[0] == expected, (
-        f"run_rank(fn, rank=2, world_size=4, answers) put {messages[0]!r} on the queue, expected "
-        f"{expected!r}: a 3-tuple of the rank (the launcher needs it to put answers back in rank "
-        "order), the status 'ok' and fn(rank, world_size)'s answer"
+    assert messages[0] == expected, t(
+        "run_rank(fn, rank=2, world_size=4, answers) put {got!r} on the queue, expected "
+        "{expected!r}: a 3-tuple of the rank (the launcher needs it to put answers back in rank "
+        "order), the status 'ok' and fn(rank, world_size)'s answer",
+        got=messages[0],
+        expected=expected,
     )
 
 
@@ -227,30 +260,41 @@ def test_run_rank_reports_an_error_instead_of_raising(kata):
     messages = _drain(answers)
     if escaped is not None and not messages:
         pytest.fail(
-            f"run_rank let fn's {type(escaped).__name__} escape and put nothing on the queue: in a "
-            "spawned process the launcher would wait for an answer that never comes. Catch the "
-            "exception and put (rank, 'error', traceback.format_exc()) on the queue instead"
+            t(
+                "run_rank let fn's {error_type} escape and put nothing on the queue: in a spawned "
+                "process the launcher would wait for an answer that never comes. Catch the "
+                "exception and put (rank, 'error', traceback.format_exc()) on the queue instead",
+                error_type=type(escaped).__name__,
+            )
         )
     if escaped is not None:
         pytest.fail(
-            f"run_rank put {messages[0]!r} on the queue, then raised fn's "
-            f"{type(escaped).__name__} again: a spawned process would print a second traceback "
-            "and end with an error. Report the error on the queue and return"
+            t(
+                "run_rank put {message!r} on the queue, then raised fn's {error_type} again: a "
+                "spawned process would print a second traceback and end with an error. Report "
+                "the error on the queue and return",
+                message=messages[0],
+                error_type=type(escaped).__name__,
+            )
         )
-    assert len(messages) == 1, (
-        f"when fn raised, run_rank put {len(messages)} messages on the queue ({messages!r}): "
-        "expected exactly one, (1, 'error', traceback_text)"
+    assert len(messages) == 1, t(
+        "when fn raised, run_rank put {count} messages on the queue ({messages!r}): expected "
+        "exactly one, (1, 'error', traceback_text)",
+        count=len(messages),
+        messages=messages,
     )
     got = messages[0]
-    assert isinstance(got, tuple) and len(got) == 3 and got[:2] == (1, "error"), (
-        f"when fn raised, run_rank put {got!r} on the queue, expected (1, 'error', traceback_text): "
-        "the rank, the status 'error' and the traceback's text"
+    assert isinstance(got, tuple) and len(got) == 3 and got[:2] == (1, "error"), t(
+        "when fn raised, run_rank put {got!r} on the queue, expected (1, 'error', "
+        "traceback_text): the rank, the status 'error' and the traceback's text",
+        got=got,
     )
     assert (
         isinstance(got[2], str) and "Traceback" in got[2] and "ValueError: rank 1 refuses" in got[2]
-    ), (
-        f"when fn raised ValueError('rank 1 refuses'), run_rank reported {got[2]!r}: report the "
-        "full traceback text, traceback.format_exc(), so the launcher can show where it failed"
+    ), t(
+        "when fn raised ValueError('rank 1 refuses'), run_rank reported {got!r}: report the "
+        "full traceback text, traceback.format_exc(), so the launcher can show where it failed",
+        got=got[2],
     )
 
 
@@ -464,7 +508,7 @@ class _Watchdog(threading.Thread):
             reading = self._main_thread_place()[0] == "reading"
             blocked = [] if reading else self._blocked_ranks()
             since = {rank: since.get(rank, time.monotonic()) for rank in blocked}
-            stuck = [r for r, t in since.items() if time.monotonic() - t > _STUCK_AFTER_S]
+            stuck = [r for r, began in since.items() if time.monotonic() - began > _STUCK_AFTER_S]
             if stuck:
                 self.report = self._describe(stuck)
                 fired += 1
@@ -493,22 +537,23 @@ class _Watchdog(threading.Thread):
                 place = "joining"
             if code.co_name == "launch" and not where:
                 line = linecache.getline(code.co_filename, frame.f_lineno).strip()
-                where = f"line {frame.f_lineno} of launch, `{line}`"
+                where = t("line {number} of launch, `{line}`", number=frame.f_lineno, line=line)
             frame = frame.f_back
         return place, where
 
     def _describe(self, stuck: list[int]) -> str:
         ranks = ", ".join(map(str, stuck))
         place, where = self._main_thread_place()
-        waiting = "waiting in process.join()" if place == "joining" else "not reading them"
-        return (
-            f"rank(s) {ranks} finished fn and are blocked putting their answers (half a MiB "
-            f"each) on the queue, while launch is {waiting}"
-            + (f" ({where})" if where else "")
-            + ". A process that put something on a multiprocessing Queue ends only once the "
-            "other side has read it, so joining before reading the answers deadlocks as soon as "
-            "an answer is bigger than the pipe (64 KiB). Read every answer first "
-            "(answers.get), then join the processes."
+        waiting = t("waiting in process.join()") if place == "joining" else t("not reading them")
+        return t(
+            "rank(s) {ranks} finished fn and are blocked putting their answers (half a MiB each) "
+            "on the queue, while launch is {waiting}{where}. A process that put something on a "
+            "multiprocessing Queue ends only once the other side has read it, so joining before "
+            "reading the answers deadlocks as soon as an answer is bigger than the pipe (64 "
+            "KiB). Read every answer first (answers.get), then join the processes.",
+            ranks=ranks,
+            waiting=waiting,
+            where=f" ({where})" if where else "",
         )
 
 
@@ -596,20 +641,36 @@ def _check_launch_did_not_break(result: dict, world_size: int, what: str) -> Non
     outcome = result["outcome"]
     if outcome[0] == "raised" and "context has already been set" in outcome[2]:
         raise AssertionError(
-            f"launch({world_size}, fn) raised {outcome[1]}: {outcome[2]}. launch called "
-            "mp.set_start_method(), which may run only once per program (this one had chosen its "
-            "start method already). Use mp.get_context('spawn') and start processes from that "
-            "context instead."
+            t(
+                "launch({world_size}, fn) raised {error_type}: {error}. launch called "
+                "mp.set_start_method(), which may run only once per program (this one had chosen "
+                "its start method already). Use mp.get_context('spawn') and start processes from "
+                "that context instead.",
+                world_size=world_size,
+                error_type=outcome[1],
+                error=outcome[2],
+            )
         )
     before, after = result["method"]
     if before != after:
         raise AssertionError(
-            f"launch changed the program's start method from {before!r} to {after!r} "
-            "(set_start_method(..., force=True)): that changes it for every other use of "
-            "multiprocessing in the program. Use mp.get_context('spawn') instead."
+            t(
+                "launch changed the program's start method from {before!r} to {after!r} "
+                "(set_start_method(..., force=True)): that changes it for every other use of "
+                "multiprocessing in the program. Use mp.get_context('spawn') instead.",
+                before=before,
+                after=after,
+            )
         )
     if outcome[0] == "stuck":
-        raise AssertionError(f"launch({world_size}, fn) never returned{what}: {outcome[1]}")
+        raise AssertionError(
+            t(
+                "launch({world_size}, fn) never returned{what}: {report}",
+                world_size=world_size,
+                what=what,
+                report=outcome[1],
+            )
+        )
 
 
 def _check_no_leftovers(result: dict, when: str) -> None:
@@ -618,28 +679,43 @@ def _check_no_leftovers(result: dict, when: str) -> None:
         return
     running = sorted(r for r, s in left.items() if s == "running")
     ended = sorted(r for r, s in left.items() if s == "zombie")
-    states = ([f"rank(s) {', '.join(map(str, running))} still running"] if running else []) + (
-        [f"rank(s) {', '.join(map(str, ended))} ended but never joined"] if ended else []
+    states = []
+    if running:
+        states.append(t("rank(s) {ranks} still running", ranks=", ".join(map(str, running))))
+    if ended:
+        states.append(t("rank(s) {ranks} ended but never joined", ranks=", ".join(map(str, ended))))
+    message = (
+        t(
+            "launch returned without joining the processes it started ({states}): call "
+            "process.join() on every process you started before leaving launch (kill one that "
+            "does not end), on success and on failure alike, so that none is left behind",
+            states="; ".join(states),
+        )
+        if when == "returned"
+        else t(
+            "launch raised without joining the processes it started ({states}): call "
+            "process.join() on every process you started before leaving launch (kill one that "
+            "does not end), on success and on failure alike, so that none is left behind",
+            states="; ".join(states),
+        )
     )
-    raise AssertionError(
-        f"launch {when} without joining the processes it started ({'; '.join(states)}): call "
-        "process.join() on every process you started before leaving launch (kill one that does "
-        "not end), on success and on failure alike, so that none is left behind"
-    )
+    raise AssertionError(message)
 
 
 def _how_made(answer: dict, launcher: int) -> str | None:
     """Why a rank was not spawned by the launcher, or None if it was."""
     if answer["mark"] is not None:
-        return (
+        return t(
             "it saw the launcher's memory, so it was forked, not spawned (mp.Process without a "
             "context uses the program's default start method)"
         )
     if answer["parent"] != launcher:
-        return (
-            f"its parent is process {answer['parent']}, not the launcher ({launcher}): it was "
-            "made by a forkserver, not spawned (mp.Process without a context uses the program's "
-            "default start method)"
+        return t(
+            "its parent is process {parent}, not the launcher ({launcher}): it was made by a "
+            "forkserver, not spawned (mp.Process without a context uses the program's default "
+            "start method)",
+            parent=answer["parent"],
+            launcher=launcher,
         )
     return None
 
@@ -649,39 +725,49 @@ def test_launch_spawns_and_collects_in_rank_order(kata):
     result = _launched("_identify", 4)
     _check_launch_did_not_break(result, 4, "")
     outcome = result["outcome"]
-    assert outcome[0] == "returned", f"launch(4, fn) raised {outcome[1]}: {outcome[2]}"
-    answers = outcome[1]
-    assert isinstance(answers, list) and len(answers) == 4, (
-        f"launch(4, fn) returned {answers!r}: expected a list of the 4 answers"
+    assert outcome[0] == "returned", t(
+        "launch({world_size}, fn) raised {error_type}: {error}",
+        world_size=4,
+        error_type=outcome[1],
+        error=outcome[2],
     )
-    assert all(a["world_size"] == 4 for a in answers), (
-        f"the ranks were told world sizes {[a['world_size'] for a in answers]}: every rank must "
-        "be told world_size=4"
+    answers = outcome[1]
+    assert isinstance(answers, list) and len(answers) == 4, t(
+        "launch(4, fn) returned {answers!r}: expected a list of the 4 answers", answers=answers
+    )
+    assert all(a["world_size"] == 4 for a in answers), t(
+        "the ranks were told world sizes {sizes}: every rank must be told world_size=4",
+        sizes=[a["world_size"] for a in answers],
     )
     pids = {a["pid"] for a in answers}
-    assert len(pids) == 4 and result["launcher"] not in pids, (
-        f"the 4 ranks ran in processes {sorted(pids)} (launcher {result['launcher']}): each rank "
-        "needs a process of its own"
+    assert len(pids) == 4 and result["launcher"] not in pids, t(
+        "the 4 ranks ran in processes {pids} (launcher {launcher}): each rank needs a process of "
+        "its own",
+        pids=sorted(pids),
+        launcher=result["launcher"],
     )
     for answer in answers:
         wrong = _how_made(answer, result["launcher"])
-        assert wrong is None, (
-            f"rank {answer['rank']} was not spawned: {wrong}. Start processes from "
-            "mp.get_context('spawn')."
+        assert wrong is None, t(
+            "rank {rank} was not spawned: {why}. Start processes from mp.get_context('spawn').",
+            rank=answer["rank"],
+            why=wrong,
         )
     alone = [a for a in answers if a["started"] is not None and a["started"] < 4]
-    assert not alone, (
-        f"rank {alone[0]['rank']} ran while only {alone[0]['started']} of the 4 rank processes "
-        "had been started: launch waited for each process before starting the next, so the ranks "
-        "ran one after another instead of side by side. Start every process first, then collect "
-        "the answers, then join."
+    assert not alone, t(
+        "rank {rank} ran while only {started} of the 4 rank processes had been started: launch "
+        "waited for each process before starting the next, so the ranks ran one after another "
+        "instead of side by side. Start every process first, then collect the answers, then join.",
+        rank=alone[0]["rank"],
+        started=alone[0]["started"],
     )
     ranks = [a["rank"] for a in answers]
-    assert ranks == [0, 1, 2, 3], (
-        f"launch returned the answers of ranks {ranks}, in the order they arrived (here the "
+    assert ranks == [0, 1, 2, 3], t(
+        "launch returned the answers of ranks {ranks}, in the order they arrived (here the "
         "ranks answered 3, 2, 1, 0): return them in rank order, answers[r] being rank r's. The "
         "queue delivers them in whatever order the processes finish: keep them by the rank each "
-        "message carries."
+        "message carries.",
+        ranks=ranks,
     )
     _check_no_leftovers(result, "returned")
 
@@ -689,15 +775,20 @@ def test_launch_spawns_and_collects_in_rank_order(kata):
 @pytest.mark.step(4)
 def test_launch_reads_big_answers_before_joining(kata):
     result = _launched("_big_answer", 2)
-    _check_launch_did_not_break(result, 2, " when each rank answered half a MiB")
+    _check_launch_did_not_break(result, 2, t(" when each rank answered half a MiB"))
     outcome = result["outcome"]
-    assert outcome[0] == "returned", f"launch(2, fn) raised {outcome[1]}: {outcome[2]}"
-    assert [a["rank"] for a in outcome[1]] == [0, 1], (
-        f"launch(2, fn) returned the answers of ranks {[a['rank'] for a in outcome[1]]}, expected "
-        "[0, 1]"
+    assert outcome[0] == "returned", t(
+        "launch({world_size}, fn) raised {error_type}: {error}",
+        world_size=2,
+        error_type=outcome[1],
+        error=outcome[2],
+    )
+    assert [a["rank"] for a in outcome[1]] == [0, 1], t(
+        "launch(2, fn) returned the answers of ranks {ranks}, expected [0, 1]",
+        ranks=[a["rank"] for a in outcome[1]],
     )
     sizes = [len(a["blob"]) for a in outcome[1]]
-    assert sizes == [512 * 1024] * 2, f"the answers arrived cut short: {sizes} bytes"
+    assert sizes == [512 * 1024] * 2, t("the answers arrived cut short: {sizes} bytes", sizes=sizes)
     _check_no_leftovers(result, "returned")
 
 
@@ -706,27 +797,32 @@ def test_launch_names_the_rank_that_failed(kata):
     result = _launched("_fail_on_rank_two", 3)
     _check_launch_did_not_break(result, 3, "")
     outcome = result["outcome"]
-    assert outcome[0] == "raised", (
-        f"rank 2 raised ValueError, but launch returned {outcome[1]!r}: a failed rank must make "
+    assert outcome[0] == "raised", t(
+        "rank 2 raised ValueError, but launch returned {answers!r}: a failed rank must make "
         "launch raise RankProcessFailed naming it, or the program carries on with a hole in its "
-        "answers"
+        "answers",
+        answers=outcome[1],
     )
-    assert outcome[1] == "RankProcessFailed", (
-        f"launch raised {outcome[1]}: {outcome[2]!r}; expected the kata's RankProcessFailed, "
-        "which callers catch to tell a failed rank from other errors"
+    assert outcome[1] == "RankProcessFailed", t(
+        "launch raised {error_type}: {error!r}; expected the kata's RankProcessFailed, which "
+        "callers catch to tell a failed rank from other errors",
+        error_type=outcome[1],
+        error=outcome[2],
     )
     message = outcome[2]
     # "rank 2" or "ranks [2]": either names it; "ranks [1, 2]" or "2 of 3 ranks" do not
-    assert re.search(r"\branks?(?:\(s\))?\s*\[?\s*2\b(?!\s*,)", message), (
+    assert re.search(r"\branks?(?:\(s\))?\s*\[?\s*2\b(?!\s*,)", message), t(
         "the error must say which rank failed, with its number after the word rank ('rank 2' "
-        f"or 'ranks [2]'), so the user knows whose traceback follows; it said: {message!r}"
+        "or 'ranks [2]'), so the user knows whose traceback follows; it said: {message!r}",
+        message=message,
     )
-    assert "rank two refuses" in message and "Traceback" in message, (
+    assert "rank two refuses" in message and "Traceback" in message, t(
         "the error must show rank 2's traceback (the text run_rank reported, ending in "
-        f"'ValueError: rank two refuses'), so the user sees why it failed; it said: {message!r}"
+        "'ValueError: rank two refuses'), so the user sees why it failed; it said: {message!r}",
+        message=message,
     )
-    assert "rank 0" not in message and "rank 1" not in message, (
-        f"only rank 2 failed, but the error names other ranks too: {message!r}"
+    assert "rank 0" not in message and "rank 1" not in message, t(
+        "only rank 2 failed, but the error names other ranks too: {message!r}", message=message
     )
     _check_no_leftovers(result, "raised")
 
@@ -738,4 +834,6 @@ def test_program_prints_the_tutorial_lines(kata):
     out = run_program_ok(KATA, "--world-size", "4", timeout=300).stdout
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."
-        assert line in out.splitlines(), f"expected the line {line!r} in:\n{out}"
+        assert line in out.splitlines(), t(
+            "expected the line {line!r} in:\n{out}", line=line, out=out
+        )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dojo.harness.impl import load_kata
 from dojo.harness.loopback import loopback_store
 from dojo.harness.world import run_world
+from dojo.lang import t
 from dojo.spec.testing import run_program, with_free_port
 from dojo.todo import KataTodo
 
@@ -51,27 +52,44 @@ def test_check_rank_refuses_a_rank_outside_the_world(kata, rank, world_size):
     how, error = _outcome(lambda: kata.check_rank(rank, world_size))
     call = f"check_rank({rank}, {world_size})"
     if how == "returned":
-        why = (
-            f"rank {world_size} is one past the last (the check is rank < world_size, not <=)"
-            if rank == world_size
-            else "ranks are never negative"
-            if rank < 0
-            else f"rank {rank} is beyond the last"
-        )
+        if rank == world_size:
+            why = t(
+                "rank {rank} is one past the last (the check is rank < world_size, not <=)",
+                rank=world_size,
+            )
+        elif rank < 0:
+            why = t("ranks are never negative")
+        else:
+            why = t("rank {rank} is beyond the last", rank=rank)
         pytest.fail(
-            f"{call} returned without an error: in a world of {world_size} the ranks are 0 to "
-            f"{world_size - 1}, so {why}. Raise WorldSizeMismatch."
+            t(
+                "{call} returned without an error: in a world of {world_size} the ranks are 0 to "
+                "{last}, so {why}. Raise WorldSizeMismatch.",
+                call=call,
+                world_size=world_size,
+                last=world_size - 1,
+                why=why,
+            )
         )
     if not isinstance(error, kata.WorldSizeMismatch):
         pytest.fail(
-            f"{call} raised {type(error).__name__}: {error}. Expected the kata's "
-            "WorldSizeMismatch, which callers (and the program) catch to tell a wrong world size "
-            "from any other failure."
+            t(
+                "{call} raised {error_type}: {error}. Expected the kata's WorldSizeMismatch, "
+                "which callers (and the program) catch to tell a wrong world size from any other "
+                "failure.",
+                call=call,
+                error_type=type(error).__name__,
+                error=error,
+            )
         )
     message = str(error)
-    assert f"rank {rank}" in message and str(world_size) in message, (
-        f"{call} raised WorldSizeMismatch({message!r}): name the rank ({rank}) and the world size "
-        f"({world_size}), so the user knows which process and which number to fix"
+    assert f"rank {rank}" in message and str(world_size) in message, t(
+        "{call} raised WorldSizeMismatch({message!r}): name the rank ({rank}) and the world size "
+        "({world_size}), so the user knows which process and which number to fix",
+        call=call,
+        message=message,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -79,9 +97,14 @@ def test_check_rank_refuses_a_rank_outside_the_world(kata, rank, world_size):
 @pytest.mark.parametrize("rank, world_size", [(0, 1), (0, 2), (1, 2), (3, 4)])
 def test_check_rank_accepts_ranks_inside_the_world(kata, rank, world_size):
     how, error = _outcome(lambda: kata.check_rank(rank, world_size))
-    assert how == "returned", (
-        f"check_rank({rank}, {world_size}) raised {type(error).__name__}: {error}. Rank {rank} "
-        f"belongs to a world of {world_size} (ranks 0 to {world_size - 1}): let it through."
+    assert how == "returned", t(
+        "check_rank({rank}, {world_size}) raised {error_type}: {error}. Rank {rank} belongs to a "
+        "world of {world_size} (ranks 0 to {last}): let it through.",
+        rank=rank,
+        world_size=world_size,
+        error_type=type(error).__name__,
+        error=error,
+        last=world_size - 1,
     )
 
 
@@ -195,40 +218,69 @@ def _check_stopped(rank: int, result: dict, joined: int, world_size: int) -> Non
     how, message = result["how"], result["message"]
     if how == "still waiting":
         raise AssertionError(
-            f"rank {rank} was still waiting in wait_for_world {STILL_WAITING_S:g} s after it "
-            f"started, with join_timeout_s={result['join_timeout_s']:g} and only {joined} of "
-            f"{world_size} ranks started: once join_timeout_s has passed, stop waiting and raise "
-            "WorldSizeMismatch"
-        )
-    if how == "returned":
-        extra = [f"{key!r} {n} times" for key, n in result["counted_in"].items() if n > 1]
-        raise AssertionError(
-            f"wait_for_world returned on rank {rank} although only {joined} of the {world_size} "
-            "ranks ever started"
-            + (
-                f": rank {rank} added 1 to {', '.join(extra)}. Count yourself in once "
-                "(store.add(key, 1)), then only read the total (store.add(key, 0))"
-                if extra
-                else ": wait until the count reaches world_size, or raise WorldSizeMismatch"
+            t(
+                "rank {rank} was still waiting in wait_for_world {seconds} s after it started, "
+                "with join_timeout_s={join_timeout} and only {joined} of {world_size} ranks "
+                "started: once join_timeout_s has passed, stop waiting and raise "
+                "WorldSizeMismatch",
+                rank=rank,
+                seconds=f"{STILL_WAITING_S:g}",
+                join_timeout=f"{result['join_timeout_s']:g}",
+                joined=joined,
+                world_size=world_size,
             )
         )
+    if how == "returned":
+        extra = [
+            t("{key!r} {count} times", key=key, count=n)
+            for key, n in result["counted_in"].items()
+            if n > 1
+        ]
+        said = t(
+            "wait_for_world returned on rank {rank} although only {joined} of the {world_size} "
+            "ranks ever started",
+            rank=rank,
+            joined=joined,
+            world_size=world_size,
+        )
+        if extra:
+            said += t(
+                ": rank {rank} added 1 to {keys}. Count yourself in once (store.add(key, 1)), "
+                "then only read the total (store.add(key, 0))",
+                rank=rank,
+                keys=", ".join(extra),
+            )
+        else:
+            said += t(": wait until the count reaches world_size, or raise WorldSizeMismatch")
+        raise AssertionError(said)
     if how == "other":
         raise AssertionError(
-            f"rank {rank} raised {message} instead of WorldSizeMismatch: turn the failure into "
-            "your own error, which says how many ranks joined out of how many"
+            t(
+                "rank {rank} raised {message} instead of WorldSizeMismatch: turn the failure into "
+                "your own error, which says how many ranks joined out of how many",
+                rank=rank,
+                message=message,
+            )
         )
 
 
 def _check_said(rank: int, result: dict, joined: int, world_size: int) -> None:
     """... in time, with a message that names the rank and the count."""
     message = result["message"]
-    assert f"rank {rank}" in message and f"{joined} of {world_size}" in message, (
-        f"rank {rank}'s WorldSizeMismatch should name the rank ('rank {rank}') and the count "
-        f"('{joined} of {world_size}', as _too_few does); it said: {message!r}"
+    assert f"rank {rank}" in message and f"{joined} of {world_size}" in message, t(
+        "rank {rank}'s WorldSizeMismatch should name the rank ('rank {rank}') and the count "
+        "('{joined} of {world_size}', as _too_few does); it said: {message!r}",
+        rank=rank,
+        joined=joined,
+        world_size=world_size,
+        message=message,
     )
-    assert result["seconds"] < GIVE_UP_WITHIN_S, (
-        f"rank {rank} took {result['seconds']:.1f} s to give up with join_timeout_s="
-        f"{result['join_timeout_s']:g}: stop waiting once the join timeout has passed"
+    assert result["seconds"] < GIVE_UP_WITHIN_S, t(
+        "rank {rank} took {seconds} s to give up with join_timeout_s={join_timeout}: stop "
+        "waiting once the join timeout has passed",
+        rank=rank,
+        seconds=f"{result['seconds']:.1f}",
+        join_timeout=f"{result['join_timeout_s']:g}",
     )
 
 
@@ -242,17 +294,22 @@ def test_wait_for_world_returns_once_every_rank_has_joined(kata):
     )
     last_joined = max(r["started"] for r in results)
     for rank, result in enumerate(results):
-        assert result["how"] == "returned", (
-            f"rank {rank} of a world of 3 in which all 3 ranks joined ended with "
-            f"{result['how']} {result['message']!r}: wait_for_world must return once world_size "
-            "ranks have counted themselves in. Re-read the count (store.add(key, 0)) while you "
-            "wait: the total you got when you counted yourself in does not grow by itself."
+        assert result["how"] == "returned", t(
+            "rank {rank} of a world of 3 in which all 3 ranks joined ended with {how} "
+            "{message!r}: wait_for_world must return once world_size ranks have counted "
+            "themselves in. Re-read the count (store.add(key, 0)) while you wait: the total you "
+            "got when you counted yourself in does not grow by itself.",
+            rank=rank,
+            how=result["how"],
+            message=result["message"],
         )
         waited = result["started"] + result["seconds"] - last_joined
-        assert waited < 4.0, (
-            f"rank {rank} returned {waited:.1f} s after the last rank had joined, with "
-            "join_timeout_s=8: return as soon as the count reaches world_size (poll it), "
-            "not after the join timeout"
+        assert waited < 4.0, t(
+            "rank {rank} returned {seconds} s after the last rank had joined, with "
+            "join_timeout_s=8: return as soon as the count reaches world_size (poll it), not "
+            "after the join timeout",
+            rank=rank,
+            seconds=f"{waited:.1f}",
         )
 
 
@@ -267,19 +324,24 @@ def test_wait_for_world_gives_up_when_too_few_join(kata):
     late = results[1]
     if late["failures"]:
         raise AssertionError(
-            f"rank 0 left while rank 1 was still waiting: rank 1's next store call failed "
-            f"({late['failures'][0]}). Rank 0 owns the store, and when its process leaves the "
-            "store goes with it (a program then prints a C++ stack trace for every rank still "
-            "polling). Rank 0 must leave last: before raising, call "
-            "_rank_zero_leaves_last(store, rank, joined), which waits until every rank that "
-            "joined has given up."
+            t(
+                "rank 0 left while rank 1 was still waiting: rank 1's next store call failed "
+                "({failure}). Rank 0 owns the store, and when its process leaves the store goes "
+                "with it (a program then prints a C++ stack trace for every rank still polling). "
+                "Rank 0 must leave last: before raising, call _rank_zero_leaves_last(store, rank, "
+                "joined), which waits until every rank that joined has given up.",
+                failure=late["failures"][0],
+            )
         )
     for rank, result in enumerate(results):
         _check_said(rank, result, 2, 4)
         polls = result["calls"] / max(result["seconds"], 0.1)
-        assert polls < 200, (
-            f"rank {rank} called the store {result['calls']} times in {result['seconds']:.1f} s: "
-            "each call is a round trip to rank 0's store. Sleep a little (0.05 s) between polls."
+        assert polls < 200, t(
+            "rank {rank} called the store {calls} times in {seconds} s: each call is a round "
+            "trip to rank 0's store. Sleep a little (0.05 s) between polls.",
+            rank=rank,
+            calls=result["calls"],
+            seconds=f"{result['seconds']:.1f}",
         )
 
 
@@ -306,15 +368,21 @@ def test_wait_for_world_reports_a_vanished_rank_zero_as_a_mismatch(kata):
     result = results[1]
     if len(result["failures"]) > 1:
         raise AssertionError(
-            f"rank 1 called rank 0's store {len(result['failures'])} times after it had failed "
-            f"({result['failures'][0]}): rank 0 is gone and will not come back, so raise "
-            "WorldSizeMismatch at once"
+            t(
+                "rank 1 called rank 0's store {count} times after it had failed ({failure}): "
+                "rank 0 is gone and will not come back, so raise WorldSizeMismatch at once",
+                count=len(result["failures"]),
+                failure=result["failures"][0],
+            )
         )
     if result["how"] == "other":
         raise AssertionError(
-            "rank 0 went away while rank 1 waited for the world, and rank 1 raised "
-            f"{result['message']}: when rank 0 is gone (it crashed, or gave up first) the store "
-            "calls raise a RuntimeError; report that as the same WorldSizeMismatch (_too_few)"
+            t(
+                "rank 0 went away while rank 1 waited for the world, and rank 1 raised "
+                "{message}: when rank 0 is gone (it crashed, or gave up first) the store calls "
+                "raise a RuntimeError; report that as the same WorldSizeMismatch (_too_few)",
+                message=result["message"],
+            )
         )
     _check_stopped(1, result, 1, 4)
     _check_said(1, result, 1, 4)
@@ -369,48 +437,69 @@ def _why_not_mismatch(rank: int, world_size: int, message: str, in_init: bool = 
     (``in_init``: it was raised inside init_process_group)."""
     text = message.lower()
     if rank >= world_size:
-        return (
-            f"rank {rank} has no place in a world of {world_size}: refuse it before touching the "
-            "store (check_rank first)"
+        return t(
+            "rank {rank} has no place in a world of {world_size}: refuse it before touching the "
+            "store (check_rank first)",
+            rank=rank,
+            world_size=world_size,
         )
     if "address already in use" in text and in_init:
-        return (
+        return t(
             "rank 0's own store already holds MASTER_PORT, and init_process_group opened a "
             "second one there (env://): init_process_group must reuse it (store=store)"
         )
     if "address already in use" in text:
-        return (
-            f"rank {rank} tried to open the store on MASTER_PORT as well: only rank 0 opens the "
-            "store (is_master=(rank == 0)); the others connect to it"
+        return t(
+            "rank {rank} tried to open the store on MASTER_PORT as well: only rank 0 opens the "
+            "store (is_master=(rank == 0)); the others connect to it",
+            rank=rank,
         )
     # a store client that cannot connect: timed out, or (on a busy machine) its wait cut short
     if any(word in text for word in ("timed out", "timeout", "distnetworkerror", "interrupted")):
-        return (
+        return t(
             "something waited for ranks that never came: count who joined (wait_for_world) "
             "before init_process_group, and turn a store that cannot be reached into "
             "WorldSizeMismatch"
         )
-    return "turn the raw failure into your own error"
+    return _raw_failure()
+
+
+def _raw_failure() -> str:
+    """The last resort of _why_not_mismatch (``_check_joined`` says more in its place)."""
+    return t("turn the raw failure into your own error")
 
 
 def _check_mismatch(rank, world_size, result, must_mention):
     if result["outcome"] == "other":
         raise AssertionError(
-            f"rank {rank} failed with {result['message']!r} instead of your WorldSizeMismatch: "
-            f"{_why_not_mismatch(rank, world_size, result['message'], result['in_init'])}"
+            t(
+                "rank {rank} failed with {message!r} instead of your WorldSizeMismatch: {why}",
+                rank=rank,
+                message=result["message"],
+                why=_why_not_mismatch(rank, world_size, result["message"], result["in_init"]),
+            )
         )
-    assert result["outcome"] == "mismatch", (
-        f"rank {rank} should have raised WorldSizeMismatch, but it {result['outcome']}"
+    assert result["outcome"] == "mismatch", t(
+        "rank {rank} should have raised WorldSizeMismatch, but it {outcome}",
+        rank=rank,
+        outcome=result["outcome"],
     )
     # A rank beyond the world must be refused for that reason, not for what went wrong after.
     why = f": {_why_not_mismatch(rank, world_size, '')}" if rank >= world_size else ""
     for text in must_mention:
-        assert re.search(text, result["message"]), (
-            f"rank {rank}'s error should mention {text!r}; it said: {result['message']!r}{why}"
+        assert re.search(text, result["message"]), t(
+            "rank {rank}'s error should mention {text!r}; it said: {message!r}{why}",
+            rank=rank,
+            text=text,
+            message=result["message"],
+            why=why,
         )
-    assert result["seconds"] < GIVE_UP_WITHIN_S, (
-        f"rank {rank} took {result['seconds']:.1f} s to give up with join_timeout_s={JOIN_TIMEOUT_S}: "
-        "stop waiting once the join timeout has passed"
+    assert result["seconds"] < GIVE_UP_WITHIN_S, t(
+        "rank {rank} took {seconds} s to give up with join_timeout_s={join_timeout}: stop "
+        "waiting once the join timeout has passed",
+        rank=rank,
+        seconds=f"{result['seconds']:.1f}",
+        join_timeout=JOIN_TIMEOUT_S,
     )
 
 
@@ -428,19 +517,27 @@ def _check_joined(world_size: int, results: dict) -> None:
         )[0]
         message = failed[rank]["message"]
         why = _why_not_mismatch(rank, world_size, message, failed[rank].get("in_init", False))
-        if failed[rank]["outcome"] == "mismatch" and why.startswith("turn the raw"):
-            why = (
-                f"all {world_size} ranks were started, so no rank may give up: does every rank "
-                "reach rank 0's store and count itself in?"
+        if failed[rank]["outcome"] == "mismatch" and why == _raw_failure():
+            why = t(
+                "all {world_size} ranks were started, so no rank may give up: does every rank "
+                "reach rank 0's store and count itself in?",
+                world_size=world_size,
             )
         raise AssertionError(
-            f"rank {rank} belongs to the world of {world_size} but did not join it: {message}\n"
-            f"{why}"
+            t(
+                "rank {rank} belongs to the world of {world_size} but did not join it: {message}",
+                rank=rank,
+                world_size=world_size,
+                message=message,
+            )
+            + f"\n{why}"
         )
     for rank, result in results.items():
-        assert result["sum"] == world_size, (
-            f"rank {rank}: the world of {world_size} all-reduced to {result['sum']}, expected "
-            f"{world_size}"
+        assert result["sum"] == world_size, t(
+            "rank {rank}: the world of {world_size} all-reduced to {total}, expected {world_size}",
+            rank=rank,
+            world_size=world_size,
+            total=result["sum"],
         )
 
 
@@ -509,17 +606,24 @@ def _check_clear_output(result, command: str) -> None:
         return
     lines = output[output.rfind("\n", 0, found.start()) + 1 :].splitlines()[:3]
     if re.search(r"(?i)connection was likely closed|failed to recv|connection reset", output):
-        why = (
+        why = t(
             "a rank's store call failed because rank 0 had already left: rank 0 owns the store "
             "and must leave last (in wait_for_world, call _rank_zero_leaves_last(store, rank, "
             "joined) before raising)"
         )
     else:
-        why = "a raw error escaped: turn every failure to form the world into WorldSizeMismatch"
+        why = t("a raw error escaped: turn every failure to form the world into WorldSizeMismatch")
     raise AssertionError(
-        f"`{command}` printed a C++ stack trace or a raw error instead of only the clear "
-        f"WorldSizeMismatch lines: {why}. It printed:\n" + "\n".join(lines) + "\n...\n"
-        f"stdout:\n{result.stdout}"
+        t(
+            "`{command}` printed a C++ stack trace or a raw error instead of only the clear "
+            "WorldSizeMismatch lines: {why}. It printed:",
+            command=command,
+            why=why,
+        )
+        + "\n"
+        + "\n".join(lines)
+        + "\n...\n"
+        + f"stdout:\n{result.stdout}"
     )
 
 
@@ -527,13 +631,18 @@ def _check_clear_output(result, command: str) -> None:
 def test_program_fails_like_the_tutorial_with_a_clear_error(kata):
     result = with_free_port(lambda port: run_program(KATA, "--master-port", str(port), timeout=90))
     command = f"python -m katas.{KATA}"
-    assert result.returncode != 0, (
-        f"4 processes with world size 2 must make `{command}` fail (non-zero exit); it exited 0:"
-        f"\n{result.stdout}"
+    assert result.returncode != 0, t(
+        "4 processes with world size 2 must make `{command}` fail (non-zero exit); it exited 0:"
+        "\n{stdout}",
+        command=command,
+        stdout=result.stdout,
     )
     for rank in (2, 3):
-        assert re.search(rf"\[rank {rank}\] WorldSizeMismatch: .*rank {rank}", result.stdout), (
-            f"expected rank {rank}'s WorldSizeMismatch in the output:\n{result.stdout}\n{result.stderr}"
+        assert re.search(rf"\[rank {rank}\] WorldSizeMismatch: .*rank {rank}", result.stdout), t(
+            "expected rank {rank}'s WorldSizeMismatch in the output:\n{stdout}\n{stderr}",
+            rank=rank,
+            stdout=result.stdout,
+            stderr=result.stderr,
         )
     _check_clear_output(result, command)
 
@@ -544,14 +653,20 @@ def test_program_with_fewer_processes_fails_within_seconds(kata):
         lambda port: run_program(KATA, "--fewer", "--master-port", str(port), timeout=90)
     )
     command = f"python -m katas.{KATA} --fewer"
-    assert result.returncode != 0, (
-        f"world size 4 with 2 processes must make `{command}` fail; it exited 0:\n{result.stdout}"
+    assert result.returncode != 0, t(
+        "world size 4 with 2 processes must make `{command}` fail; it exited 0:\n{stdout}",
+        command=command,
+        stdout=result.stdout,
     )
     for rank in (0, 1):
-        assert re.search(rf"\[rank {rank}\] WorldSizeMismatch: .*of 4", result.stdout), (
-            f"expected rank {rank}'s WorldSizeMismatch in the output:\n{result.stdout}\n{result.stderr}"
+        assert re.search(rf"\[rank {rank}\] WorldSizeMismatch: .*of 4", result.stdout), t(
+            "expected rank {rank}'s WorldSizeMismatch in the output:\n{stdout}\n{stderr}",
+            rank=rank,
+            stdout=result.stdout,
+            stderr=result.stderr,
         )
-    assert "2 of 4" in result.stdout, (
-        f"expected '2 of 4' (ranks joined of the world size) in the output:\n{result.stdout}"
+    assert "2 of 4" in result.stdout, t(
+        "expected '2 of 4' (ranks joined of the world size) in the output:\n{stdout}",
+        stdout=result.stdout,
     )
     _check_clear_output(result, command)

@@ -11,6 +11,7 @@ from torch import nn
 from dojo.devices import rank_device
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
+from dojo.lang import t, tn
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.testing import ranks_phrase, run_program_ok
 from dojo.todo import KataTodo
@@ -18,8 +19,8 @@ from dojo.todo import KataTodo
 KATA = "k04_allreduce"
 
 
-def _show(t: torch.Tensor) -> str:
-    values = t.flatten().tolist()
+def _show(tensor: torch.Tensor) -> str:
+    values = tensor.flatten().tolist()
     return str(values[0] if len(values) == 1 else values)
 
 
@@ -38,22 +39,37 @@ def check_tutorial_allreduce(world_size: int) -> list:
     for rank, (before, after, _) in enumerate(results):
         if before == [total] and after == [total] and rank != total:
             raise AssertionError(
-                f"rank {rank}'s 'before' tensor already holds the sum {total}: all_reduce works in "
-                "place and overwrote it. Keep a copy (tensor.clone()) made before the all-reduce."
+                t(
+                    "rank {rank}'s 'before' tensor already holds the sum {total}: all_reduce works "
+                    "in place and overwrote it. Keep a copy (tensor.clone()) made before the "
+                    "all-reduce.",
+                    rank=rank,
+                    total=total,
+                )
             )
-        assert before == [rank], (
-            f"rank {rank} started from {before}, expected tensor([{rank}]): each rank holds its own "
-            "rank number, torch.tensor([rank])"
+        assert before == [rank], t(
+            "rank {rank} started from {before}, expected tensor([{rank}]): each rank holds its "
+            "own rank number, torch.tensor([rank])",
+            rank=rank,
+            before=before,
         )
         if after == [rank] and rank != total:
             raise AssertionError(
-                f"rank {rank} still holds its own value {after} after the all-reduce: call "
-                "dist.all_reduce(tensor) on the very tensor you return (it works in place and "
-                "returns nothing useful), on every rank"
+                t(
+                    "rank {rank} still holds its own value {after} after the all-reduce: call "
+                    "dist.all_reduce(tensor) on the very tensor you return (it works in place and "
+                    "returns nothing useful), on every rank",
+                    rank=rank,
+                    after=after,
+                )
             )
-        assert after == [total], (
-            f"rank {rank} holds {after} after the all-reduce, expected [{total}] ({terms}): use "
-            "op=dist.ReduceOp.SUM"
+        assert after == [total], t(
+            "rank {rank} holds {after} after the all-reduce, expected [{total}] ({terms}): use "
+            "op=dist.ReduceOp.SUM",
+            rank=rank,
+            after=after,
+            total=total,
+            terms=terms,
         )
     return results
 
@@ -73,10 +89,10 @@ def _values(rank: int) -> torch.Tensor:
 
 
 _EXPECTED_OPS = {
-    "sum": ("the element-wise sum", lambda stack: stack.sum(0)),
-    "product": ("the element-wise product", lambda stack: stack.prod(0)),
-    "min": ("the element-wise smallest", lambda stack: stack.min(0).values),
-    "max": ("the element-wise largest", lambda stack: stack.max(0).values),
+    "sum": (lambda: t("the element-wise sum"), lambda stack: stack.sum(0)),
+    "product": (lambda: t("the element-wise product"), lambda stack: stack.prod(0)),
+    "min": (lambda: t("the element-wise smallest"), lambda stack: stack.min(0).values),
+    "max": (lambda: t("the element-wise largest"), lambda stack: stack.max(0).values),
 }
 
 
@@ -89,13 +105,13 @@ def _ops(rank, world_size):
         got[op] = (tensor.cpu(), returned is tensor, _what(returned))
     try:
         all_reduce_with(_values(rank), "median")
-        refused = "returned without an error"
+        refused = t("returned without an error")
     except ValueError as error:
         refused = ("ValueError", str(error))
     except KataTodo:
         raise
     except Exception as error:
-        refused = f"raised {type(error).__name__}: {error}"
+        refused = t("raised {error_type}: {error}", error_type=type(error).__name__, error=error)
     return got, refused
 
 
@@ -103,8 +119,8 @@ def _what(value) -> str:
     if value is None:
         return "None"
     if isinstance(value, torch.Tensor):
-        return f"another tensor, {_show(value.cpu())}"
-    return f"a {type(value).__name__}"
+        return t("another tensor, {value}", value=_show(value.cpu()))
+    return t("a {type_name}", type_name=type(value).__name__)
 
 
 def check_reduce_ops(world_size: int) -> None:
@@ -116,26 +132,42 @@ def check_reduce_ops(world_size: int) -> None:
             tensor, same, returned = got[op]
             if torch.equal(tensor, _values(rank)):
                 raise AssertionError(
-                    f"all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was "
-                    f"({_show(tensor)}): reduce that tensor in place with dist.all_reduce"
+                    t(
+                        "all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was "
+                        "({tensor}): reduce that tensor in place with dist.all_reduce",
+                        op=op,
+                        rank=rank,
+                        tensor=_show(tensor),
+                    )
                 )
-            assert torch.equal(tensor, expected), (
-                f"all_reduce_with(tensor, {op!r}): rank {rank} holds {_show(tensor)}, expected "
-                f"{what} over the {world_size} ranks, {_show(expected)}. Which dist.ReduceOp did "
-                f"{op!r} map to?"
+            assert torch.equal(tensor, expected), t(
+                "all_reduce_with(tensor, {op!r}): rank {rank} holds {tensor}, expected {what} over "
+                "the {world_size} ranks, {expected}. Which dist.ReduceOp did {op!r} map to?",
+                op=op,
+                rank=rank,
+                tensor=_show(tensor),
+                what=what(),
+                world_size=world_size,
+                expected=_show(expected),
             )
-            assert same, (
-                f"all_reduce_with(tensor, {op!r}) reduced rank {rank}'s tensor but returned "
-                f"{returned}: return the very tensor it reduced in place (callers write "
-                f"t = all_reduce_with(t, {op!r}))"
+            assert same, t(
+                "all_reduce_with(tensor, {op!r}) reduced rank {rank}'s tensor but returned "
+                "{returned}: return the very tensor it reduced in place (callers write "
+                "t = all_reduce_with(t, {op!r}))",
+                op=op,
+                rank=rank,
+                returned=returned,
             )
     refused = results[0][1]
-    assert isinstance(refused, tuple), (
-        f"all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError"
+    assert isinstance(refused, tuple), t(
+        "all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError",
+        refused=refused,
     )
-    assert all(op in refused[1] for op in _EXPECTED_OPS), (
-        f"all_reduce_with(tensor, 'median') raised ValueError({refused[1]!r}): name the ops it "
-        f"knows ({', '.join(_EXPECTED_OPS)}) so the caller can fix the call"
+    assert all(op in refused[1] for op in _EXPECTED_OPS), t(
+        "all_reduce_with(tensor, 'median') raised ValueError({said!r}): name the ops it knows "
+        "({ops}) so the caller can fix the call",
+        said=refused[1],
+        ops=", ".join(_EXPECTED_OPS),
     )
 
 
@@ -196,10 +228,15 @@ def _average(rank, world_size, with_none=False):
             "NoneType" in str(error) or isinstance(error, (AttributeError, TypeError))
         ):
             raise AssertionError(
-                f"rank {rank}: average_gradients raised {type(error).__name__}: {error}\n"
-                "This model has parameters whose .grad is None (frozen.weight and frozen.bias "
-                "have requires_grad=False; 'unused' took no part in the forward pass): there is "
-                "nothing to average, so skip them (if param.grad is None: continue)."
+                t(
+                    "rank {rank}: average_gradients raised {error_type}: {error}\n"
+                    "This model has parameters whose .grad is None (frozen.weight and frozen.bias "
+                    "have requires_grad=False; 'unused' took no part in the forward pass): there "
+                    "is nothing to average, so skip them (if param.grad is None: continue).",
+                    rank=rank,
+                    error_type=type(error).__name__,
+                    error=error,
+                )
             ) from error
         raise
     return {
@@ -223,7 +260,7 @@ def _label(got: torch.Tensor, named: dict) -> str:
     for what, tensor in named.items():
         if _close(got, tensor):
             return what
-    return "neither the mean, the sum nor its own gradient"
+    return t("neither the mean, the sum nor its own gradient")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -238,18 +275,32 @@ def _run_average(world_size: int, with_none: bool):
         returned = [rank for rank in range(world_size) if rank not in stuck]
         if not returned:
             raise AssertionError(
-                f"average_gradients never returned on any of the {world_size} ranks: the ranks "
-                "called different collectives, or the same ones in a different order. Every rank "
-                "must make the same dist.all_reduce calls, one per parameter with a gradient, in "
-                f"the order of model.parameters().\n\n{failure}"
+                t(
+                    "average_gradients never returned on any of the {world_size} ranks: the ranks "
+                    "called different collectives, or the same ones in a different order. Every "
+                    "rank must make the same dist.all_reduce calls, one per parameter with a "
+                    "gradient, in the order of model.parameters().\n\n{failure}",
+                    world_size=world_size,
+                    failure=failure,
+                )
             ) from None
-        were = "was" if len(stuck) == 1 else "were"
         raise AssertionError(
-            f"average_gradients deadlocked: {ranks_phrase(stuck)} {were} still waiting in a collective "
-            f"after {ranks_phrase(returned)} had returned, so {ranks_phrase(returned)} skipped the "
-            f"all-reduces that {ranks_phrase(stuck)} made. Every rank must call dist.all_reduce for "
-            "every parameter with a gradient (a collective completes only when all ranks call "
-            f"it): no `if rank == ...` around the loop.\n\n{failure}"
+            tn(
+                "average_gradients deadlocked: {stuck} was still waiting in a collective after "
+                "{returned} had returned, so {returned} skipped the all-reduces that {stuck} made. "
+                "Every rank must call dist.all_reduce for every parameter with a gradient (a "
+                "collective completes only when all ranks call it): no `if rank == ...` around "
+                "the loop.\n\n{failure}",
+                "average_gradients deadlocked: {stuck} were still waiting in a collective after "
+                "{returned} had returned, so {returned} skipped the all-reduces that {stuck} made. "
+                "Every rank must call dist.all_reduce for every parameter with a gradient (a "
+                "collective completes only when all ranks call it): no `if rank == ...` around "
+                "the loop.\n\n{failure}",
+                len(stuck),
+                stuck=ranks_phrase(stuck),
+                returned=ranks_phrase(returned),
+                failure=failure,
+            )
         ) from None
 
 
@@ -264,24 +315,39 @@ def check_average_gradients(world_size: int, with_none: bool = False) -> None:
             if not _close(got_value, values[rank]):
                 if _close(got_value, sum(values) / n) or _close(got_value, sum(values)):
                     raise AssertionError(
-                        f"average_gradients changed the value of parameter {name!r} on rank {rank} "
-                        f"to {_show(got_value)} (it was {_show(values[rank])}, and the ranks' values "
-                        "differ in this test): it all-reduced param.data, the weights themselves. "
-                        "Reduce param.grad instead."
+                        t(
+                            "average_gradients changed the value of parameter {name!r} on rank "
+                            "{rank} to {got} (it was {was}, and the ranks' values differ in this "
+                            "test): it all-reduced param.data, the weights themselves. Reduce "
+                            "param.grad instead.",
+                            name=name,
+                            rank=rank,
+                            got=_show(got_value),
+                            was=_show(values[rank]),
+                        )
                     )
                 raise AssertionError(
-                    f"average_gradients changed the value of parameter {name!r} on rank {rank} from "
-                    f"{_show(values[rank])} to {_show(got_value)}: it must touch only .grad (the "
-                    "optimizer's step changes the values)"
+                    t(
+                        "average_gradients changed the value of parameter {name!r} on rank {rank} "
+                        "from {was} to {got}: it must touch only .grad (the optimizer's step "
+                        "changes the values)",
+                        name=name,
+                        rank=rank,
+                        was=_show(values[rank]),
+                        got=_show(got_value),
+                    )
                 )
         if with_none and _no_grad(name):
             for rank in range(n):
                 grad = results[rank][name][1]
-                assert grad is None, (
-                    f"parameter {name!r} had no gradient (.grad None) on rank {rank}, but after "
-                    f"average_gradients it holds {_show(grad)}: leave such parameters alone. The "
+                assert grad is None, t(
+                    "parameter {name!r} had no gradient (.grad None) on rank {rank}, but after "
+                    "average_gradients it holds {grad}: leave such parameters alone. The "
                     "optimizer skips a parameter without a gradient, while a zero gradient still "
-                    "moves it through momentum or weight decay."
+                    "moves it through momentum or weight decay.",
+                    name=name,
+                    rank=rank,
+                    grad=_show(grad),
                 )
             continue
         mean, total = sum(own) / n, sum(own)
@@ -289,11 +355,15 @@ def check_average_gradients(world_size: int, with_none: bool = False) -> None:
         emptied = [rank for rank, grad in enumerate(grads) if grad is None]
         if emptied:
             raise AssertionError(
-                f"after average_gradients, parameter {name!r} has no gradient (.grad None) on "
-                f"{ranks_phrase(emptied)}, though it held one before: a gradient was replaced, not "
-                "averaged. dist.all_reduce returns None (a Work handle with async_op=True): it "
-                "changes the tensor you pass in place, so call it on param.grad and keep "
-                "param.grad, without assigning its result."
+                t(
+                    "after average_gradients, parameter {name!r} has no gradient (.grad None) on "
+                    "{ranks}, though it held one before: a gradient was replaced, not averaged. "
+                    "dist.all_reduce returns None (a Work handle with async_op=True): it changes "
+                    "the tensor you pass in place, so call it on param.grad and keep param.grad, "
+                    "without assigning its result.",
+                    name=name,
+                    ranks=ranks_phrase(emptied),
+                )
             )
         if all(_close(g, mean) for g in grads):
             averaged.append(name)
@@ -303,51 +373,88 @@ def check_average_gradients(world_size: int, with_none: bool = False) -> None:
             continue
         if all(_close(g, total) for g in grads):
             problems.append(
-                f"every rank holds the sum of the {n} ranks' gradients for {name!r} "
-                f"({_show(total)}), not their mean ({_show(mean)}): after the SUM all-reduce, "
-                "divide by the world size, dist.get_world_size()"
+                t(
+                    "every rank holds the sum of the {n} ranks' gradients for {name!r} ({total}), "
+                    "not their mean ({mean}): after the SUM all-reduce, divide by the world size, "
+                    "dist.get_world_size()",
+                    n=n,
+                    name=name,
+                    total=_show(total),
+                    mean=_show(mean),
+                )
             )
         elif all(_close(g, own[rank] / n) for rank, g in enumerate(grads)):
             problems.append(
-                f"each rank divided its own gradient of {name!r} by {n} but never combined them "
-                f"(rank 0 holds {_show(grads[0])}, the mean is {_show(mean)}): all_reduce the "
-                "gradient across the ranks as well"
+                t(
+                    "each rank divided its own gradient of {name!r} by {n} but never combined "
+                    "them (rank 0 holds {held}, the mean is {mean}): all_reduce the gradient "
+                    "across the ranks as well",
+                    name=name,
+                    n=n,
+                    held=_show(grads[0]),
+                    mean=_show(mean),
+                )
             )
         elif all(_close(g, grads[0]) for g in grads):
             problems.append(
-                f"every rank holds {_show(grads[0])} for the gradient of {name!r}, expected the mean "
-                f"{_show(mean)}: the sum {_show(total)} divided by the world size {n}. Divide by "
-                "dist.get_world_size() (not a fixed number), after a SUM all-reduce."
+                t(
+                    "every rank holds {held} for the gradient of {name!r}, expected the mean "
+                    "{mean}: the sum {total} divided by the world size {n}. Divide by "
+                    "dist.get_world_size() (not a fixed number), after a SUM all-reduce.",
+                    held=_show(grads[0]),
+                    name=name,
+                    mean=_show(mean),
+                    total=_show(total),
+                    n=n,
+                )
             )
         else:
-            named = {"the mean": mean, "the sum": total}
+            named = {t("the mean"): mean, t("the sum"): total}
+            own_gradient = t("its own gradient")
             lines = "\n".join(
-                f"  rank {rank} holds {_show(g)} ({_label(g, {**named, 'its own gradient': own[rank]})})"
+                t(
+                    "  rank {rank} holds {held} ({what})",
+                    rank=rank,
+                    held=_show(g),
+                    what=_label(g, {**named, own_gradient: own[rank]}),
+                )
                 for rank, g in enumerate(grads)
             )
             problems.append(
-                f"the ranks disagree about the gradient of {name!r} after average_gradients "
-                f"(expected the mean {_show(mean)} on every rank):\n{lines}\n"
-                "Every rank must end with the same mean, or the replicas drift apart: use "
-                "dist.all_reduce (every rank gets the result; dist.reduce gives it to one rank "
-                "only), and divide on every rank."
+                t(
+                    "the ranks disagree about the gradient of {name!r} after average_gradients "
+                    "(expected the mean {mean} on every rank):\n{lines}\n"
+                    "Every rank must end with the same mean, or the replicas drift apart: use "
+                    "dist.all_reduce (every rank gets the result; dist.reduce gives it to one "
+                    "rank only), and divide on every rank.",
+                    name=name,
+                    mean=_show(mean),
+                    lines=lines,
+                )
             )
     if untouched and averaged:
         problems.insert(
             0,
-            f"the gradients of {', '.join(map(repr, untouched))} were not averaged: every rank still "
-            f"holds its own, while {', '.join(map(repr, averaged))} were. Average every parameter: "
-            "loop over model.parameters() (weights and biases, every layer).",
+            t(
+                "the gradients of {untouched} were not averaged: every rank still holds its own, "
+                "while {averaged} were. Average every parameter: loop over model.parameters() "
+                "(weights and biases, every layer).",
+                untouched=", ".join(map(repr, untouched)),
+                averaged=", ".join(map(repr, averaged)),
+            ),
         )
     elif untouched:
         problems.insert(
             0,
-            "no gradient was averaged: after average_gradients every rank still holds its own .grad. "
-            "Did you all-reduce param.data (the values) instead of param.grad, or a copy of the "
-            "gradient that you then dropped? dist.all_reduce(param.grad) changes param.grad in place.",
+            t(
+                "no gradient was averaged: after average_gradients every rank still holds its own "
+                ".grad. Did you all-reduce param.data (the values) instead of param.grad, or a "
+                "copy of the gradient that you then dropped? dist.all_reduce(param.grad) changes "
+                "param.grad in place."
+            ),
         )
     if problems:
-        raise AssertionError(f"with {n} ranks: " + "\n".join(problems))
+        raise AssertionError(t("with {n} ranks: ", n=n) + "\n".join(problems))
 
 
 @pytest.mark.step(3)
@@ -381,10 +488,11 @@ def test_program_prints_every_rank_before_and_after(kata):
     expected = [f"[rank {rank}] before all_reduce: tensor([{rank}])" for rank in range(4)]
     expected += [f"[rank {rank}] after  all_reduce(SUM): tensor([6])" for rank in range(4)]
     shown = [line for line in done.stdout.splitlines() if line.startswith("[rank ")]
-    assert shown == expected, (
+    assert shown == expected, t(
         "the program should print every rank's tensor before, then after, in rank order:\n"
-        + "\n".join(expected)
-        + f"\nbut it printed:\n{done.stdout}"
+        "{expected}\nbut it printed:\n{printed}",
+        expected="\n".join(expected),
+        printed=done.stdout,
     )
     assert "[main] every rank holds [6] after the all-reduce" in done.stdout, done.stdout
 
@@ -412,15 +520,18 @@ def _on_cuda(rank, world_size):
 def _check_on_cuda(results, world_size):
     mean = (world_size + 1) / 2
     for rank, (after, device, grad_devices, grads) in enumerate(results):
-        assert device == "cuda" and grad_devices == {"cuda"}, (
-            f"rank {rank}: the tensors ended on {device} (gradients on {grad_devices}), expected "
-            "cuda: make every tensor on dojo.devices.rankrank_device()"
+        assert device == "cuda" and grad_devices == {"cuda"}, t(
+            "rank {rank}: the tensors ended on {device} (gradients on {grad_devices}), expected "
+            "cuda: make every tensor on dojo.devices.rank_device()",
+            rank=rank,
+            device=device,
+            grad_devices=grad_devices,
         )
-        assert after == [sum(range(world_size))], (
-            f"rank {rank} holds {after} after the SUM all-reduce"
+        assert after == [sum(range(world_size))], t(
+            "rank {rank} holds {after} after the SUM all-reduce", rank=rank, after=after
         )
-        assert all(torch.all(g == mean) for g in grads), (
-            f"rank {rank}'s averaged gradients are not {mean}"
+        assert all(torch.all(g == mean) for g in grads), t(
+            "rank {rank}'s averaged gradients are not {mean}", rank=rank, mean=mean
         )
 
 

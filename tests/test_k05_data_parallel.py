@@ -15,6 +15,7 @@ from dojo import data
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
+from dojo.lang import t, tn
 from dojo.models import ConvNet
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.testing import (
@@ -103,7 +104,7 @@ def _run_replicas(tmp_path, function: str) -> list:
 
 
 def _times(count: int) -> str:
-    return "once" if count == 1 else f"{count} times"
+    return t("once") if count == 1 else t("{count} times", count=count)
 
 
 def _check_broadcasts(results: list, function: str) -> None:
@@ -113,59 +114,112 @@ def _check_broadcasts(results: list, function: str) -> None:
     ended = ""
     if any(failures):
         rank = next(r for r, failure in enumerate(failures) if failure)
-        ended = (
-            f"\n(the broadcasts never completed: rank {rank}'s ended in {failures[rank]}; "
-            f"here the group gives up after {GROUP_TIMEOUT_S:g} s, a real one waits for ever)"
+        ended = "\n" + t(
+            "(the broadcasts never completed: rank {rank}'s ended in {failure}; here the group "
+            "gives up after {seconds} s, a real one waits for ever)",
+            rank=rank,
+            failure=failures[rank],
+            seconds=f"{GROUP_TIMEOUT_S:g}",
         )
     for rank, calls in enumerate(made):
         others = sorted({name for name, _, _ in calls if name != "broadcast"})
         if "all_reduce" in others:
             raise AssertionError(
-                f"rank {rank}'s {function} called dist.all_reduce: averaging the replicas makes "
-                "them equal, but not equal to rank 0's, and it is not what the lesson asks. Copy "
-                f"rank 0's tensors with dist.broadcast(tensor, src=0) instead.{ended}"
+                t(
+                    "rank {rank}'s {function} called dist.all_reduce: averaging the replicas "
+                    "makes them equal, but not equal to rank 0's, and it is not what the "
+                    "lesson asks. Copy rank 0's tensors with dist.broadcast(tensor, src=0) "
+                    "instead.{ended}",
+                    rank=rank,
+                    function=function,
+                    ended=ended,
+                )
             )
         if others:
             raise AssertionError(
-                f"rank {rank}'s {function} called {', '.join(others)}: copying rank 0's tensors "
-                f"takes only dist.broadcast(tensor, src=0), on every rank.{ended}"
+                t(
+                    "rank {rank}'s {function} called {names}: copying rank 0's tensors takes "
+                    "only dist.broadcast(tensor, src=0), on every rank.{ended}",
+                    rank=rank,
+                    function=function,
+                    names=", ".join(others),
+                    ended=ended,
+                )
             )
     counts = [len(calls) for calls in made]
     if any(counts) and not all(counts):
         did = [r for r, count in enumerate(counts) if count]
         skipped = [r for r, count in enumerate(counts) if not count]
-        by = ", ".join(f"rank {r} called dist.broadcast {_times(counts[r])}" for r in did)
+        by = ", ".join(
+            t("rank {rank} called dist.broadcast {times}", rank=r, times=_times(counts[r]))
+            for r in did
+        )
         raise AssertionError(
-            f"{function}: {by}, {ranks_phrase(skipped)} never did. A broadcast "
-            "is a collective: every rank calls it for the same tensors, rank 0 to send them and "
-            "the others to receive them into their own. Do not put the broadcasts under an "
-            f"`if rank == ...`.{ended}"
+            t(
+                "{function}: {by}, {skipped} never did. A broadcast is a collective: "
+                "every rank calls it for the same tensors, rank 0 to send them and the "
+                "others to receive them into their own. Do not put the broadcasts under an "
+                "`if rank == ...`.{ended}",
+                function=function,
+                by=by,
+                skipped=ranks_phrase(skipped),
+                ended=ended,
+            )
         )
     for index in range(min(counts, default=0)):
         sources = [calls[index][1] for calls in made]
         if len(set(sources)) > 1:
-            used = ", ".join(f"rank {r} used src={src}" for r, src in enumerate(sources))
+            used = ", ".join(
+                t("rank {rank} used src={src}", rank=r, src=src) for r, src in enumerate(sources)
+            )
             raise AssertionError(
-                f"{function}: the ranks named different sources in broadcast number {index + 1}: "
-                f"{used}. The source is the rank whose tensor everyone gets, so every rank must "
-                "name the same one, rank 0 (src=0), whatever its own rank; with different "
-                f"sources the ranks wait for each other for ever.{ended}"
+                t(
+                    "{function}: the ranks named different sources in broadcast number "
+                    "{number}: {used}. The source is the rank whose tensor everyone gets, so "
+                    "every rank must name the same one, rank 0 (src=0), whatever its own "
+                    "rank; with different sources the ranks wait for each other for "
+                    "ever.{ended}",
+                    function=function,
+                    number=index + 1,
+                    used=used,
+                    ended=ended,
+                )
             )
     if len(set(counts)) > 1:
-        by = ", ".join(f"rank {r} called it {_times(count)}" for r, count in enumerate(counts))
+        by = ", ".join(
+            t("rank {rank} called it {times}", rank=r, times=_times(count))
+            for r, count in enumerate(counts)
+        )
         raise AssertionError(
-            f"{function}: the ranks made different numbers of broadcasts ({by}): every rank must "
-            f"broadcast the same tensors, in the same order.{ended}"
+            t(
+                "{function}: the ranks made different numbers of broadcasts ({by}): every "
+                "rank must broadcast the same tensors, in the same order.{ended}",
+                function=function,
+                by=by,
+                ended=ended,
+            )
         )
     sources = {src for calls in made for _, src, _ in calls}
     if sources and sources != {0}:
         raise AssertionError(
-            f"{function}: every rank broadcast from src={sorted(sources)[0]}: the replicas must "
-            f"all take rank 0's tensors, src=0.{ended}"
+            t(
+                "{function}: every rank broadcast from src={source}: the replicas must all "
+                "take rank 0's tensors, src=0.{ended}",
+                function=function,
+                source=sorted(sources)[0],
+                ended=ended,
+            )
         )
     if any(failures):
         rank = next(r for r, failure in enumerate(failures) if failure)
-        raise AssertionError(f"rank {rank}'s {function} raised {failures[rank]}")
+        raise AssertionError(
+            t(
+                "rank {rank}'s {function} raised {failures}",
+                rank=rank,
+                function=function,
+                failures=failures[rank],
+            )
+        )
 
 
 def _is_buffer(name: str) -> bool:
@@ -188,21 +242,33 @@ def test_broadcast_buffers_copies_rank_0s_statistics_only(kata, tmp_path):
                     continue
                 if torch.equal(tensor, before[name]) and calls:
                     raise AssertionError(
-                        f"rank {rank} called dist.broadcast(src=0) {_times(len(calls))}, but its "
-                        f"buffer {name!r} still holds its own values: broadcast each buffer itself "
-                        "(it is filled in place), not a copy of it, and every buffer of "
-                        "model.buffers()"
+                        t(
+                            "rank {rank} called dist.broadcast(src=0) {times}, but its "
+                            "buffer {name!r} still holds its own values: broadcast each "
+                            "buffer itself (it is filled in place), not a copy of it, and "
+                            "every buffer of model.buffers()",
+                            rank=rank,
+                            times=_times(len(calls)),
+                            name=name,
+                        )
                     )
                 raise AssertionError(
-                    f"after broadcast_buffers rank {rank}'s {name!r} holds "
-                    f"{tensor.flatten()[:3].tolist()}..., not rank 0's "
-                    f"{source[name].flatten()[:3].tolist()}...: dist.broadcast(buffer, src=0) "
-                    "for every buffer in model.buffers()"
+                    t(
+                        "after broadcast_buffers rank {rank}'s {name!r} holds {tensor}..., "
+                        "not rank 0's {source}...: dist.broadcast(buffer, src=0) for every "
+                        "buffer in model.buffers()",
+                        rank=rank,
+                        name=name,
+                        tensor=tensor.flatten()[:3].tolist(),
+                        source=source[name].flatten()[:3].tolist(),
+                    )
                 )
-            assert torch.equal(tensor, before[name]), (
-                f"broadcast_buffers changed rank {rank}'s parameter {name!r}: it copies the buffers "
-                "only (model.buffers(), not model.parameters() or the state_dict; averaged "
-                "gradients keep the parameters identical)"
+            assert torch.equal(tensor, before[name]), t(
+                "broadcast_buffers changed rank {rank}'s parameter {name!r}: it copies "
+                "the buffers only (model.buffers(), not model.parameters() or the "
+                "state_dict; averaged gradients keep the parameters identical)",
+                rank=rank,
+                name=name,
             )
 
 
@@ -218,30 +284,54 @@ def test_make_replicas_identical_copies_rank_0(kata, tmp_path):
                 continue
             if rank == 0:
                 raise AssertionError(
-                    f"make_replicas_identical changed rank 0's own {name!r}: rank 0 is the source "
-                    "that every rank copies (dist.broadcast(tensor, src=0))"
+                    t(
+                        "make_replicas_identical changed rank 0's own {name!r}: rank 0 is "
+                        "the source that every rank copies (dist.broadcast(tensor, src=0))",
+                        name=name,
+                    )
                 )
             if name in buffers and torch.equal(after[name], before[name]):
                 raise AssertionError(
-                    f"rank {rank}'s BatchNorm buffer {name!r} (a running statistic) still holds its "
-                    "own values: make_replicas_identical must call broadcast_buffers(model) too. "
-                    "Buffers are not parameters and no gradient averages them, yet evaluation uses them."
+                    t(
+                        "rank {rank}'s BatchNorm buffer {name!r} (a running statistic) still "
+                        "holds its own values: make_replicas_identical must call "
+                        "broadcast_buffers(model) too. Buffers are not parameters and no "
+                        "gradient averages them, yet evaluation uses them.",
+                        rank=rank,
+                        name=name,
+                    )
                 )
             if torch.equal(after[name], before[name]):
                 if tuple(expected.shape) in _broadcast_shapes(calls):
                     raise AssertionError(
-                        f"rank {rank} broadcast a tensor shaped like its parameter {name!r} "
-                        f"{tuple(expected.shape)}, yet {name!r} still holds its own random values: "
-                        "broadcast the parameter itself, which dist.broadcast fills in place, not "
-                        "a copy of it (param.clone(), param.detach().clone(), torch.tensor(param))"
+                        t(
+                            "rank {rank} broadcast a tensor shaped like its parameter "
+                            "{name!r} {shape}, yet {name!r} still holds its own random "
+                            "values: broadcast the parameter itself, which dist.broadcast "
+                            "fills in place, not a copy of it (param.clone(), "
+                            "param.detach().clone(), torch.tensor(param))",
+                            rank=rank,
+                            name=name,
+                            shape=tuple(expected.shape),
+                        )
                     )
                 raise AssertionError(
-                    f"rank {rank}'s parameter {name!r} still holds its own random values: broadcast "
-                    "every parameter from rank 0 (dist.broadcast(param, src=0), inside torch.no_grad())"
+                    t(
+                        "rank {rank}'s parameter {name!r} still holds its own random values: "
+                        "broadcast every parameter from rank 0 (dist.broadcast(param, "
+                        "src=0), inside torch.no_grad())",
+                        rank=rank,
+                        name=name,
+                    )
                 )
             raise AssertionError(
-                f"rank {rank}'s {name!r} differs from rank 0's by up to "
-                f"{_max_difference(after[name], expected):.3g}: copy rank 0's values exactly"
+                t(
+                    "rank {rank}'s {name!r} differs from rank 0's by up to "
+                    "{max_difference:.3g}: copy rank 0's values exactly",
+                    rank=rank,
+                    name=name,
+                    max_difference=_max_difference(after[name], expected),
+                )
             )
 
 
@@ -254,9 +344,13 @@ def _shards(kata, num_samples, world_size):
         shard = kata.shard_indices(num_samples, rank, world_size)
         again = kata.shard_indices(num_samples, rank, world_size)
         shard, again = [int(i) for i in shard], [int(i) for i in again]
-        assert shard == again, (
-            f"shard_indices({num_samples}, {rank}, {world_size}) gave two different answers: every "
-            "rank computes the shards on its own, so they must come out the same every time"
+        assert shard == again, t(
+            "shard_indices({num_samples}, {rank}, {world_size}) gave two different "
+            "answers: every rank computes the shards on its own, so they must come out "
+            "the same every time",
+            num_samples=num_samples,
+            rank=rank,
+            world_size=world_size,
         )
         shards.append(shard)
     return shards
@@ -277,41 +371,70 @@ def test_shards_are_disjoint_equal_and_cover_the_data(kata, num_samples, world_s
     per_rank = num_samples // world_size
     for rank, shard in enumerate(shards):
         outside = [i for i in shard if not 0 <= i < num_samples]
-        assert not outside, (
-            f"rank {rank}'s shard holds indices {outside[:5]}, outside 0..{num_samples - 1}"
+        assert not outside, t(
+            "rank {rank}'s shard holds indices {outside}, outside 0..{num_samples}",
+            rank=rank,
+            outside=outside[:5],
+            num_samples=num_samples - 1,
         )
-        assert len(set(shard)) == len(shard), (
-            f"rank {rank}'s shard holds an index twice: {shard[:20]}"
+        assert len(set(shard)) == len(shard), t(
+            "rank {rank}'s shard holds an index twice: {shard}",
+            rank=rank,
+            shard=shard[:20],
         )
         if world_size > 1 and len(shard) == num_samples:
             raise AssertionError(
-                f"rank {rank} got all {num_samples} samples, the whole data set, as in the "
-                f"tutorial: then {world_size} ranks do the same work {world_size} times. Each rank "
-                f"takes only its own {num_samples} // {world_size} = {per_rank}"
+                t(
+                    "rank {rank} got all {num_samples} samples, the whole data set, as in "
+                    "the tutorial: then {world_size} ranks do the same work {world_size} "
+                    "times. Each rank takes only its own {num_samples} // {world_size} = "
+                    "{per_rank}",
+                    rank=rank,
+                    num_samples=num_samples,
+                    world_size=world_size,
+                    per_rank=per_rank,
+                )
             )
-        assert len(shard) == per_rank, (
-            f"with {num_samples} samples and {world_size} ranks, rank {rank} got {len(shard)} samples, "
-            f"expected {num_samples} // {world_size} = {per_rank}. Every rank needs the same number, "
-            "or the ranks take different numbers of steps and the last all_reduce waits for ever: "
-            "drop the few left over"
+        assert len(shard) == per_rank, t(
+            "with {num_samples} samples and {world_size} ranks, rank {rank} got {count} "
+            "samples, expected {num_samples} // {world_size} = {per_rank}. Every rank "
+            "needs the same number, or the ranks take different numbers of steps and the "
+            "last all_reduce waits for ever: drop the few left over",
+            num_samples=num_samples,
+            world_size=world_size,
+            rank=rank,
+            count=len(shard),
+            per_rank=per_rank,
         )
     if world_size > 1 and all(shard == shards[0] for shard in shards):
         raise AssertionError(
-            f"with {num_samples} samples and {world_size} ranks, every rank got the same shard "
-            f"{_span(shards[0])}: each rank must take its own block, starting at "
-            "rank * (num_samples // world_size), or all ranks train on the same samples"
+            t(
+                "with {num_samples} samples and {world_size} ranks, every rank got the same "
+                "shard {span}: each rank must take its own block, starting at rank * "
+                "(num_samples // world_size), or all ranks train on the same samples",
+                num_samples=num_samples,
+                world_size=world_size,
+                span=_span(shards[0]),
+            )
         )
     seen = {}
     for rank, shard in enumerate(shards):
         for index in shard:
-            assert index not in seen, (
-                f"sample {index} is in the shards of rank {seen[index]} and rank {rank}: shards must "
-                "be disjoint (ranks that train on the same samples do the same work twice)"
+            assert index not in seen, t(
+                "sample {index} is in the shards of rank {seen} and rank {rank}: shards "
+                "must be disjoint (ranks that train on the same samples do the same work "
+                "twice)",
+                index=index,
+                seen=seen[index],
+                rank=rank,
             )
             seen[index] = rank
     covered = len(seen)
-    assert covered == per_rank * world_size, (
-        f"the shards cover {covered} of {num_samples} samples, expected {per_rank * world_size}"
+    assert covered == per_rank * world_size, t(
+        "the shards cover {covered} of {num_samples} samples, expected {per_rank}",
+        covered=covered,
+        num_samples=num_samples,
+        per_rank=per_rank * world_size,
     )
 
 
@@ -319,18 +442,23 @@ def test_shards_are_disjoint_equal_and_cover_the_data(kata, num_samples, world_s
 @pytest.mark.parametrize(
     "num_samples, rank, world_size, wrong, why",
     [
-        (10, 3, 3, "3", "rank 3 is not in a world of 3 ranks (0, 1, 2)"),
-        (10, -1, 3, "-1", "rank -1 is not a rank (ranks count from 0)"),
-        (2, 0, 3, "2", "2 samples cannot give each of 3 ranks one"),
-        (10, 0, 0, "0", "a world of 0 ranks has no rank 0"),
+        (10, 3, 3, "3", lambda: t("rank 3 is not in a world of 3 ranks (0, 1, 2)")),
+        (10, -1, 3, "-1", lambda: t("rank -1 is not a rank (ranks count from 0)")),
+        (2, 0, 3, "2", lambda: t("2 samples cannot give each of 3 ranks one")),
+        (10, 0, 0, "0", lambda: t("a world of 0 ranks has no rank 0")),
     ],
+    ids=["rank-past-the-world", "negative-rank", "too-few-samples", "no-ranks"],
 )
 def test_shards_refuse_impossible_requests(kata, num_samples, rank, world_size, wrong, why):
+    why = why()  # in the learner's language
+
     def returned(got) -> str:
-        return (
-            f"returned {list(got)[:10]}: {why}. Check the request first and raise ValueError "
-            "saying what is wrong, or a rank launched with a bad number trains on someone else's "
-            "samples (or none)"
+        return t(
+            "returned {got}: {why}. Check the request first and raise ValueError saying what is "
+            "wrong, or a rank launched with a bad number trains on someone else's samples (or "
+            "none)",
+            got=list(got)[:10],
+            why=why,
         )
 
     call = f"shard_indices({num_samples}, rank={rank}, world_size={world_size})"
@@ -421,44 +549,67 @@ def _check_the_step_calls(results) -> None:
     """What each rank's train_step did, in order: the averaging, then the optimizer's step."""
     for rank, (_, _, steps) in enumerate(results):
         for number, step in enumerate(steps, start=1):
-            this = f"rank {rank}'s train_step number {number}"
+            this = t("rank {rank}'s train_step number {number}", rank=rank, number=number)
             stepped = step["optimizer_steps"]
             reduces = [(shapes, at) for name, shapes, at in step["calls"] if name == "all_reduce"]
             if not stepped:
                 raise AssertionError(
-                    f"{this} never called optimizer.step(): without it the weights never change. "
-                    "Call it after averaging the gradients."
+                    t(
+                        "{this} never called optimizer.step(): without it the weights never "
+                        "change. Call it after averaging the gradients.",
+                        this=this,
+                    )
                 )
             if len(stepped) > 1:
                 raise AssertionError(
-                    f"{this} called optimizer.step() {len(stepped)} times: one step per batch"
+                    t(
+                        "{this} called optimizer.step() {count} times: one step per batch",
+                        this=this,
+                        count=len(stepped),
+                    )
                 )
             moment, gradient = stepped[0]
             if gradient == 0:
                 raise AssertionError(
-                    f"{this}: every gradient was zero (or None) when optimizer.step() ran, so the "
-                    "weights never moved. zero_grad() between backward() and step() wipes the "
-                    "gradients backward just computed: zero them before loss.backward() (or after "
-                    "optimizer.step())."
+                    t(
+                        "{this}: every gradient was zero (or None) when optimizer.step() "
+                        "ran, so the weights never moved. zero_grad() between backward() and "
+                        "step() wipes the gradients backward just computed: zero them before "
+                        "loss.backward() (or after optimizer.step()).",
+                        this=this,
+                    )
                 )
             if not reduces:
                 raise AssertionError(
-                    f"{this} made no all-reduce: each rank stepped with the gradient of its own "
-                    "images only, and the replicas drift apart. Call average_gradients(model) "
-                    "(your k04) after loss.backward() and before optimizer.step()."
+                    t(
+                        "{this} made no all-reduce: each rank stepped with the gradient of "
+                        "its own images only, and the replicas drift apart. Call "
+                        "average_gradients(model) (your k04) after loss.backward() and "
+                        "before optimizer.step().",
+                        this=this,
+                    )
                 )
             if all(all(s in ((), (1,)) for s in shapes) for shapes, _ in reduces):
                 raise AssertionError(
-                    f"{this} all-reduced only a single number (the loss?), never a gradient: "
-                    "averaging the loss does not change the gradients each rank steps with. Call "
-                    "average_gradients(model) after loss.backward(), and return this rank's own loss."
+                    t(
+                        "{this} all-reduced only a single number (the loss?), never a "
+                        "gradient: averaging the loss does not change the gradients each "
+                        "rank steps with. Call average_gradients(model) after "
+                        "loss.backward(), and return this rank's own loss.",
+                        this=this,
+                    )
                 )
             late = [at for _, at in reduces if at > moment]
             if late:
                 raise AssertionError(
-                    f"{this} all-reduced after optimizer.step() ({len(late)} of its {len(reduces)} "
-                    "all-reduces came after the step): the step had already used this rank's own "
-                    "gradient. Average first (after backward), then step."
+                    t(
+                        "{this} all-reduced after optimizer.step() ({late} of its {reduces} "
+                        "all-reduces came after the step): the step had already used this "
+                        "rank's own gradient. Average first (after backward), then step.",
+                        this=this,
+                        late=len(late),
+                        reduces=len(reduces),
+                    )
                 )
 
 
@@ -473,9 +624,11 @@ def test_ranks_on_shards_step_like_one_process_on_the_whole_batch(kata):
     images, labels = _batches()
     per_rank = GLOBAL_BATCH // world_size
     for rank, (losses, _, _) in enumerate(results):
-        assert isinstance(losses[0], float), (
-            f"rank {rank}'s train_step returned {losses[0]}: return this rank's loss as a float, "
-            "loss.item()"
+        assert isinstance(losses[0], float), t(
+            "rank {rank}'s train_step returned {loss}: return this rank's loss as a "
+            "float, loss.item()",
+            rank=rank,
+            loss=losses[0],
         )
     _check_the_step_calls(results)
     initial, expected = _one_process_on_the_whole_batch()
@@ -484,51 +637,79 @@ def test_ranks_on_shards_step_like_one_process_on_the_whole_batch(kata):
         for rank, (losses, _, _) in enumerate(results):
             part = slice(rank * per_rank, (rank + 1) * per_rank)
             own = F.cross_entropy(model(images[part]), labels[part]).item()
-            assert abs(losses[0] - own) <= 1e-4 * abs(own), (
-                f"rank {rank}'s first train_step returned {losses[0]:.5f}, expected {own:.5f}: the "
-                f"mean cross-entropy (F.cross_entropy) of its own {per_rank} images, before the step"
+            assert abs(losses[0] - own) <= 1e-4 * abs(own), t(
+                "rank {rank}'s first train_step returned {loss:.5f}, expected "
+                "{own:.5f}: the mean cross-entropy (F.cross_entropy) of its own "
+                "{per_rank} images, before the step",
+                rank=rank,
+                loss=losses[0],
+                own=own,
+                per_rank=per_rank,
             )
     names = list(expected)
     for rank, (_, params, _) in enumerate(results):
         if all(torch.equal(params[n], initial[n]) for n in names):
             raise AssertionError(
-                f"after {STEPS} calls of train_step rank {rank}'s weights have not changed: call "
-                "optimizer.step() after loss.backward()"
+                t(
+                    "after {STEPS} calls of train_step rank {rank}'s weights have not "
+                    "changed: call optimizer.step() after loss.backward()",
+                    STEPS=STEPS,
+                    rank=rank,
+                )
             )
     for rank, (_, params, _) in enumerate(results[1:], start=1):
         name = max(names, key=lambda n: _max_difference(params[n], results[0][1][n]))
         gap = _max_difference(params[name], results[0][1][name])
-        assert gap <= 1e-6, (
-            f"after {STEPS} steps rank {rank}'s weights differ from rank 0's (by up to {gap:.3g} in "
-            f"{name!r}): each rank stepped with its own gradient. Call average_gradients(model) "
-            "(your k04) after loss.backward() and before optimizer.step()."
+        assert gap <= 1e-6, t(
+            "after {STEPS} steps rank {rank}'s weights differ from rank 0's (by up to "
+            "{gap:.3g} in {name!r}): each rank stepped with its own gradient. Call "
+            "average_gradients(model) (your k04) after loss.backward() and before "
+            "optimizer.step().",
+            STEPS=STEPS,
+            rank=rank,
+            gap=gap,
+            name=name,
         )
     got = results[0][1]
     if _same_weights(got, expected):
         return
     name = max(names, key=lambda n: _max_difference(got[n], expected[n]))
     gap = _max_difference(got[name], expected[name])
-    head = (
-        f"the {world_size} replicas agree with each other, but not with one process that took the "
-        f"same {STEPS} steps on the whole batches of {GLOBAL_BATCH} (up to {gap:.3g} apart in "
-        f"{name!r})"
+    head = t(
+        "the {world_size} replicas agree with each other, but not with one process that took the "
+        "same {steps} steps on the whole batches of {batch} (up to {gap:.3g} apart in {name!r})",
+        world_size=world_size,
+        steps=STEPS,
+        batch=GLOBAL_BATCH,
+        gap=gap,
+        name=name,
     )
     if _same_weights(got, _one_process_on_the_whole_batch(zero_grad=False)[1]):
         raise AssertionError(
-            f"{head}: they match a process that never zeroes its gradients, so each step's "
-            "gradients piled onto the last ones. Call optimizer.zero_grad() in every train_step, "
-            "before loss.backward()."
+            t(
+                "{head}: they match a process that never zeroes its gradients, so each "
+                "step's gradients piled onto the last ones. Call optimizer.zero_grad() in "
+                "every train_step, before loss.backward().",
+                head=head,
+            )
         )
     if _same_weights(got, _one_process_on_the_whole_batch(grad_scale=world_size)[1]):
         raise AssertionError(
-            f"{head}: they match a process whose gradients are {world_size} times too large, the "
-            f"sum over the {world_size} ranks instead of their mean. Divide by the world size "
-            "(average_gradients does)."
+            t(
+                "{head}: they match a process whose gradients are {world_size} times too "
+                "large, the sum over the {world_size} ranks instead of their mean. Divide by "
+                "the world size (average_gradients does).",
+                head=head,
+                world_size=world_size,
+            )
         )
     raise AssertionError(
-        f"{head}. Zero the gradients every step (optimizer.zero_grad() before backward, or they "
-        "pile up), use the mean cross-entropy (F.cross_entropy's default), and average, not sum, "
-        "the gradients."
+        t(
+            "{head}. Zero the gradients every step (optimizer.zero_grad() before backward, "
+            "or they pile up), use the mean cross-entropy (F.cross_entropy's default), and "
+            "average, not sum, the gradients.",
+            head=head,
+        )
     )
 
 
@@ -584,8 +765,10 @@ def _trained(world_size: int = 2):
 
 def _returned(results) -> None:
     for key in ("losses", "accuracy", "accuracies", "state_dict", "shard"):
-        assert key in results[0], (
-            f"run_training returned the keys {sorted(results[0])}; it must return {key!r} too"
+        assert key in results[0], t(
+            "run_training returned the keys {keys}; it must return {key!r} too",
+            keys=sorted(results[0]),
+            key=key,
         )
 
 
@@ -600,22 +783,37 @@ def test_training_keeps_the_replicas_identical(kata):
                 continue
             if _is_buffer(name):
                 raise AssertionError(
-                    f"after training, rank {rank}'s BatchNorm buffer {name!r} differs from rank 0's: "
-                    "each rank's running statistics come from its own shard. Call "
-                    "broadcast_buffers(model) after each epoch, before evaluating (the lesson's "
-                    "BatchNorm note)."
+                    t(
+                        "after training, rank {rank}'s BatchNorm buffer {name!r} differs "
+                        "from rank 0's: each rank's running statistics come from its own "
+                        "shard. Call broadcast_buffers(model) after each epoch, before "
+                        "evaluating (the lesson's BatchNorm note).",
+                        rank=rank,
+                        name=name,
+                    )
                 )
             if result["broadcasts_before_training"] == 0:
                 raise AssertionError(
-                    f"after training, rank {rank}'s parameter {name!r} differs from rank 0's: the "
-                    "test has each rank build its model with its own random weights, and "
-                    f"rank {rank} made no broadcast before its first step. Call "
-                    "make_replicas_identical(model) before the loop: a shared seed is no guarantee."
+                    t(
+                        "after training, rank {rank}'s parameter {name!r} differs from rank "
+                        "0's: the test has each rank build its model with its own random "
+                        "weights, and rank {rank} made no broadcast before its first step. "
+                        "Call make_replicas_identical(model) before the loop: a shared seed "
+                        "is no guarantee.",
+                        rank=rank,
+                        name=name,
+                    )
                 )
             raise AssertionError(
-                f"after training, rank {rank}'s parameter {name!r} differs from rank 0's by up to "
-                f"{_max_difference(tensor, source[name]):.3g}: did every rank start from rank 0's "
-                "weights (make_replicas_identical before the loop) and average its gradients every step?"
+                t(
+                    "after training, rank {rank}'s parameter {name!r} differs from rank 0's "
+                    "by up to {max_difference:.3g}: did every rank start from rank 0's "
+                    "weights (make_replicas_identical before the loop) and average its "
+                    "gradients every step?",
+                    rank=rank,
+                    name=name,
+                    max_difference=_max_difference(tensor, source[name]),
+                )
             )
 
 
@@ -631,62 +829,102 @@ def test_training_gives_every_rank_its_own_shard(kata):
     seen = []
     for rank, result in enumerate(results):
         batches, shard = result["trained_on"], {int(i) for i in result["shard"]}
-        assert batches, (
-            f"rank {rank}'s run_training never called train_step: train every batch with "
-            "train_step(model, optimizer, images, labels)"
+        assert batches, t(
+            "rank {rank}'s run_training never called train_step: train every batch with "
+            "train_step(model, optimizer, images, labels)",
+            rank=rank,
         )
         sizes = sorted({len(batch) for batch in batches})
         if sizes != [per_rank_batch]:
             if sizes[-1] == BATCH:
                 raise AssertionError(
-                    f"rank {rank} trained on batches of {BATCH} images, the whole global batch: "
-                    f"each rank takes its part of it, batch_size // world_size = {per_rank_batch} "
-                    f"images (per_rank_batch), so that the {world_size} ranks together take {BATCH} "
-                    "per step"
+                    t(
+                        "rank {rank} trained on batches of {BATCH} images, the whole global "
+                        "batch: each rank takes its part of it, batch_size // world_size = "
+                        "{per_rank_batch} images (per_rank_batch), so that the {world_size} "
+                        "ranks together take {BATCH} per step",
+                        rank=rank,
+                        BATCH=BATCH,
+                        per_rank_batch=per_rank_batch,
+                        world_size=world_size,
+                    )
                 )
             if len(batches[-1]) < per_rank_batch and all(
                 len(b) == per_rank_batch for b in batches[:-1]
             ):
                 raise AssertionError(
-                    f"rank {rank}'s last batch held {len(batches[-1])} images, the rest "
-                    f"{per_rank_batch}: drop the last partial batch (drop_last=True), so that every "
-                    "step averages gradients over batches of the same size"
+                    t(
+                        "rank {rank}'s last batch held {count} images, the rest "
+                        "{per_rank_batch}: drop the last partial batch (drop_last=True), so "
+                        "that every step averages gradients over batches of the same size",
+                        rank=rank,
+                        count=len(batches[-1]),
+                        per_rank_batch=per_rank_batch,
+                    )
                 )
             raise AssertionError(
-                f"rank {rank} trained on batches of {', '.join(map(str, sizes))} images, expected "
-                f"{per_rank_batch} (batch_size // world_size, per_rank_batch) in every step"
+                t(
+                    "rank {rank} trained on batches of {names} images, expected "
+                    "{per_rank_batch} (batch_size // world_size, per_rank_batch) in every "
+                    "step",
+                    rank=rank,
+                    names=", ".join(map(str, sizes)),
+                    per_rank_batch=per_rank_batch,
+                )
             )
         samples = [index for batch in batches for index in batch]
         outside = sorted(set(samples) - shard)
         if outside:
             raise AssertionError(
-                f"rank {rank} trained on {len(set(samples))} different samples, {len(outside)} of "
-                f"them outside the shard it returned ({len(shard)} samples; for example "
-                f"{outside[:3]}): train on Subset(train_set, shard) only, not on the whole train_set"
+                t(
+                    "rank {rank} trained on {count} different samples, {outside} of them "
+                    "outside the shard it returned ({shard} samples; for example "
+                    "{example}): train on Subset(train_set, shard) only, not on the whole "
+                    "train_set",
+                    rank=rank,
+                    count=len(set(samples)),
+                    outside=len(outside),
+                    shard=len(shard),
+                    example=outside[:3],
+                )
             )
-        assert len(samples) == len(set(samples)), (
-            f"rank {rank} trained on some samples twice in one epoch: load Subset(train_set, "
-            "shard) once, and let the DataLoader go through it once per epoch"
+        assert len(samples) == len(set(samples)), t(
+            "rank {rank} trained on some samples twice in one epoch: load "
+            "Subset(train_set, shard) once, and let the DataLoader go through it once "
+            "per epoch",
+            rank=rank,
         )
         seen.append(set(samples))
     shared = seen[0] & seen[1]
-    assert not shared, (
-        f"ranks 0 and 1 both trained on {len(shared)} of the same samples: give each rank its own "
-        "shard (shard_indices(len(train_set), rank, world_size), with this rank's rank)"
+    assert not shared, t(
+        "ranks 0 and 1 both trained on {count} of the same samples: give each rank its "
+        "own shard (shard_indices(len(train_set), rank, world_size), with this rank's "
+        "rank)",
+        count=len(shared),
     )
     for rank, result in enumerate(results):
-        assert len(result["shard"]) == per_rank, (
-            f"rank {rank} trained on {len(result['shard'])} samples, expected its shard of {per_rank}"
+        assert len(result["shard"]) == per_rank, t(
+            "rank {rank} trained on {count} samples, expected its shard of {per_rank}",
+            rank=rank,
+            count=len(result["shard"]),
+            per_rank=per_rank,
         )
-        assert len(result["losses"]) == EPOCHS * steps, (
-            f"rank {rank} recorded {len(result['losses'])} losses in {_epochs(EPOCHS)}, expected one "
-            f"per step: {steps} ({per_rank} samples in batches of {BATCH} // {world_size}, the last "
-            "partial batch dropped)"
+        assert len(result["losses"]) == EPOCHS * steps, t(
+            "rank {rank} recorded {count} losses in {epochs}, expected one per step: "
+            "{steps} ({per_rank} samples in batches of {BATCH} // {world_size}, the last "
+            "partial batch dropped)",
+            rank=rank,
+            count=len(result["losses"]),
+            epochs=_epochs(EPOCHS),
+            steps=steps,
+            per_rank=per_rank,
+            BATCH=BATCH,
+            world_size=world_size,
         )
 
 
 def _epochs(count: int) -> str:
-    return f"{count} epoch" if count == 1 else f"{count} epochs"
+    return tn("{count} epoch", "{count} epochs", count)
 
 
 @pytest.mark.step(4)
@@ -695,44 +933,62 @@ def test_training_learns_the_digits(kata):
     _returned(results)
     losses = results[0]["losses"]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.5 * first, (
-        f"rank 0's loss went from {first:.3f} (mean of the first 5 steps) to {last:.3f} (the last 5): "
-        "it should at least halve in one epoch"
+    assert last < 0.5 * first, t(
+        "rank 0's loss went from {first:.3f} (mean of the first 5 steps) to {last:.3f} "
+        "(the last 5): it should at least halve in one epoch",
+        first=first,
+        last=last,
     )
     for rank, result in enumerate(results):
-        assert len(result["accuracies"]) == EPOCHS, (
-            f"rank {rank} returned {len(result['accuracies'])} held-out accuracies for "
-            f"{_epochs(EPOCHS)}: measure it once after every epoch"
+        assert len(result["accuracies"]) == EPOCHS, t(
+            "rank {rank} returned {count} held-out accuracies for {epochs}: measure it "
+            "once after every epoch",
+            rank=rank,
+            count=len(result["accuracies"]),
+            epochs=_epochs(EPOCHS),
         )
-        assert result["accuracy"] >= ACCURACY_BAR, (
-            f"rank {rank}'s held-out accuracy after {_epochs(EPOCHS)} is {result['accuracy']:.1%}, "
-            f"expected at least {ACCURACY_BAR:.0%}"
+        assert result["accuracy"] >= ACCURACY_BAR, t(
+            "rank {rank}'s held-out accuracy after {epochs} is {accuracy:.1%}, expected "
+            "at least {ACCURACY_BAR:.0%}",
+            rank=rank,
+            epochs=_epochs(EPOCHS),
+            accuracy=result["accuracy"],
+            ACCURACY_BAR=ACCURACY_BAR,
         )
     for rank, result in enumerate(results[1:], start=1):
         for epoch, (own, rank_0s) in enumerate(
             zip(result["evaluated_with"], results[0]["evaluated_with"]), start=1
         ):
-            assert own == rank_0s, (
-                f"rank {rank} measured the held-out accuracy of epoch {epoch} with BatchNorm "
-                "statistics (running mean and variance) that differ from rank 0's: each rank's "
-                "come from its own shard. Call broadcast_buffers(model) after the epoch, before "
-                "accuracy(...), so that every rank evaluates the same model."
+            assert own == rank_0s, t(
+                "rank {rank} measured the held-out accuracy of epoch {epoch} with "
+                "BatchNorm statistics (running mean and variance) that differ from rank "
+                "0's: each rank's come from its own shard. Call broadcast_buffers(model) "
+                "after the epoch, before accuracy(...), so that every rank evaluates the "
+                "same model.",
+                rank=rank,
+                epoch=epoch,
             )
     if results[0]["accuracy"] != results[1]["accuracy"]:
         same = all(
-            torch.equal(t, results[1]["state_dict"][n]) for n, t in results[0]["state_dict"].items()
+            torch.equal(tensor, results[1]["state_dict"][n])
+            for n, tensor in results[0]["state_dict"].items()
         )
-        raise AssertionError(
-            f"rank 0 measured {results[0]['accuracy']:.2%} and rank 1 {results[1]['accuracy']:.2%} "
-            "on the same held-out digits"
-            + (
-                ", although they end with identical weights and buffers: each measured with its "
-                "own BatchNorm statistics. Call broadcast_buffers(model) after the epoch, before "
-                "accuracy(...)."
-                if same
-                else ": identical replicas must agree"
+        values = {"first": results[0]["accuracy"], "second": results[1]["accuracy"]}
+        if same:
+            said = t(
+                "rank 0 measured {first:.2%} and rank 1 {second:.2%} on the same held-out digits, "
+                "although they end with identical weights and buffers: each measured with its own "
+                "BatchNorm statistics. Call broadcast_buffers(model) after the epoch, before "
+                "accuracy(...).",
+                **values,
             )
-        )
+        else:
+            said = t(
+                "rank 0 measured {first:.2%} and rank 1 {second:.2%} on the same held-out digits: "
+                "identical replicas must agree",
+                **values,
+            )
+        raise AssertionError(said)
 
 
 def _plotted(plot) -> dict:
@@ -740,7 +996,10 @@ def _plotted(plot) -> dict:
 
     with Image.open(plot) as image:
         text = getattr(image, "text", {}).get("Description")
-    assert text, f"{plot} does not say what it plots (no Description text in the PNG)"
+    assert text, t(
+        "{plot} does not say what it plots (no Description text in the PNG)",
+        plot=plot,
+    )
     return json.loads(text)
 
 
@@ -756,41 +1015,58 @@ def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
     shown = streams(done)
     lines = done.stdout.splitlines()
     progress = [line for line in lines if "loss" in line]
-    assert any(line.startswith(f"[rank 0] epoch 1/{epochs} [") for line in progress), (
-        f"no progress bar from rank 0\n{shown}"
+    assert any(line.startswith(f"[rank 0] epoch 1/{epochs} [") for line in progress), t(
+        "no progress bar from rank 0\n{shown}",
+        shown=shown,
     )
     assert any(
         line.startswith(f"[rank 0] epoch {epochs}/{epochs}: mean loss")
         and "held-out accuracy" in line
         for line in lines
-    ), f"rank 0 must report each epoch's loss and held-out accuracy\n{shown}"
+    ), t(
+        "rank 0 must report each epoch's loss and held-out accuracy\n{shown}",
+        shown=shown,
+    )
     others = [line for line in progress if not line.startswith(("[rank 0]", "[main]"))]
-    assert not others, "only rank 0 may print progress; these came from other ranks:\n" + "\n".join(
-        others
+    assert not others, t(
+        "only rank 0 may print progress; these came from other ranks:\n{lines}",
+        lines="\n".join(others),
     )
-    assert f"loss curve saved to {plot.resolve()}" in done.stdout, (
-        f"the program must say where the plot is\n{shown}"
+    assert f"loss curve saved to {plot.resolve()}" in done.stdout, t(
+        "the program must say where the plot is\n{shown}",
+        shown=shown,
     )
-    assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{plot} is not a PNG"
+    assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", t(
+        "{plot} is not a PNG",
+        plot=plot,
+    )
     figure = _plotted(plot)
-    assert "digits" in figure["title"], (
-        f"the plot's title {figure['title']!r} must name the data set (digits)"
+    assert "digits" in figure["title"], t(
+        "the plot's title {title!r} must name the data set (digits)",
+        title=figure["title"],
     )
     steps = (limit // world_size) // (BATCH // world_size)
     loss_panel, accuracy_panel = figure["panels"]
     labels = [line["label"] for line in loss_panel["lines"]]
-    assert labels == [f"rank {rank}" for rank in range(world_size)], (
-        f"the loss panel shows the lines {labels}: one line per rank, each rank's own loss"
+    assert labels == [f"rank {rank}" for rank in range(world_size)], t(
+        "the loss panel shows the lines {labels}: one line per rank, each rank's own loss",
+        labels=labels,
     )
     ys = [line["y"] for line in loss_panel["lines"]]
     for rank, y in enumerate(ys):
-        assert len(y) == epochs * steps, (
-            f"rank {rank}'s loss line has {len(y)} points, expected one per step: {epochs * steps}"
+        assert len(y) == epochs * steps, t(
+            "rank {rank}'s loss line has {count} points, expected one per step: {epochs}",
+            rank=rank,
+            count=len(y),
+            epochs=epochs * steps,
         )
-    assert ys[0] != ys[1], "rank 0's and rank 1's loss lines are the same: each has its own shard"
+    assert ys[0] != ys[1], t(
+        "rank 0's and rank 1's loss lines are the same: each has its own shard"
+    )
     [accuracy] = accuracy_panel["lines"]
-    assert len(accuracy["y"]) == epochs and all(0 < y <= 100 for y in accuracy["y"]), (
-        f"the accuracy panel shows {accuracy['y']}: one held-out accuracy (in %) per epoch"
+    assert len(accuracy["y"]) == epochs and all(0 < y <= 100 for y in accuracy["y"]), t(
+        "the accuracy panel shows {y}: one held-out accuracy (in %) per epoch",
+        y=accuracy["y"],
     )
 
 
@@ -808,16 +1084,21 @@ def _train_on_cuda(rank, world_size):
 
 def _check_cuda_training(results):
     for rank, result in enumerate(results):
-        assert result["cuda_bytes"] > 0, (
-            f"rank {rank} trained without touching its GPU: use rank_device()"
+        assert result["cuda_bytes"] > 0, t(
+            "rank {rank} trained without touching its GPU: use rank_device()",
+            rank=rank,
         )
-        assert result["accuracy"] >= ACCURACY_BAR, (
-            f"rank {rank}: held-out accuracy {result['accuracy']:.1%}"
+        assert result["accuracy"] >= ACCURACY_BAR, t(
+            "rank {rank}: held-out accuracy {accuracy:.1%}",
+            rank=rank,
+            accuracy=result["accuracy"],
         )
     for name, tensor in results[0]["state_dict"].items():
         for rank, result in enumerate(results[1:], start=1):
-            assert torch.equal(result["state_dict"][name], tensor), (
-                f"rank {rank}'s {name!r} differs from rank 0's"
+            assert torch.equal(result["state_dict"][name], tensor), t(
+                "rank {rank}'s {name!r} differs from rank 0's",
+                rank=rank,
+                name=name,
             )
 
 

@@ -21,6 +21,7 @@ import torch
 from dojo.curriculum import ROOT
 from dojo.harness import impl
 from dojo.harness.world import WorldDeadlock, run_world
+from dojo.lang import N_, t, tn
 from dojo.spec.testing import fake_hosts_or_skip, free_port, is_port_clash, run_program
 from dojo.todo import KataTodo, find_todo
 
@@ -70,14 +71,24 @@ def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
     call = (
         f"node_environment(nnodes=2, node_rank={node}, nproc_per_node=3, local_rank={local}, ...)"
     )
-    assert isinstance(env, dict), (
-        f"{call} returned {env!r}, expected a dict of environment variables"
+    assert isinstance(env, dict), t(
+        "{call} returned {env!r}, expected a dict of environment variables",
+        call=call,
+        env=env,
     )
     missing = [name for name in ENV_NAMES if name not in env]
-    assert not missing, f"{call} left out {missing}: a process needs all of {list(ENV_NAMES)}"
+    assert not missing, t(
+        "{call} left out {missing}: a process needs all of {ENV_NAMES}",
+        call=call,
+        missing=missing,
+        ENV_NAMES=list(ENV_NAMES),
+    )
     not_text = {k: v for k, v in env.items() if not isinstance(v, str)}
-    assert not not_text, (
-        f"{call} gave non-string values {not_text}: environment variables are strings, wrap them in str()"
+    assert not not_text, t(
+        "{call} gave non-string values {not_text}: environment variables are strings, "
+        "wrap them in str()",
+        call=call,
+        not_text=not_text,
     )
     expected = {
         "RANK": str(rank),
@@ -91,29 +102,55 @@ def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
     if not wrong:
         return
     why = {
-        "RANK": f"rank = node_rank * nproc_per_node + local_rank = {node} * 3 + {local}: the "
-        f"{node * 3} ranks of the nodes before node {node} come first"
+        "RANK": t(
+            "rank = node_rank * nproc_per_node + local_rank = {node} * 3 + {local}: the "
+            "{before} ranks of the nodes before node {node} come first",
+            node=node,
+            local=local,
+            before=node * 3,
+        )
         if node
-        else "on node 0 the rank is the local rank",
-        "LOCAL_RANK": "the local rank is the process's number on its own node",
-        "WORLD_SIZE": "WORLD_SIZE counts the processes of every node, nnodes * nproc_per_node "
-        "(nproc_per_node alone is LOCAL_WORLD_SIZE)",
-        "LOCAL_WORLD_SIZE": "LOCAL_WORLD_SIZE is the number of processes on one node, nproc_per_node",
-        "MASTER_ADDR": "MASTER_ADDR is the address given, node 0's, where rank 0 listens: the same "
-        "on every host, never this host's own",
-        "MASTER_PORT": "MASTER_PORT is the port given, the same on every host",
+        else t("on node 0 the rank is the local rank"),
+        "LOCAL_RANK": t("the local rank is the process's number on its own node"),
+        "WORLD_SIZE": t(
+            "WORLD_SIZE counts the processes of every node, nnodes * nproc_per_node "
+            "(nproc_per_node alone is LOCAL_WORLD_SIZE)"
+        ),
+        "LOCAL_WORLD_SIZE": t(
+            "LOCAL_WORLD_SIZE is the number of processes on one node, nproc_per_node"
+        ),
+        "MASTER_ADDR": t(
+            "MASTER_ADDR is the address given, node 0's, where rank 0 listens: the same on every "
+            "host, never this host's own"
+        ),
+        "MASTER_PORT": t("MASTER_PORT is the port given, the same on every host"),
     }
     if wrong.get("RANK", (None,))[0] == str(node + local) and node:
-        why["RANK"] = (
-            f"{node + local} is node_rank + local_rank: multiply the node rank by nproc_per_node, "
-            f"rank = {node} * 3 + {local} = {rank}"
+        why["RANK"] = t(
+            "{added} is node_rank + local_rank: multiply the node rank by nproc_per_node, rank = "
+            "{node} * 3 + {local} = {rank}",
+            added=node + local,
+            node=node,
+            local=local,
+            rank=rank,
         )
     if wrong.get("RANK", (None,))[0] == str(local) and node:
-        why["RANK"] = f"{local} is the local rank: RANK is the rank in the whole world, {rank}"
+        why["RANK"] = t(
+            "{local} is the local rank: RANK is the rank in the whole world, {rank}",
+            local=local,
+            rank=rank,
+        )
     raise AssertionError(
         f"{call}:\n"
         + "\n".join(
-            f"  {k}={got!r}, expected {want!r}: {why[k]}" for k, (got, want) in wrong.items()
+            t(
+                "  {name}={got!r}, expected {want!r}: {why}",
+                name=k,
+                got=got,
+                want=want,
+                why=why[k],
+            )
+            for k, (got, want) in wrong.items()
         )
     )
 
@@ -130,32 +167,44 @@ def test_node_environment_for_the_tutorial_layout(kata, node, local, rank):
             "10.0.0.1",
             29500,
             r"node.rank",
-            "node rank 2 with 2 nodes (nodes are 0 and 1)",
+            N_("node rank 2 with 2 nodes (nodes are 0 and 1)"),
         ),
-        (2, -1, 2, 0, "10.0.0.1", 29500, r"node.rank", "a negative node rank"),
-        (0, 0, 2, 0, "10.0.0.1", 29500, r"nnodes|nodes", "zero nodes"),
-        (2, 0, 0, 0, "10.0.0.1", 29500, r"nproc|per.node", "zero processes per node"),
-        (2, 0, 2, 2, "10.0.0.1", 29500, r"local", "local rank 2 with 2 processes per node"),
-        (2, 0, 2, 0, " ", 29500, r"addr", "an empty master address"),
-        (2, 0, 2, 0, "10.0.0.1", 0, r"port", "port 0"),
-        (2, 0, 2, 0, "10.0.0.1", 70000, r"port", "port 70000 (ports end at 65535)"),
+        (2, -1, 2, 0, "10.0.0.1", 29500, r"node.rank", N_("a negative node rank")),
+        (0, 0, 2, 0, "10.0.0.1", 29500, r"nnodes|nodes", N_("zero nodes")),
+        (2, 0, 0, 0, "10.0.0.1", 29500, r"nproc|per.node", N_("zero processes per node")),
+        (2, 0, 2, 2, "10.0.0.1", 29500, r"local", N_("local rank 2 with 2 processes per node")),
+        (2, 0, 2, 0, " ", 29500, r"addr", N_("an empty master address")),
+        (2, 0, 2, 0, "10.0.0.1", 0, r"port", N_("port 0")),
+        (2, 0, 2, 0, "10.0.0.1", 70000, r"port", N_("port 70000 (ports end at 65535)")),
     ],
 )
 def test_node_environment_rejects_bad_options(
     kata, nnodes, node_rank, nproc, local, addr, port, names, what
 ):
     outcome = _raised(kata.node_environment, nnodes, node_rank, nproc, local, addr, port)
+    what = t(what)  # the parameter is English (and the test's id)
     call = f"node_environment({nnodes}, {node_rank}, {nproc}, {local}, {addr!r}, {port})"
-    assert outcome[0] == "raised", (
-        f"{call} ({what}) returned {outcome[1]!r}: it must raise LaunchConfigError"
+    assert outcome[0] == "raised", t(
+        "{call} ({what}) returned {outcome1!r}: it must raise LaunchConfigError",
+        call=call,
+        what=what,
+        outcome1=outcome[1],
     )
     error = outcome[1]
-    assert isinstance(error, kata.LaunchConfigError), (
-        f"{call} ({what}) raised {type(error).__name__}: {error}; raise the kata's LaunchConfigError"
+    assert isinstance(error, kata.LaunchConfigError), t(
+        "{call} ({what}) raised {type_name}: {error}; raise the kata's LaunchConfigError",
+        call=call,
+        what=what,
+        type_name=type(error).__name__,
+        error=error,
     )
-    assert re.search(names, str(error), re.I), (
-        f"{call} ({what}) raised LaunchConfigError({str(error)!r}): the message must name the "
-        f"option that is wrong (matching {names!r}), so the user knows what to fix"
+    assert re.search(names, str(error), re.I), t(
+        "{call} ({what}) raised LaunchConfigError({error!r}): the message must name the "
+        "option that is wrong (matching {names!r}), so the user knows what to fix",
+        call=call,
+        what=what,
+        error=str(error),
+        names=names,
     )
 
 
@@ -180,25 +229,34 @@ def test_read_environment_as_torchrun_sets_it(kata):
             if field != "master_addr" and isinstance(value, str)
         ]
         if texts:
-            why = (
-                f"{', '.join(texts)} {'is a string' if len(texts) == 1 else 'are strings'}: the "
-                "environment holds only text, so convert every number with int()"
+            why = tn(
+                "{fields} is a string: the environment holds only text, so convert every number "
+                "with int()",
+                "{fields} are strings: the environment holds only text, so convert every number "
+                "with int()",
+                len(texts),
+                fields=", ".join(texts),
             )
         elif info.rank == 1:
-            why = (
+            why = t(
                 "rank=1 is LOCAL_RANK, the process's number on its node: RankInfo.rank is RANK, "
                 "the rank in the whole world (3)"
             )
         elif info.world_size == 2:
-            why = (
+            why = t(
                 "world_size=2 is LOCAL_WORLD_SIZE, one node's processes: RankInfo.world_size is "
                 "WORLD_SIZE, every node's (4)"
             )
         else:
-            why = "read each field from the variable of the same name"
+            why = t("read each field from the variable of the same name")
         raise AssertionError(
-            f"read_environment(torchrun's environment for rank 3) returned {info!r}, expected "
-            f"{expected!r}: {why}"
+            t(
+                "read_environment(torchrun's environment for rank 3) returned {info!r}, "
+                "expected {expected!r}: {why}",
+                info=info,
+                expected=expected,
+                why=why,
+            )
         )
     assert info.node_rank == 1
 
@@ -210,9 +268,10 @@ def test_read_environment_reads_os_environ_by_default(kata, monkeypatch):
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     info = kata.read_environment()
-    assert (info.rank, info.local_rank) == (2, 0), (
-        f"with RANK=2 and LOCAL_RANK=0 in os.environ, read_environment() returned {info!r}: "
-        "read os.environ when no mapping is given"
+    assert (info.rank, info.local_rank) == (2, 0), t(
+        "with RANK=2 and LOCAL_RANK=0 in os.environ, read_environment() returned "
+        "{info!r}: read os.environ when no mapping is given",
+        info=info,
     )
 
 
@@ -227,12 +286,17 @@ def test_node_environment_and_read_environment_agree(kata):
                 local,
                 6,
                 3,
-            ), (
-                f"node {node}, local rank {local} of 2 x 3: read_environment(node_environment(...)) gave "
-                f"{info!r}: what one launcher writes, the process must read back unchanged"
+            ), t(
+                "node {node}, local rank {local} of 2 x 3: "
+                "read_environment(node_environment(...)) gave {info!r}: what one "
+                "launcher writes, the process must read back unchanged",
+                node=node,
+                local=local,
+                info=info,
             )
-            assert (info.master_addr, info.master_port) == ("host-a", 29500), (
-                f"the master address came back as {info!r}"
+            assert (info.master_addr, info.master_port) == ("host-a", 29500), t(
+                "the master address came back as {info!r}",
+                info=info,
             )
 
 
@@ -255,24 +319,34 @@ def test_node_environment_and_read_environment_agree(kata):
 )
 def test_read_environment_names_every_missing_variable(kata, environ, missing):
     outcome = _raised(kata.read_environment, dict(environ))
-    assert outcome[0] == "raised", (
-        f"read_environment with {missing} missing returned {outcome[1]!r}: it must raise LaunchConfigError"
+    assert outcome[0] == "raised", t(
+        "read_environment with {missing} missing returned {outcome1!r}: it must raise "
+        "LaunchConfigError",
+        missing=missing,
+        outcome1=outcome[1],
     )
     error = outcome[1]
-    assert isinstance(error, kata.LaunchConfigError), (
-        f"with {missing} missing, read_environment raised {type(error).__name__}: {error}; check for "
-        "missing variables first and raise the kata's LaunchConfigError"
+    assert isinstance(error, kata.LaunchConfigError), t(
+        "with {missing} missing, read_environment raised {type_name}: {error}; check for "
+        "missing variables first and raise the kata's LaunchConfigError",
+        missing=missing,
+        type_name=type(error).__name__,
+        error=error,
     )
     unnamed = [
         name for name in missing if not re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", str(error))
     ]
-    assert not unnamed, (
-        f"with {missing} missing, the message {str(error)!r} does not name {unnamed}: name every missing "
-        "variable at once, so the user fixes them in one go"
+    assert not unnamed, t(
+        "with {missing} missing, the message {error!r} does not name {unnamed}: name "
+        "every missing variable at once, so the user fixes them in one go",
+        missing=missing,
+        error=str(error),
+        unnamed=unnamed,
     )
-    assert "torchrun" in str(error), (
-        f"the message {str(error)!r} must say how to get these variables set: mention torchrun (and the "
-        "manual launch options)"
+    assert "torchrun" in str(error), t(
+        "the message {error!r} must say how to get these variables set: mention torchrun "
+        "(and the manual launch options)",
+        error=str(error),
     )
 
 
@@ -280,29 +354,33 @@ def test_read_environment_names_every_missing_variable(kata, environ, missing):
 @pytest.mark.parametrize(
     "change, names, what",
     [
-        ({"WORLD_SIZE": "four"}, ["WORLD_SIZE"], "a world size that is not a number"),
-        ({"RANK": "1.5"}, ["RANK"], "a rank that is not a whole number"),
-        ({"RANK": "-1"}, ["RANK"], "a negative rank"),
-        ({"RANK": "5", "LOCAL_RANK": "1"}, ["RANK", "WORLD_SIZE"], "rank 5 in a world of 4"),
-        ({"WORLD_SIZE": "0"}, ["WORLD_SIZE"], "a world of 0"),
+        ({"WORLD_SIZE": "four"}, ["WORLD_SIZE"], N_("a world size that is not a number")),
+        ({"RANK": "1.5"}, ["RANK"], N_("a rank that is not a whole number")),
+        ({"RANK": "-1"}, ["RANK"], N_("a negative rank")),
+        ({"RANK": "5", "LOCAL_RANK": "1"}, ["RANK", "WORLD_SIZE"], N_("rank 5 in a world of 4")),
+        ({"WORLD_SIZE": "0"}, ["WORLD_SIZE"], N_("a world of 0")),
         (
             {"LOCAL_RANK": "2", "RANK": "2"},
             ["LOCAL_RANK"],
-            "local rank 2 with 2 processes per node",
+            N_("local rank 2 with 2 processes per node"),
         ),
-        ({"LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE"], "8 processes per node in a world of 4"),
+        (
+            {"LOCAL_WORLD_SIZE": "8"},
+            ["LOCAL_WORLD_SIZE"],
+            N_("8 processes per node in a world of 4"),
+        ),
         (
             {"LOCAL_WORLD_SIZE": "3", "RANK": "1"},
             ["LOCAL_WORLD_SIZE"],
-            "a world of 4 on nodes of 3",
+            N_("a world of 4 on nodes of 3"),
         ),
         (
             {"RANK": "2"},
             ["RANK", "LOCAL_RANK"],
-            "rank 2 claiming local rank 1 on nodes of 2 (rank 2 is local rank 0)",
+            N_("rank 2 claiming local rank 1 on nodes of 2 (rank 2 is local rank 0)"),
         ),
-        ({"MASTER_PORT": "http"}, ["MASTER_PORT"], "a port that is not a number"),
-        ({"MASTER_PORT": "70000"}, ["MASTER_PORT"], "port 70000 (ports end at 65535)"),
+        ({"MASTER_PORT": "http"}, ["MASTER_PORT"], N_("a port that is not a number")),
+        ({"MASTER_PORT": "70000"}, ["MASTER_PORT"], N_("port 70000 (ports end at 65535)")),
     ],
     ids=[
         "size-not-a-number",
@@ -322,19 +400,33 @@ def test_read_environment_rejects_inconsistent_values(kata, change, names, what)
     environ = {**TORCHRUN_RANK_3, **change}
     shown = " ".join(f"{k}={v}" for k, v in change.items())
     outcome = _raised(kata.read_environment, environ)
-    assert outcome[0] == "raised", (
-        f"read_environment with {shown} ({what}) returned {outcome[1]!r}: it must raise LaunchConfigError, "
-        "or this process would wait for the timeout in a world that can never form"
+    what = t(what)  # the parameter is English (and the test's id)
+    assert outcome[0] == "raised", t(
+        "read_environment with {shown} ({what}) returned {outcome1!r}: it must raise "
+        "LaunchConfigError, or this process would wait for the timeout in a world that "
+        "can never form",
+        shown=shown,
+        what=what,
+        outcome1=outcome[1],
     )
     error = outcome[1]
-    assert isinstance(error, kata.LaunchConfigError), (
-        f"read_environment with {shown} ({what}) raised {type(error).__name__}: {error}; raise the kata's "
-        "LaunchConfigError (catch int()'s ValueError and say which variable held what)"
+    assert isinstance(error, kata.LaunchConfigError), t(
+        "read_environment with {shown} ({what}) raised {type_name}: {error}; raise the "
+        "kata's LaunchConfigError (catch int()'s ValueError and say which variable held "
+        "what)",
+        shown=shown,
+        what=what,
+        type_name=type(error).__name__,
+        error=error,
     )
     unnamed = [name for name in names if not re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", str(error))]
-    assert not unnamed, (
-        f"read_environment with {shown} ({what}) raised LaunchConfigError({str(error)!r}): the message must "
-        f"name {unnamed}, so the user knows which variable to fix"
+    assert not unnamed, t(
+        "read_environment with {shown} ({what}) raised LaunchConfigError({error!r}): the "
+        "message must name {unnamed}, so the user knows which variable to fix",
+        shown=shown,
+        what=what,
+        error=str(error),
+        unnamed=unnamed,
     )
 
 
@@ -402,35 +494,53 @@ def _init_problem(calls: list, port: int, complete: bool = True) -> str | None:
         if call is None and not complete:
             continue
         if call is None:
-            return (
-                f"rank {rank}'s join_world never called dist.init_process_group: joining the "
-                "world is that call"
+            return t(
+                "rank {rank}'s join_world never called dist.init_process_group: joining the "
+                "world is that call",
+                rank=rank,
             )
         where = f"tcp://127.0.0.1:{port}"
         if call["init_method"] != where and not call["store"]:
-            return (
-                f"rank {rank} called init_process_group with init_method={call['init_method']!r}: "
-                "the test gives join_world only a RankInfo (the environment holds no MASTER_ADDR "
-                "or MASTER_PORT), so meet at the info's address: "
-                f'init_method=f"tcp://{{info.master_addr}}:{{info.master_port}}" (here {where!r})'
+            return t(
+                "rank {rank} called init_process_group with init_method={init_method!r}: the "
+                "test gives join_world only a RankInfo (the environment holds no MASTER_ADDR or "
+                "MASTER_PORT), so meet at the info's address: "
+                'init_method=f"tcp://{{info.master_addr}}:{{info.master_port}}" (here {where!r})',
+                rank=rank,
+                init_method=call["init_method"],
+                where=where,
             )
         if call["rank"] != rank:
             why = (
-                f"0 is info.local_rank, its number on its own node (each node of this world runs "
-                f"one process): pass rank=info.rank ({rank}), the rank in the whole world"
+                t(
+                    "0 is info.local_rank, its number on its own node (each node of this world "
+                    "runs one process): pass rank=info.rank ({rank}), the rank in the whole world",
+                    rank=rank,
+                )
                 if call["rank"] == 0
-                else f"pass rank=info.rank ({rank})"
+                else t("pass rank=info.rank ({rank})", rank=rank)
             )
-            return f"rank {rank} called init_process_group with rank={call['rank']}: {why}"
+            return t(
+                "rank {rank} called init_process_group with rank={given}: {why}",
+                rank=rank,
+                given=call["rank"],
+                why=why,
+            )
         if call["world_size"] != world_size:
             why = (
-                f"1 is info.local_world_size, one node's processes: pass "
-                f"world_size=info.world_size ({world_size}), every node's together"
+                t(
+                    "1 is info.local_world_size, one node's processes: pass "
+                    "world_size=info.world_size ({world_size}), every node's together",
+                    world_size=world_size,
+                )
                 if call["world_size"] == 1
-                else f"pass world_size=info.world_size ({world_size})"
+                else t("pass world_size=info.world_size ({world_size})", world_size=world_size)
             )
-            return (
-                f"rank {rank} called init_process_group with world_size={call['world_size']}: {why}"
+            return t(
+                "rank {rank} called init_process_group with world_size={given}: {why}",
+                rank=rank,
+                given=call["world_size"],
+                why=why,
             )
     return None
 
@@ -486,14 +596,25 @@ def _join_world(world_size, backend="gloo", device_type="cpu"):
                 problem = _init_problem(_init_calls(folder, world_size), port, complete=False)
                 if problem:
                     raise AssertionError(
-                        f"join_world with {world_size} ranks, laid out as {world_size} nodes of "
-                        f"one process: {problem}\n\n{failure}"
+                        t(
+                            "join_world with {world_size} ranks, laid out as {world_size} "
+                            "nodes of one process: {problem}\n"
+                            "\n"
+                            "{failure}",
+                            world_size=world_size,
+                            problem=problem,
+                            failure=failure,
+                        )
                     ) from None
                 if attempt == 0 and is_port_clash(str(failure)):
                     continue
                 raise
             problem = _init_problem(_init_calls(folder, world_size), port)
-        assert not problem, f"join_world with {world_size} ranks: {problem}"
+        assert not problem, t(
+            "join_world with {world_size} ranks: {problem}",
+            world_size=world_size,
+            problem=problem,
+        )
         return results
 
 
@@ -501,15 +622,21 @@ def _join_world(world_size, backend="gloo", device_type="cpu"):
 def test_join_world_joins_at_the_given_address(kata):
     results = _join_world(2)
     for rank, result in enumerate(results):
-        assert result["initialized"], (
-            f"rank {rank}: after join_world, dist.is_initialized() is False"
+        assert result["initialized"], t(
+            "rank {rank}: after join_world, dist.is_initialized() is False",
+            rank=rank,
         )
-        assert (result["rank"], result["world_size"]) == (rank, 2), (
-            f"rank {rank} joined as rank {result['rank']} of {result['world_size']}: pass "
-            "rank=info.rank and world_size=info.world_size to init_process_group"
+        assert (result["rank"], result["world_size"]) == (rank, 2), t(
+            "rank {rank} joined as rank {rank2} of {world_size}: pass rank=info.rank and "
+            "world_size=info.world_size to init_process_group",
+            rank=rank,
+            rank2=result["rank"],
+            world_size=result["world_size"],
         )
-        assert result["sum"] == 3.0, (
-            f"rank {rank}: an all-reduce in the joined world gave {result['sum']}, expected 3.0"
+        assert result["sum"] == 3.0, t(
+            "rank {rank}: an all-reduce in the joined world gave {sum}, expected 3.0",
+            rank=rank,
+            sum=result["sum"],
         )
 
 
@@ -547,26 +674,34 @@ def test_join_world_gives_up_after_its_timeout(kata, tmp_path):
     except WorldDeadlock as failure:
         [call, _] = _init_calls(str(tmp_path), 2)
         if call is None:
-            given = "never called init_process_group, yet did not return"
+            given = t("never called init_process_group, yet did not return")
         elif call["timeout"] is None:
-            given = (
+            given = t(
                 "called init_process_group without a timeout (its default is 30 minutes): pass "
                 "timeout=timeout on"
             )
         else:
-            given = (
-                f"gave init_process_group timeout={call['timeout']:g} s: pass timeout=timeout, "
-                "the one join_world was given"
+            given = t(
+                "gave init_process_group timeout={seconds} s: pass timeout=timeout, the one "
+                "join_world was given",
+                seconds=f"{call['timeout']:g}",
             )
         raise AssertionError(
-            "join_world(info, timeout=1.5 s) was still waiting 8 s later for a peer that never "
-            f"came: it {given}\n\n{failure}"
+            t(
+                "join_world(info, timeout=1.5 s) was still waiting 8 s later for a peer that "
+                "never came: it {given}\n"
+                "\n"
+                "{failure}",
+                given=given,
+                failure=failure,
+            )
         ) from None
-    assert outcome[0] == "raised", (
+    assert outcome[0] == "raised", t(
         "join_world returned although its only peer never came: it must wait for the whole world"
     )
-    assert outcome[2] < 6, (
-        f"join_world gave up after {outcome[2]:.1f} s, with timeout=1.5 s: pass the timeout on"
+    assert outcome[2] < 6, t(
+        "join_world gave up after {outcome2:.1f} s, with timeout=1.5 s: pass the timeout on",
+        outcome2=outcome[2],
     )
 
 
@@ -575,10 +710,11 @@ def test_join_world_gives_up_after_its_timeout(kata, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_join_world_nccl_on_one_gpu(kata):
     [result] = _join_world(1, "nccl", "cuda")
-    assert result["backend"] == "nccl" and result["sum"] == 1.0, (
-        f"NCCL world of 1 on cuda:0 gave {result}"
+    assert result["backend"] == "nccl" and result["sum"] == 1.0, t(
+        "NCCL world of 1 on cuda:0 gave {result}",
+        result=result,
     )
-    assert result["current_device"] == 0, (
+    assert result["current_device"] == 0, t(
         "join_world must torch.cuda.set_device(device) for a CUDA device"
     )
 
@@ -588,8 +724,9 @@ def test_join_world_nccl_on_one_gpu(kata):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_join_world_gloo_on_cuda_with_two_ranks(kata):
     results = _join_world(2, "gloo", "cuda")
-    assert [r["sum"] for r in results] == [3.0, 3.0], (
-        f"gloo with CUDA tensors on 2 ranks gave {results}"
+    assert [r["sum"] for r in results] == [3.0, 3.0], t(
+        "gloo with CUDA tensors on 2 ranks gave {results}",
+        results=results,
     )
 
 
@@ -611,20 +748,37 @@ def test_sum_of_ranks_over_two_nodes_of_three(kata, world):
     for rank, total in enumerate(totals):
         if isinstance(total, list):
             raise AssertionError(
-                f"rank {rank} returned a tensor {total}: return a Python number (.item())"
+                t(
+                    "rank {rank} returned a tensor {total}: return a Python number (.item())",
+                    rank=rank,
+                    total=total,
+                )
             )
-        assert isinstance(total, (int, float)), f"rank {rank} returned {total!r}, expected a number"
+        assert isinstance(total, (int, float)), t(
+            "rank {rank} returned {total!r}, expected a number",
+            rank=rank,
+            total=total,
+        )
         if total == 21:
             continue
         if total == rank + 1:
-            why = "that is its own contribution: did every rank call dist.all_reduce on its tensor?"
+            why = t(
+                "that is its own contribution: did every rank call dist.all_reduce on its tensor?"
+            )
         elif total == 15:
-            why = "15 is 0+1+...+5: contribute rank + 1, not rank"
+            why = t("15 is 0+1+...+5: contribute rank + 1, not rank")
         elif total == 12:
-            why = "12 is the sum of local_rank + 1: contribute the global rank + 1 (info.rank)"
+            why = t("12 is the sum of local_rank + 1: contribute the global rank + 1 (info.rank)")
         else:
-            why = "every rank contributes rank + 1 and all-reduces with SUM"
-        raise AssertionError(f"rank {rank} returned {total}, expected 1+2+...+6 = 21: {why}")
+            why = t("every rank contributes rank + 1 and all-reduces with SUM")
+        raise AssertionError(
+            t(
+                "rank {rank} returned {total}, expected 1+2+...+6 = 21: {why}",
+                rank=rank,
+                total=total,
+                why=why,
+            )
+        )
 
 
 # --------------------------------------------------------------------------- step 5
@@ -726,12 +880,12 @@ def _ranks(numbers) -> str:
     """``rank 4``, ``ranks 4 and 5``, ``ranks 3, 4 and 5``."""
     numbers = [str(n) for n in numbers]
     if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    return f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
+        return t("rank {rank}", rank=numbers[0])
+    return t("ranks {ranks} and {last}", ranks=", ".join(numbers[:-1]), last=numbers[-1])
 
 
 def _were(numbers) -> str:
-    return f"{_ranks(numbers)} {'was' if len(numbers) == 1 else 'were'}"
+    return tn("{ranks} was", "{ranks} were", len(numbers), ranks=_ranks(numbers))
 
 
 def _reports(folder):
@@ -763,19 +917,25 @@ def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
         _launch_stand_ins, 1, str(tmp_path), "together", 3, 30.0, init_group=False, deadline=40
     )
     alone = sorted(p.name[len("alone-") :] for p in tmp_path.glob("alone-*"))
-    assert not alone, (
-        f"the process(es) with RANK {', '.join(alone)} waited 10 s for the other processes of their "
-        "node, which had not been started: start every process before waiting for any (in a real "
-        "world each one waits in init_process_group for the others)"
+    assert not alone, t(
+        "the process(es) with RANK {names} waited 10 s for the other processes of their "
+        "node, which had not been started: start every process before waiting for any "
+        "(in a real world each one waits in init_process_group for the others)",
+        names=", ".join(alone),
     )
     reports = _reports(tmp_path)
-    assert outcome[0] == "returned", f"launch_node raised {outcome[1]}: {outcome[2]}"
-    assert not leftovers, (
-        f"launch_node returned while {_were(leftovers)} still running: wait until every process "
-        "has exited"
+    assert outcome[0] == "returned", t(
+        "launch_node raised {outcome1}: {outcome2}",
+        outcome1=outcome[1],
+        outcome2=outcome[2],
     )
-    assert sorted(reports) == ["3", "4", "5"], (
-        f"node 1 of 2 with 3 processes each started processes with RANK {sorted(reports)}, expected 3, 4, 5"
+    assert not leftovers, t(
+        "launch_node returned while {were} still running: wait until every process has exited",
+        were=_were(leftovers),
+    )
+    assert sorted(reports) == ["3", "4", "5"], t(
+        "node 1 of 2 with 3 processes each started processes with RANK {reports}, expected 3, 4, 5",
+        reports=sorted(reports),
     )
     for rank, report in reports.items():
         expected = {
@@ -786,12 +946,16 @@ def test_launch_node_starts_every_local_rank_at_once(kata, tmp_path):
             "MASTER_PORT": "29500",
         }
         wrong = {k: report[k] for k, v in expected.items() if report[k] != v}
-        assert not wrong, (
-            f"the process with RANK={rank} got {wrong}, expected {expected}: use node_environment"
+        assert not wrong, t(
+            "the process with RANK={rank} got {wrong}, expected {expected}: use node_environment",
+            rank=rank,
+            wrong=wrong,
+            expected=expected,
         )
-        assert report["K06_KEPT"] == "from the launcher", (
-            f"the process with RANK={rank} lost the launcher's own environment (PATH, PYTHONPATH, ...): "
-            "pass env={**os.environ, **node_environment(...)}"
+        assert report["K06_KEPT"] == "from the launcher", t(
+            "the process with RANK={rank} lost the launcher's own environment (PATH, "
+            "PYTHONPATH, ...): pass env={{**os.environ, **node_environment(...)}}",
+            rank=rank,
         )
 
 
@@ -804,24 +968,34 @@ def test_launch_node_names_the_failed_rank_and_stops_the_others(kata, tmp_path):
         )  # fmt: skip
     except WorldDeadlock as failure:
         raise AssertionError(
-            "rank 3 exited with status 7 as soon as rank 2 was up, but launch_node was still waiting "
-            f"{LAUNCH_DEADLINE_S:g} s later (for rank 2, which runs for a minute): watch every "
-            "process at once (poll() them in a loop) and stop the rest at the first failure"
-            f"\n\n{failure}"
+            t(
+                "rank 3 exited with status 7 as soon as rank 2 was up, but launch_node was "
+                "still waiting {LAUNCH_DEADLINE_S:g} s later (for rank 2, which runs for a "
+                "minute): watch every process at once (poll() them in a loop) and stop the "
+                "rest at the first failure\n"
+                "\n"
+                "{failure}",
+                LAUNCH_DEADLINE_S=LAUNCH_DEADLINE_S,
+                failure=failure,
+            )
         ) from None
-    assert outcome[0] == "raised", (
+    assert outcome[0] == "raised", t(
         "rank 3 exited with status 7, but launch_node returned: it must raise NodeFailed"
     )
-    assert outcome[1] == "NodeFailed", (
-        f"launch_node raised {outcome[1]}: {outcome[2]}; raise the kata's NodeFailed"
+    assert outcome[1] == "NodeFailed", t(
+        "launch_node raised {outcome1}: {outcome2}; raise the kata's NodeFailed",
+        outcome1=outcome[1],
+        outcome2=outcome[2],
     )
-    assert re.search(r"rank 3\b", outcome[2]) and "7" in outcome[2], (
-        f"NodeFailed({outcome[2]!r}) must name rank 3 and its exit status 7"
+    assert re.search(r"rank 3\b", outcome[2]) and "7" in outcome[2], t(
+        "NodeFailed({outcome2!r}) must name rank 3 and its exit status 7",
+        outcome2=outcome[2],
     )
-    assert not leftovers, (
-        f"launch_node raised NodeFailed while {_were(leftovers)} still running: stop the others "
-        "(terminate, then kill) and wait for them before raising, or they run on with no one "
-        "watching"
+    assert not leftovers, t(
+        "launch_node raised NodeFailed while {were} still running: stop the others "
+        "(terminate, then kill) and wait for them before raising, or they run on with no "
+        "one watching",
+        were=_were(leftovers),
     )
 
 
@@ -835,28 +1009,43 @@ def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
         )  # fmt: skip
     except WorldDeadlock as failure:
         raise AssertionError(
-            f"launch_node(timeout=2.0) was still waiting {LAUNCH_DEADLINE_S:g} s later: check the "
-            "clock in the polling loop and raise NodeFailed once the timeout has passed"
-            f"\n\n{failure}"
+            t(
+                "launch_node(timeout=2.0) was still waiting {LAUNCH_DEADLINE_S:g} s later: "
+                "check the clock in the polling loop and raise NodeFailed once the timeout "
+                "has passed\n"
+                "\n"
+                "{failure}",
+                LAUNCH_DEADLINE_S=LAUNCH_DEADLINE_S,
+                failure=failure,
+            )
         ) from None
     if outcome[0] == "returned":
         raise AssertionError(
-            f"launch_node returned while {_were(leftovers)} still running: rank 3 had ended, but "
-            "the others had not. Wait for every process, not the first to end; here ranks 4 and 5 "
-            "never end, so the 2 s timeout must raise NodeFailed"
+            t(
+                "launch_node returned while {were} still running: rank 3 had ended, but the "
+                "others had not. Wait for every process, not the first to end; here ranks 4 and 5 "
+                "never end, so the 2 s timeout must raise NodeFailed",
+                were=_were(leftovers),
+            )
             if leftovers
-            else "launch_node returned, but ranks 4 and 5 never end: raise NodeFailed at the timeout"
+            else t(
+                "launch_node returned, but ranks 4 and 5 never end: raise NodeFailed at the timeout"
+            )
         )
-    assert outcome[1] == "NodeFailed", (
-        f"launch_node(timeout=2.0) raised {outcome[1]}: {outcome[2]}; raise the kata's NodeFailed"
+    assert outcome[1] == "NodeFailed", t(
+        "launch_node(timeout=2.0) raised {outcome1}: {outcome2}; raise the kata's NodeFailed",
+        outcome1=outcome[1],
+        outcome2=outcome[2],
     )
     named = [r for r in ("4", "5") if re.search(rf"\b{r}\b", outcome[2])]
-    assert named == ["4", "5"], (
-        f"NodeFailed({outcome[2]!r}) at the timeout must name the ranks still running, 4 and 5"
+    assert named == ["4", "5"], t(
+        "NodeFailed({outcome2!r}) at the timeout must name the ranks still running, 4 and 5",
+        outcome2=outcome[2],
     )
-    assert not leftovers, (
-        f"launch_node raised NodeFailed at its timeout while {_were(leftovers)} still running: "
-        "stop them (terminate, then kill) and wait for them before raising"
+    assert not leftovers, t(
+        "launch_node raised NodeFailed at its timeout while {were} still running: stop "
+        "them (terminate, then kill) and wait for them before raising",
+        were=_were(leftovers),
     )
 
 
@@ -866,15 +1055,19 @@ def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
 @pytest.mark.step(2)
 def test_program_explains_an_incomplete_environment():
     done = run_program(KATA, timeout=60, env={"RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-    assert done.returncode not in (0, 3), (
-        f"with only RANK set the program exited with {done.returncode}"
+    assert done.returncode not in (0, 3), t(
+        "with only RANK set the program exited with {returncode}",
+        returncode=done.returncode,
     )
     for name in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        assert name in done.stderr, (
-            f"with only RANK and MASTER_ADDR set, the error must name {name}:\n{done.stderr}"
+        assert name in done.stderr, t(
+            "with only RANK and MASTER_ADDR set, the error must name {name}:\n{stderr}",
+            name=name,
+            stderr=done.stderr,
         )
-    assert "Traceback" not in done.stderr, (
-        f"a bad environment deserves a message, not a traceback:\n{done.stderr}"
+    assert "Traceback" not in done.stderr, t(
+        "a bad environment deserves a message, not a traceback:\n{stderr}",
+        stderr=done.stderr,
     )
 
 
@@ -883,9 +1076,12 @@ def test_program_refuses_a_node_rank_beyond_the_nodes():
     done = run_program(
         KATA, "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", timeout=60
     )
-    assert done.returncode == 2 and re.search(r"node.rank", done.stderr), (
-        f"--nnodes 2 --node-rank 2 must stop with a message about the node rank, got exit "
-        f"{done.returncode}:\n{done.stderr}"
+    assert done.returncode == 2 and re.search(r"node.rank", done.stderr), t(
+        "--nnodes 2 --node-rank 2 must stop with a message about the node rank, got exit "
+        "{returncode}:\n"
+        "{stderr}",
+        returncode=done.returncode,
+        stderr=done.stderr,
     )
 
 
@@ -951,7 +1147,12 @@ def _run_two_nodes(make_command, deadline=90.0):
                 except subprocess.TimeoutExpired:
                     outputs = _read(logs)
                     raise AssertionError(
-                        f"the two nodes did not finish within {deadline:g} s.\n\n" + _show(outputs)
+                        t(
+                            "the two nodes did not finish within {seconds} s.",
+                            seconds=f"{deadline:g}",
+                        )
+                        + "\n\n"
+                        + _show(outputs)
                     ) from None
         finally:
             for process in nodes:
@@ -965,7 +1166,7 @@ def _run_two_nodes(make_command, deadline=90.0):
             if todo is not None:
                 raise todo
             raise AssertionError(
-                "a node failed.\n\n" + _show(outputs, [code for code, _ in results])
+                t("a node failed.") + "\n\n" + _show(outputs, [code for code, _ in results])
             )
         return results
 
@@ -981,7 +1182,12 @@ def _read(logs):
 
 def _show(outputs, codes=None):
     return "\n\n".join(
-        f"node {n}{'' if codes is None else f' (exit status {codes[n]})'} printed:\n{text.strip()[-3000:]}"
+        (
+            t("node {node} printed:", node=n)
+            if codes is None
+            else t("node {node} (exit status {status}) printed:", node=n, status=codes[n])
+        )
+        + f"\n{text.strip()[-3000:]}"
         for n, text in enumerate(outputs)
     )
 
@@ -992,19 +1198,33 @@ def _results_by_node(results):
         by_node.append({int(rank): json.loads(body) for rank, body in _RESULT.findall(text)})
     everything = {rank: r for found in by_node for rank, r in found.items()}
     assert sorted(everything) == [0, 1, 2, 3], (
-        f"2 nodes x 2 processes must report ranks 0-3 once each, got {sorted(everything)}.\n\n"
+        t(
+            "2 nodes x 2 processes must report ranks 0-3 once each, got {ranks}.",
+            ranks=sorted(everything),
+        )
+        + "\n\n"
         + _show([text for _, text in results])
     )
     for rank, result in everything.items():
-        assert result["sum"] == 10.0 and result["world_size"] == 4, (
-            f"rank {rank} reported sum {result['sum']} in a world of {result['world_size']}, expected 10.0 in a world of 4"
+        assert result["sum"] == 10.0 and result["world_size"] == 4, t(
+            "rank {rank} reported sum {sum} in a world of {world_size}, expected 10.0 in "
+            "a world of 4",
+            rank=rank,
+            sum=result["sum"],
+            world_size=result["world_size"],
         )
-        assert rank == result["node_rank"] * 2 + result["local_rank"], (
-            f"rank {rank} says it is local rank {result['local_rank']} of node {result['node_rank']}: "
-            "rank = node_rank * nproc_per_node + local_rank"
+        assert rank == result["node_rank"] * 2 + result["local_rank"], t(
+            "rank {rank} says it is local rank {local_rank} of node {node_rank}: rank = "
+            "node_rank * nproc_per_node + local_rank",
+            rank=rank,
+            local_rank=result["local_rank"],
+            node_rank=result["node_rank"],
         )
     leftovers = _still_running(r["pid"] for r in everything.values())
-    assert not leftovers, f"rank processes {leftovers} were still running after their node exited"
+    assert not leftovers, t(
+        "rank processes {leftovers} were still running after their node exited",
+        leftovers=leftovers,
+    )
     return by_node
 
 
@@ -1041,17 +1261,23 @@ def test_two_nodes_started_by_torchrun():
 def _check_ranks_of_each_node(by_node, names) -> None:
     """Node n (``names[n]``, started with --node-rank n) ran ranks 2n and 2n + 1."""
     for n, found in enumerate(by_node):
-        assert sorted(found) == [2 * n, 2 * n + 1], (
-            f"{names[n]}, started with --node-rank {n}, ran ranks {sorted(found)}, expected "
-            f"{2 * n} and {2 * n + 1}: rank = node_rank * nproc_per_node + local_rank"
+        assert sorted(found) == [2 * n, 2 * n + 1], t(
+            "{node}, started with --node-rank {n}, ran ranks {found}, expected {first} and "
+            "{second}: rank = node_rank * nproc_per_node + local_rank",
+            node=names[n],
+            n=n,
+            found=sorted(found),
+            first=2 * n,
+            second=2 * n + 1,
         )
 
 
 def _check_one_node_each(by_node) -> None:
     """Each torchrun ran one node's ranks. The c10d rendezvous numbers the nodes in the order
     they join, so either torchrun may be node 0."""
-    assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], (
-        f"each torchrun must run one node's ranks, got {[sorted(f) for f in by_node]}"
+    assert sorted(sorted(found) for found in by_node) == [[0, 1], [2, 3]], t(
+        "each torchrun must run one node's ranks, got {ranks}",
+        ranks=[sorted(f) for f in by_node],
     )
 
 
@@ -1105,8 +1331,14 @@ class _Node:
 
     def shown(self) -> str:
         code = self.process.poll()
-        status = "still running" if code is None else f"exit status {code}"
-        return f"{self.host.name} ({self.host.address}, {status}) printed:\n{_plain(self.output)}"
+        status = t("still running") if code is None else t("exit status {code}", code=code)
+        said = t(
+            "{host} ({address}, {status}) printed:",
+            host=self.host.name,
+            address=self.host.address,
+            status=status,
+        )
+        return f"{said}\n{_plain(self.output)}"
 
 
 def _plain(text: str) -> str:
@@ -1137,7 +1369,8 @@ def _wait(nodes, seconds, what):
             raise todo
     if not all(ended):
         raise AssertionError(
-            f"{what}: still running after {seconds:g} s.\n\n"
+            t("{what}: still running after {seconds} s.", what=what, seconds=f"{seconds:g}")
+            + "\n\n"
             + "\n\n".join(node.shown() for node in nodes)
         )
 
@@ -1145,19 +1378,28 @@ def _wait(nodes, seconds, what):
 def _check_results(nodes):
     """Every rank's result line, each on the host it ran on, with that host's address."""
     for node in nodes:
-        assert node.process.returncode == 0, f"{node.host.name} failed.\n\n" + "\n\n".join(
-            n.shown() for n in nodes
+        assert node.process.returncode == 0, (
+            t("{host} failed.", host=node.host.name)
+            + "\n\n"
+            + "\n\n".join(n.shown() for n in nodes)
         )
     by_node = _results_by_node([(0, node.output) for node in nodes])
     for node, found in zip(nodes, by_node):
         for rank, result in sorted(found.items()):
-            assert result["host"] == node.host.name, (
-                f"rank {rank} was started on {node.host.name} but reports host {result['host']!r}"
+            assert result["host"] == node.host.name, t(
+                "rank {rank} was started on {name} but reports host {host!r}",
+                rank=rank,
+                name=node.host.name,
+                host=result["host"],
             )
-            assert result.get("address") == node.host.address, (
-                f"rank {rank} on {node.host.name} reports address {result.get('address')!r}, "
-                f"expected {node.host.address}: its result line shows the address this host "
-                "reaches MASTER_ADDR from (_address_towards)"
+            assert result.get("address") == node.host.address, t(
+                "rank {rank} on {name} reports address {result!r}, expected {address}: "
+                "its result line shows the address this host reaches MASTER_ADDR from "
+                "(_address_towards)",
+                rank=rank,
+                name=node.host.name,
+                result=result.get("address"),
+                address=node.host.address,
             )
     return by_node
 
@@ -1167,7 +1409,7 @@ def _check_results(nodes):
 def test_two_hosts_started_by_hand(two_hosts):
     a, b = two_hosts
     nodes = [_Node(host, _by_hand(n, a.address)) for n, host in enumerate((a, b))]
-    _wait(nodes, 90, "the two hosts started by hand")
+    _wait(nodes, 90, t("the two hosts started by hand"))
     _check_ranks_of_each_node(_check_results(nodes), [node.host.name for node in nodes])
 
 
@@ -1182,23 +1424,33 @@ def test_two_hosts_started_by_torchrun(two_hosts):
         *("--max-restarts", "0", "-m", f"{impl.current()}.{KATA}", "--timeout", "30"),
     ]
     nodes = [_Node(host, command) for host in (a, b)]
-    _wait(nodes, 120, "the two torchruns")
+    _wait(nodes, 120, t("the two torchruns"))
     _check_one_node_each(_check_results(nodes))
 
 
 def _failed_with(node, *texts, within):
     """The node failed, within ``within`` seconds, printing every one of ``texts``."""
-    assert node.process.returncode not in (0, None), (
-        f"{node.host.name} was expected to fail, but finished.\n\n{node.shown()}"
+    assert node.process.returncode not in (0, None), t(
+        "{name} was expected to fail, but finished.\n\n{node}",
+        name=node.host.name,
+        node=node.shown(),
     )
     missing = [text for text in texts if text not in node.output]
-    assert not missing, (
-        f"{node.host.name} failed, but its message does not say {missing}: a learner needs "
-        f"to read what went wrong and what to set.\n\n{node.shown()}"
+    assert not missing, t(
+        "{name} failed, but its message does not say {missing}: a learner needs to read "
+        "what went wrong and what to set.\n"
+        "\n"
+        "{node}",
+        name=node.host.name,
+        missing=missing,
+        node=node.shown(),
     )
-    assert node.seconds < within, (
-        f"{node.host.name} took {node.seconds:.0f} s to fail, more than {within:g} s.\n\n"
-        f"{node.shown()}"
+    assert node.seconds < within, t(
+        "{name} took {seconds:.0f} s to fail, more than {within:g} s.\n\n{node}",
+        name=node.host.name,
+        seconds=node.seconds,
+        within=within,
+        node=node.shown(),
     )
 
 
@@ -1215,12 +1467,12 @@ def test_host_name_on_loopback_is_explained(two_hosts, master):
     a.set_names({"host-a": "127.0.1.1", "host-b": b.address})
     master_addr = a.address if master == "address" else "host-a"
     nodes = [_Node(host, _by_hand(n, master_addr, SHORT)) for n, host in enumerate((a, b))]
-    _wait([nodes[1]], STARTUP_S + 30, "host-b, told to reach host-a's ranks at 127.0.1.1")
+    _wait([nodes[1]], STARTUP_S + 30, t("host-b, told to reach host-a's ranks at 127.0.1.1"))
     _failed_with(
         nodes[1], "127.0.1.1", "loopback", "GLOO_SOCKET_IFNAME=eth0", within=STARTUP_S + SHORT
     )
     if master == "address":  # once is enough: the other side, after gloo's own timeout
-        _wait([nodes[0]], STARTUP_S + 60, "host-a, whose gloo listens at 127.0.1.1")
+        _wait([nodes[0]], STARTUP_S + 60, t("host-a, whose gloo listens at 127.0.1.1"))
         _failed_with(
             nodes[0], "'host-a' resolves to 127.0.1.1", "GLOO_SOCKET_IFNAME=eth0", within=90
         )
@@ -1235,7 +1487,7 @@ def test_gloo_socket_ifname_fixes_a_host_name_on_loopback(two_hosts):
         _Node(host, _by_hand(n, a.address), GLOO_SOCKET_IFNAME="eth0")
         for n, host in enumerate((a, b))
     ]
-    _wait(nodes, 90, "two hosts with GLOO_SOCKET_IFNAME=eth0, host-a's name on 127.0.1.1")
+    _wait(nodes, 90, t("two hosts with GLOO_SOCKET_IFNAME=eth0, host-a's name on 127.0.1.1"))
     _check_results(nodes)
 
 
@@ -1251,7 +1503,7 @@ def test_gloo_on_the_loopback_interface_is_refused(two_hosts):
         _Node(host, _by_hand(n, a.address, SHORT), GLOO_SOCKET_IFNAME="lo")
         for n, host in enumerate((a, b))
     ]
-    _wait(nodes, STARTUP_S + 30, "two hosts with GLOO_SOCKET_IFNAME=lo")
+    _wait(nodes, STARTUP_S + 30, t("two hosts with GLOO_SOCKET_IFNAME=lo"))
     # host-b refuses before joining (its ranks say so, below), but a busy machine's start of
     # torch can take the start-up allowance and a little more
     _failed_with(
@@ -1259,7 +1511,10 @@ def test_gloo_on_the_loopback_interface_is_refused(two_hosts):
     )
     assert "rank 2: GLOO_SOCKET_IFNAME=lo" in nodes[1].output or (
         "rank 3: GLOO_SOCKET_IFNAME=lo" in nodes[1].output
-    ), f"host-b's ranks must refuse before they join.\n\n{nodes[1].shown()}"
+    ), t(
+        "host-b's ranks must refuse before they join.\n\n{nodes}",
+        nodes=nodes[1].shown(),
+    )
     _failed_with(
         nodes[0],
         "GLOO_SOCKET_IFNAME=lo",
@@ -1281,7 +1536,7 @@ def test_a_closed_rendezvous_port_is_named(two_hosts):
     a, b = two_hosts
     a.drop_incoming_tcp(PORT)
     nodes = [_Node(host, _by_hand(n, a.address, SHORT)) for n, host in enumerate((a, b))]
-    _wait(nodes, STARTUP_S + 30, "two hosts, port 29500 closed on host-a")
+    _wait(nodes, STARTUP_S + 30, t("two hosts, port 29500 closed on host-a"))
     _failed_with(nodes[1], f"{a.address}:{PORT}", "firewall", within=STARTUP_S + 4 * SHORT)
     _failed_with(nodes[0], f"{a.address}:{PORT}", "of each other", within=STARTUP_S + 4 * SHORT)
 
@@ -1293,10 +1548,10 @@ def test_a_host_started_late_meets_the_timeout(two_hosts):
     one at host-a's address and gives up at its own. Each says what it waited for."""
     a, b = two_hosts
     first = _Node(a, _by_hand(0, a.address, SHORT))
-    _wait([first], STARTUP_S + 30, "host-a, alone")
+    _wait([first], STARTUP_S + 30, t("host-a, alone"))
     _failed_with(first, f"{a.address}:{PORT}", "of each other", within=STARTUP_S + 4 * SHORT)
     late = _Node(b, _by_hand(1, a.address, SHORT))
-    _wait([late], STARTUP_S + 30, "host-b, started after host-a gave up")
+    _wait([late], STARTUP_S + 30, t("host-b, started after host-a gave up"))
     _failed_with(
         late, f"could not reach rank 0 at {a.address}:{PORT}", within=STARTUP_S + 4 * SHORT
     )

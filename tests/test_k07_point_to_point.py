@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
+from dojo.lang import t
 from dojo.spec.testing import refusal, run_program_ok
 from dojo.spec.traces import RankTrace, read_trace, read_traces, run_traced
 
@@ -113,9 +114,15 @@ class _Trace(RankTrace):
             if isinstance(peer, int) and not 0 <= peer < self.world_size:
                 self._raised()
                 raise AssertionError(
-                    f"rank {self.rank} called dist.{name}({key.replace('group_', '')}={peer}), but "
-                    f"this world has ranks 0..{self.world_size - 1} (the test stopped the call: torch "
-                    "would hang or crash on it)"
+                    t(
+                        "rank {rank} called dist.{name}({key}={peer}), but this world has ranks "
+                        "0..{last} (the test stopped the call: torch would hang or crash on it)",
+                        rank=self.rank,
+                        name=name,
+                        key=key.replace("group_", ""),
+                        peer=peer,
+                        last=self.world_size - 1,
+                    )
                 )
             note, blocking_before = None, self._blocking
             if name in ("isend", "irecv") and not self._blocking:
@@ -200,7 +207,7 @@ def _stuck_in(trace: dict) -> str | None:
             return _said(call)
     for note in trace["requests"]:
         if note["waited"] is not None and not note["done"]:
-            return f"wait() on its {_said_request(note)}"
+            return t("wait() on its {request}", request=_said_request(note))
     return None
 
 
@@ -210,7 +217,7 @@ def _story(traces: dict[int, dict], world_size: int) -> str:
     for rank in range(world_size):
         trace = traces[rank]
         events = [
-            (c["start"], _said(c) + (" (raised)" if c["raised"] else ""), False)
+            (c["start"], _said(c) + (t(" (raised)") if c["raised"] else ""), False)
             for c in trace["calls"]
             if c["name"] in ("send", "recv") or c["raised"]
         ]
@@ -223,10 +230,11 @@ def _story(traces: dict[int, dict], world_size: int) -> str:
             else:
                 shown.append(f"batch_isend_irecv([{text}])" if batch else text)
             in_batch = batch
-        said = ", ".join(shown) or "no send or receive"
+        said = ", ".join(shown) or t("no send or receive")
         stuck = _stuck_in(trace)
-        lines.append(f"  rank {rank}: {said}" + (f"  <- still in {stuck}" if stuck else ""))
-    return "what each rank called (recorded by the test):\n" + "\n".join(lines)
+        still = t("  <- still in {call}", call=stuck) if stuck else ""
+        lines.append(t("  rank {rank}: {calls}", rank=rank, calls=said) + still)
+    return t("what each rank called (recorded by the test):") + "\n" + "\n".join(lines)
 
 
 def _outside_the_world(traces: dict[int, dict], world_size: int) -> str | None:
@@ -238,12 +246,17 @@ def _outside_the_world(traces: dict[int, dict], world_size: int) -> str | None:
         ]:
             for key, peer in call["peers"].items():
                 if key != "tag" and isinstance(peer, int) and not 0 <= peer < world_size:
-                    return (
-                        f"rank {rank} called dist.{call['name']} with {key}={peer}, which is not a rank "
-                        f"of this world of {world_size}: a ring wraps round, so rank 0's left "
-                        f"neighbour is rank {world_size - 1} and rank {world_size - 1}'s right "
-                        "neighbour is rank 0. Compute them modulo the world size: "
-                        "(rank - 1) % world_size and (rank + 1) % world_size."
+                    return t(
+                        "rank {rank} called dist.{name} with {key}={peer}, which is not a rank of "
+                        "this world of {world_size}: a ring wraps round, so rank 0's left neighbour "
+                        "is rank {last} and rank {last}'s right neighbour is rank 0. Compute them "
+                        "modulo the world size: (rank - 1) % world_size and (rank + 1) % world_size.",
+                        rank=rank,
+                        name=call["name"],
+                        key=key,
+                        peer=peer,
+                        world_size=world_size,
+                        last=world_size - 1,
                     )
     return None
 
@@ -254,19 +267,21 @@ def _general_problem(traces: dict[int, dict], world_size: int) -> str | None:
     if unmatched:
         return unmatched
     stuck = {rank: _stuck_in(traces[rank]) for rank in range(world_size)}
-    each = ", ".join(f"rank {rank} in {call}" for rank, call in stuck.items())
+    each = ", ".join(t("rank {rank} in {call}", rank=r, call=c) for r, c in stuck.items())
     if all(s and s.startswith("send(") for s in stuck.values()):
-        return (
-            f"every rank is inside a blocking send ({each}) and none has reached its receive: a "
+        return t(
+            "every rank is inside a blocking send ({each}) and none has reached its receive: a "
             "send returns only once its receiver has taken the data, so each rank waits for a "
             "peer that is sending too. Let one side receive first, or post the send with "
-            "dist.isend, then receive, then wait on the send."
+            "dist.isend, then receive, then wait on the send.",
+            each=each,
         )
     if all(s and s.startswith("recv(") for s in stuck.values()):
-        return (
-            f"every rank is inside a blocking recv ({each}) and none of them sends: a recv returns "
+        return t(
+            "every rank is inside a blocking recv ({each}) and none of them sends: a recv returns "
             "only once its source sends to it, so each rank waits for a peer that is receiving "
-            "too. Let one side send first, or post the sends with dist.isend before receiving."
+            "too. Let one side send first, or post the sends with dist.isend before receiving.",
+            each=each,
         )
     return None
 
@@ -290,11 +305,15 @@ def _unmatched_receives(traces: dict[int, dict], world_size: int) -> str | None:
     for rank, src, tag in receives:
         sent = sends.get((src, rank), [])
         if sent and tag not in sent:
-            return (
-                f"rank {rank} waits for a message from rank {src} with tag={tag}"
-                f"{_tag_name(tag)}, but rank {src} sent rank {rank} only tag(s) "
-                f"{', '.join(f'{t}{_tag_name(t)}' for t in sorted(set(sent)))}: a receive matches "
-                "only a send with the same tag, so this one waits for ever."
+            return t(
+                "rank {rank} waits for a message from rank {src} with tag={tag}{name}, but rank "
+                "{src} sent rank {rank} only tag(s) {sent}: a receive matches only a send with the "
+                "same tag, so this one waits for ever.",
+                rank=rank,
+                src=src,
+                tag=tag,
+                name=_tag_name(tag),
+                sent=", ".join(f"{other}{_tag_name(other)}" for other in sorted(set(sent))),
             )
     return None
 
@@ -316,10 +335,11 @@ def _never_waited(traces: dict[int, dict], world_size: int) -> str | None:
                 if (note["kind"], note["peer"], note["tag"]) == (other, rank, waiting["tag"]) and (
                     note["waited"] is None and not note["polled"]
                 ):
-                    return _not_waited_text(waiting["peer"], note) + (
-                        f" Rank {rank} waits for the other end of it, in wait() on its "
-                        f"{_said_request(waiting)}: a message is only sure to travel once both ends "
-                        "wait on their requests."
+                    return _not_waited_text(waiting["peer"], note) + t(
+                        " Rank {rank} waits for the other end of it, in wait() on its {request}: a "
+                        "message is only sure to travel once both ends wait on their requests.",
+                        rank=rank,
+                        request=_said_request(waiting),
                     )
     for rank in range(world_size):
         if _stuck_in(traces[rank]):
@@ -332,13 +352,16 @@ def _never_waited(traces: dict[int, dict], world_size: int) -> str | None:
 
 def _not_waited_text(rank: int, note: dict) -> str:
     what = (
-        "the data may still be on its way into the buffer you return"
+        t("the data may still be on its way into the buffer you return")
         if note["kind"] == "irecv"
-        else "its tensor must not be changed or freed until the send has finished"
+        else t("its tensor must not be changed or freed until the send has finished")
     )
-    return (
-        f"rank {rank} never called wait() on the request of its {_said_request(note)}: {what}. "
-        "Call .wait() on every request isend and irecv return, before the function returns."
+    return t(
+        "rank {rank} never called wait() on the request of its {request}: {what}. Call .wait() on "
+        "every request isend and irecv return, before the function returns.",
+        rank=rank,
+        request=_said_request(note),
+        what=what,
     )
 
 
@@ -354,13 +377,13 @@ def _explain_ping_pong(traces, world_size):
     first = {rank: _blocking(traces[rank])[:1] for rank in (0, 1)}
     names = [call[0]["name"] if call else None for call in first.values()]
     if names == ["send", "send"]:
-        return (
+        return t(
             "ping-pong deadlocked: rank 0 and rank 1 both began with send. A blocking send returns "
             "only once the other rank has received, so both wait for ever: rank 0 serves (send, "
             "then recv), while rank 1 receives first (recv, then send)."
         )
     if names == ["recv", "recv"]:
-        return (
+        return t(
             "ping-pong deadlocked: rank 0 and rank 1 both began with recv, so nobody serves: rank 0 "
             "sends the 0 first, while rank 1 receives first."
         )
@@ -376,31 +399,52 @@ def test_ping_pong(world_size):
     for rank, got in enumerate(results):
         if rank > 1:
             calls = [_said(c) for c in traces[rank]["calls"]]
-            assert got == [] and not calls, (
-                f"rank {rank} returned {got!r} after calling {calls or 'nothing'}, expected [] and no "
-                "message: only ranks 0 and 1 play ping-pong, the others return an empty list at once"
+            assert got == [] and not calls, t(
+                "rank {rank} returned {got!r} after calling {calls}, expected [] and no "
+                "message: only ranks 0 and 1 play ping-pong, the others return an empty "
+                "list at once",
+                rank=rank,
+                got=got,
+                calls=calls or t("nothing"),
             )
             continue
         want = expected[rank]
-        assert isinstance(got, list) and all(type(v) is int for v in got), (
-            f"rank {rank} returned {got!r}: return a list of Python ints, the counter's value as "
-            "each one arrived (int(ball.item()), noted before you add 1)"
+        assert isinstance(got, list) and all(type(v) is int for v in got), t(
+            "rank {rank} returned {got!r}: return a list of Python ints, the counter's "
+            "value as each one arrived (int(ball.item()), noted before you add 1)",
+            rank=rank,
+            got=got,
         )
         if got == [v + 1 for v in want]:
             pytest.fail(
-                f"rank {rank} received {got}, expected {want}: it noted the counter after adding 1. "
-                "Note the value as it arrives, then add 1 and send it back.",
+                t(
+                    "rank {rank} received {got}, expected {want}: it noted the counter after "
+                    "adding 1. Note the value as it arrives, then add 1 and send it back.",
+                    rank=rank,
+                    got=got,
+                    want=want,
+                ),
                 pytrace=False,
             )
         if rank == 0 and got == list(range(rounds)):
             pytest.fail(
-                f"rank 0 received {got}, expected {want}: rank 1 sent the counter back without "
-                "adding 1. Whoever receives the counter (rank 1 too) adds 1 before sending it back.",
+                t(
+                    "rank 0 received {got}, expected {want}: rank 1 sent the counter back "
+                    "without adding 1. Whoever receives the counter (rank 1 too) adds 1 "
+                    "before sending it back.",
+                    got=got,
+                    want=want,
+                ),
                 pytrace=False,
             )
-        assert got == want, (
-            f"rank {rank} received {got}, expected {want} in {rounds} rounds: rank 0 serves 0, "
-            "and whoever receives the counter notes it, adds 1 and sends it back"
+        assert got == want, t(
+            "rank {rank} received {got}, expected {want} in {rounds} rounds: rank 0 "
+            "serves 0, and whoever receives the counter notes it, adds 1 and sends it "
+            "back",
+            rank=rank,
+            got=got,
+            want=want,
+            rounds=rounds,
         )
 
 
@@ -443,44 +487,84 @@ def test_token_ring(world_size):
     want = [_ring_value(token, rank, world_size) for rank in range(world_size)]
     if results == [token] * world_size:
         pytest.fail(
-            f"every rank returned {token}: nobody added to the token. Each rank adds rank + 1 before "
-            f"passing it on, so rank 1 receives {want[1]} and rank 0 gets {want[0]} back.",
+            t(
+                "every rank returned {token}: nobody added to the token. Each rank adds rank "
+                "+ 1 before passing it on, so rank 1 receives {want1} and rank 0 gets "
+                "{want0} back.",
+                token=token,
+                want1=want[1],
+                want0=want[0],
+            ),
             pytrace=False,
         )
     for rank, got in enumerate(results):
         if rank > 0 and got == want[rank] + rank + 1:
             pytest.fail(
-                f"rank {rank} returned {got}, expected {want[rank]}: it returned the token after "
-                f"adding its own {rank + 1}. Return the value as it arrived; add rank + 1 only to "
-                "what you pass on.",
+                t(
+                    "rank {rank} returned {got}, expected {want}: it returned the token "
+                    "after adding its own {added}. Return the value as it arrived; add rank "
+                    "+ 1 only to what you pass on.",
+                    rank=rank,
+                    got=got,
+                    want=want[rank],
+                    added=rank + 1,
+                ),
                 pytrace=False,
             )
         if rank == 0 and got == want[0] + 1:
             pytest.fail(
-                f"rank 0 returned {got}, expected {want[0]}: it added its 1 twice, before the first "
-                "send and again when the token came back. Add it once, before sending.",
+                t(
+                    "rank 0 returned {got}, expected {want0}: it added its 1 twice, before "
+                    "the first send and again when the token came back. Add it once, before "
+                    "sending.",
+                    got=got,
+                    want0=want[0],
+                ),
                 pytrace=False,
             )
         if rank == 0 and got == want[0] - 1 and results[1:] == [w - 1 for w in want[1:]]:
             pytest.fail(
-                f"rank 0 got {got} back and rank 1 received {results[1]}, expected {want[0]} and "
-                f"{want[1]}: rank 0 never added its 1. Like every rank, it adds rank + 1 before it "
-                "passes the token on.",
+                t(
+                    "rank 0 got {got} back and rank 1 received {results1}, expected {want0} "
+                    "and {want1}: rank 0 never added its 1. Like every rank, it adds rank + "
+                    "1 before it passes the token on.",
+                    got=got,
+                    results1=results[1],
+                    want0=want[0],
+                    want1=want[1],
+                ),
                 pytrace=False,
             )
         if rank == 0:
-            why = "the token goes all the way round, and every rank r adds r + 1 (rank 0 adds 1 before it sends)"
+            why = t(
+                "the token goes all the way round, and every rank r adds r + 1 (rank 0 adds 1 "
+                "before it sends)"
+            )
         else:
-            why = f"ranks 0..{rank - 1} each added their rank + 1 before it reached rank {rank}"
-        assert got == want[rank], f"rank {rank} returned {got!r}, expected {want[rank]}: {why}"
+            why = t(
+                "ranks 0..{last} each added their rank + 1 before it reached rank {rank}",
+                last=rank - 1,
+                rank=rank,
+            )
+        assert got == want[rank], t(
+            "rank {rank} returned {got!r}, expected {want}: {why}",
+            rank=rank,
+            got=got,
+            want=want[rank],
+            why=why,
+        )
     for rank in range(world_size):
         right, left = (rank + 1) % world_size, (rank - 1) % world_size
         said = [_said(c, "dst", "src") for c in _blocking(traces[rank])]
         first = f"send(dst={right})" if rank == 0 else f"recv(src={left})"
-        assert said[:1] == [first] and len(said) == 2, (
-            f"rank {rank} called {said}: each rank makes one blocking recv from its left neighbour "
-            f"(rank {left}) and one send to its right (rank {right}), rank 0 sending first and every "
-            "other rank receiving first"
+        assert said[:1] == [first] and len(said) == 2, t(
+            "rank {rank} called {said}: each rank makes one blocking recv from its left "
+            "neighbour (rank {left}) and one send to its right (rank {right}), rank 0 "
+            "sending first and every other rank receiving first",
+            rank=rank,
+            said=said,
+            left=left,
+            right=right,
         )
 
 
@@ -522,7 +606,7 @@ def _naive_shift_right(tensor):
 def _explain_shift(traces, world_size):
     stuck = [_stuck_in(traces[r]) or "" for r in range(world_size)]
     if all(s.startswith("send(") for s in stuck):
-        return (
+        return t(
             "shift_right deadlocked with 8 MB tensors: every rank was stuck in a blocking send "
             "while its neighbour was stuck in one too (see the lesson's picture). Post dist.isend "
             "and dist.irecv first, then wait() on both requests."
@@ -536,30 +620,45 @@ def test_shift_right(world_size):
     results, traces = _run(_shift, world_size, "yours", explain=_explain_shift)
     for rank, got in enumerate(results):
         left, right = (rank - 1) % world_size, (rank + 1) % world_size
-        assert got["shape"] == (BIG,) and got["dtype"] == "torch.int32", (
-            f"rank {rank} returned a tensor of shape {got['shape']} and dtype {got['dtype']}, expected "
-            f"({BIG},) int32 like the one it sent: receive into torch.empty_like(tensor)"
+        assert got["shape"] == (BIG,) and got["dtype"] == "torch.int32", t(
+            "rank {rank} returned a tensor of shape {shape} and dtype {dtype}, expected "
+            "({BIG},) int32 like the one it sent: receive into torch.empty_like(tensor)",
+            rank=rank,
+            shape=got["shape"],
+            dtype=got["dtype"],
+            BIG=BIG,
         )
-        assert got["sent_intact"] and not got["is_sent"], (
-            f"rank {rank}'s own tensor changed while it was being sent: it received into the "
-            "tensor it was sending. Receive into a new buffer (torch.empty_like(tensor)), never "
-            "into the tensor an isend is still sending."
+        assert got["sent_intact"] and not got["is_sent"], t(
+            "rank {rank}'s own tensor changed while it was being sent: it received into "
+            "the tensor it was sending. Receive into a new buffer "
+            "(torch.empty_like(tensor)), never into the tensor an isend is still sending.",
+            rank=rank,
         )
         if got["from_right"] and not got["from_left"]:
             pytest.fail(
-                f"rank {rank} returned rank {right}'s tensor, its right neighbour's: the data moved "
-                f"left. Send to the right, (rank + 1) % world_size, and receive from the left, "
-                f"(rank - 1) % world_size (rank {left} for rank {rank}).",
+                t(
+                    "rank {rank} returned rank {right}'s tensor, its right neighbour's: the "
+                    "data moved left. Send to the right, (rank + 1) % world_size, and "
+                    "receive from the left, (rank - 1) % world_size (rank {left} for rank "
+                    "{rank}).",
+                    rank=rank,
+                    right=right,
+                    left=left,
+                ),
                 pytrace=False,
             )
     never = _never_waited(traces, world_size)
     assert never is None, never
     for rank, got in enumerate(results):
         left = (rank - 1) % world_size
-        assert got["from_left"], (
-            f"rank {rank} returned a tensor starting {got['head']}, expected rank {left}'s, starting "
-            f"{_pattern(left)[:3].tolist()}: send to (rank + 1) % world_size, receive from "
-            "(rank - 1) % world_size, and wait() on both requests before returning"
+        assert got["from_left"], t(
+            "rank {rank} returned a tensor starting {head}, expected rank {left}'s, "
+            "starting {pattern}: send to (rank + 1) % world_size, receive from (rank - "
+            "1) % world_size, and wait() on both requests before returning",
+            rank=rank,
+            head=got["head"],
+            left=left,
+            pattern=_pattern(left)[:3].tolist(),
         )
 
 
@@ -589,8 +688,11 @@ def test_naive_shift_deadlocks_where_yours_does_not():
             traces = read_traces(folder, world_size, EMPTY_TRACE)
         else:
             pytest.fail(
-                "the naive 'send, then recv' shift finished: this backend buffered 8 MB sends, so the "
-                "shift tests cannot prove that a shift does not deadlock (raise BIG in this test file)"
+                t(
+                    "the naive 'send, then recv' shift finished: this backend buffered 8 MB "
+                    "sends, so the shift tests cannot prove that a shift does not deadlock "
+                    "(raise BIG in this test file)"
+                )
             )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -599,11 +701,21 @@ def test_naive_shift_deadlocks_where_yours_does_not():
             return
         if all("naive shift starts" in traces[r]["marks"] for r in range(world_size)):
             pytest.fail(
-                f"the naive shift should leave every rank stuck in its send, but the ranks were in "
-                f"{stuck}:\n{_story(traces, world_size)}"
+                t(
+                    "the naive shift should leave every rank stuck in its send, but the "
+                    "ranks were in {stuck}:\n"
+                    "{story}",
+                    stuck=stuck,
+                    story=_story(traces, world_size),
+                )
             )
         deadline *= 2  # a rank had not reached its send yet: the machine is busy
-    pytest.fail(f"the naive shift's ranks did not all reach their send within {deadline / 2:g} s")
+    pytest.fail(
+        t(
+            "the naive shift's ranks did not all reach their send within {deadline:g} s",
+            deadline=deadline / 2,
+        )
+    )
 
 
 # ------------------------------------------------------------------------------ step 4
@@ -618,10 +730,10 @@ def _waiting_for_message(trace: dict | None) -> str | None:
         return None
     for call in trace["calls"]:
         if call["name"] == "recv" and not call["done"]:
-            return "waits in a blocking dist.recv"
+            return t("waits in a blocking dist.recv")
     for note in trace["requests"]:
         if note["kind"] == "irecv" and (note["waited"] is not None or note["polled"]):
-            return "waits on its irecv's request"
+            return t("waits on its irecv's request")
     return None
 
 
@@ -634,15 +746,22 @@ def _send_when_ready(message, flag_path, trace_dir):
         waiting = _waiting_for_message(read_trace(trace_dir, 1))
         if waiting:
             raise AssertionError(
-                f"rank 1 {waiting} before it called work(): the test's sender holds its message until "
-                "work() has begun, so nothing arrives. receive_while_working posts dist.irecv (which "
-                "returns at once), calls work(), and only then waits."
+                t(
+                    "rank 1 {waiting} before it called work(): the test's sender holds its "
+                    "message until work() has begun, so nothing arrives. "
+                    "receive_while_working posts dist.irecv (which returns at once), calls "
+                    "work(), and only then waits.",
+                    waiting=waiting,
+                )
             )
         if time.monotonic() > give_up:
             raise AssertionError(
-                f"rank 1 did not call work() within {_WAIT_FOR_WORK_S:g} s while rank 0 held back "
-                "its message: receive_while_working must post dist.irecv (which returns at once) "
-                "and call work() before waiting."
+                t(
+                    "rank 1 did not call work() within {WAIT_FOR_WORK_S:g} s while rank 0 "
+                    "held back its message: receive_while_working must post dist.irecv "
+                    "(which returns at once) and call work() before waiting.",
+                    WAIT_FOR_WORK_S=_WAIT_FOR_WORK_S,
+                )
             )
         time.sleep(0.01)
     time.sleep(_SENDER_DELAY_S)
@@ -684,27 +803,35 @@ def _receive_while_working(rank, world_size, flag_path, trace_dir):
 def test_receive_while_working_reads_the_buffer_only_after_wait(tmp_path):
     results, traces = _run(_receive_while_working, 2, str(tmp_path / "work-started"))
     got, trace = results[1], traces[1]
-    assert got["result"] == "work done", (
-        f"receive_while_working returned {got['result']!r} as work's result, expected 'work done': "
-        "return (buffer, work())"
+    assert got["result"] == "work done", t(
+        "receive_while_working returned {result!r} as work's result, expected 'work "
+        "done': return (buffer, work())",
+        result=got["result"],
     )
     received = [c for c in trace["calls"] if c["name"] == "recv"]
     posted = [n for n in trace["requests"] if n["kind"] == "irecv"]
     work = trace["marks"].get("work", float("inf"))
     assert not received and posted and posted[0]["start"] < work, (
-        "rank 1 received with a blocking dist.recv after work() had returned: the message could "
-        "not travel while rank 1 worked. Post dist.irecv before calling work(), and wait() after it."
+        t(
+            "rank 1 received with a blocking dist.recv after work() had returned: the message "
+            "could not travel while rank 1 worked. Post dist.irecv before calling work(), and "
+            "wait() after it."
+        )
         if received
-        else "rank 1 posted no dist.irecv before calling work(): post it first, so that the message "
-        "travels while the work runs"
+        else t(
+            "rank 1 posted no dist.irecv before calling work(): post it first, so that the "
+            "message travels while the work runs"
+        )
     )
     never = _never_waited(traces, 2)
     assert never is None, never
-    assert got["matches"], (
-        f"rank 1's buffer held {got['head']}... when receive_while_working returned, expected "
-        "[100, 101, 102]...: it was read before the message arrived (the test's sender sends only "
-        "once you wait). The buffer of an irecv holds nothing useful until its wait() has "
-        "returned: call wait() on the request first, then use or copy the buffer."
+    assert got["matches"], t(
+        "rank 1's buffer held {head}... when receive_while_working returned, expected "
+        "[100, 101, 102]...: it was read before the message arrived (the test's sender "
+        "sends only once you wait). The buffer of an irecv holds nothing useful until "
+        "its wait() has returned: call wait() on the request first, then use or copy the "
+        "buffer.",
+        head=got["head"],
     )
 
 
@@ -735,31 +862,48 @@ def _halo_sends_problem(traces, world_size) -> str | None:
         for note in traces[rank]["requests"]:
             if note["kind"] != "isend" or note["values"] not in ([first], [last]):
                 continue
-            edge = "first" if note["values"] == [first] else "last"
-            to = "left" if edge == "first" else "right"
-            peer, tag = (left, TAG_TO_LEFT) if to == "left" else (right, TAG_TO_RIGHT)
+            leftwards = note["values"] == [first]  # the first element goes left, the last right
+            edge = t("first") if leftwards else t("last")
+            to, away = (t("left"), t("right")) if leftwards else (t("right"), t("left"))
+            peer, tag = (left, TAG_TO_LEFT) if leftwards else (right, TAG_TO_RIGHT)
             if note["peer"] != peer:
-                return (
-                    f"rank {rank} sent its {edge} element {note['values']} to rank {note['peer']}, "
-                    f"expected rank {peer}, its {to} neighbour: the first element goes left (the "
-                    "left neighbour puts it at the end of its halo) and the last element goes right. "
-                    "Are the two edges swapped?"
+                return t(
+                    "rank {rank} sent its {edge} element {values} to rank {sent_to}, expected rank "
+                    "{peer}, its {to} neighbour: the first element goes left (the left neighbour "
+                    "puts it at the end of its halo) and the last element goes right. Are the two "
+                    "edges swapped?",
+                    rank=rank,
+                    edge=edge,
+                    values=note["values"],
+                    sent_to=note["peer"],
+                    peer=peer,
+                    to=to,
                 )
             other = TAG_TO_RIGHT if tag == TAG_TO_LEFT else TAG_TO_LEFT
+            tagged = f"{note['tag']}{_tag_name(note['tag'])}"
             if note["tag"] == other and left == right:
-                return (
-                    f"rank {rank} sent its {edge} element with tag={note['tag']}"
-                    f"{_tag_name(note['tag'])}, as if it travelled {'right' if to == 'left' else 'left'}: "
-                    f"on a ring of two both neighbours are rank {peer}, so only the tag says which "
-                    "way a message goes. The first element goes left (TAG_TO_LEFT), the last goes "
-                    "right (TAG_TO_RIGHT). Are the two edges swapped?"
+                return t(
+                    "rank {rank} sent its {edge} element with tag={tag}, as if it travelled "
+                    "{away}: on a ring of two both neighbours are rank {peer}, so only the tag says "
+                    "which way a message goes. The first element goes left (TAG_TO_LEFT), the last "
+                    "goes right (TAG_TO_RIGHT). Are the two edges swapped?",
+                    rank=rank,
+                    edge=edge,
+                    tag=tagged,
+                    away=away,
+                    peer=peer,
                 )
             if note["tag"] != tag:
-                return (
-                    f"rank {rank} sent its {edge} element to its {to} neighbour with tag="
-                    f"{note['tag']}{_tag_name(note['tag'])}, expected {_TAG_NAMES[tag]}: tag each "
-                    "message with the direction it travels, and receive with the tag its sender "
-                    "used (the message from your left neighbour travelled right: TAG_TO_RIGHT)."
+                return t(
+                    "rank {rank} sent its {edge} element to its {to} neighbour with tag={tag}, "
+                    "expected {expected}: tag each message with the direction it travels, and "
+                    "receive with the tag its sender used (the message from your left neighbour "
+                    "travelled right: TAG_TO_RIGHT).",
+                    rank=rank,
+                    edge=edge,
+                    to=to,
+                    tag=tagged,
+                    expected=_TAG_NAMES[tag],
                 )
     return None
 
@@ -771,19 +915,23 @@ def _halo_receives_problem(traces, world_size, results) -> str | None:
         receives = [n for n in traces[rank]["requests"] if n["kind"] == "irecv"]
         tags = sorted(n["tag"] for n in receives)
         if len(receives) == 2 and tags[0] == tags[1]:
-            return (
-                f"rank {rank} received both edges with the same tag={tags[0]}: on a ring of two, left "
+            return t(
+                "rank {rank} received both edges with the same tag={tag}: on a ring of two, left "
                 "and right are the same rank, so both messages travel between the same pair and "
                 "nothing tells them apart. Give 'to the left' and 'to the right' each its own tag, "
-                "and receive each direction with the tag it was sent with."
+                "and receive each direction with the tag it was sent with.",
+                rank=rank,
+                tag=tags[0],
             )
         for note in receives:
             if note["values"] and note["values"] == got[:1] and note["tag"] != TAG_TO_RIGHT:
-                return (
-                    f"rank {rank} put on its left the element received with tag={note['tag']}"
-                    f"{_tag_name(note['tag'])}: the message from the left neighbour travelled to the "
-                    "right, so it carries TAG_TO_RIGHT (and the one from the right carries "
-                    "TAG_TO_LEFT). Receive each with the tag it was sent with."
+                return t(
+                    "rank {rank} put on its left the element received with tag={tag}: the message "
+                    "from the left neighbour travelled to the right, so it carries TAG_TO_RIGHT "
+                    "(and the one from the right carries TAG_TO_LEFT). Receive each with the tag it "
+                    "was sent with.",
+                    rank=rank,
+                    tag=f"{note['tag']}{_tag_name(note['tag'])}",
                 )
     return None
 
@@ -793,13 +941,16 @@ def _halo_receives_problem(traces, world_size, results) -> str | None:
 def test_halo_exchange(world_size):
     results, traces = _run(_halo, world_size, explain=_explain_halo)
     for rank, got in enumerate(results):
-        assert got["batches"], (
-            f"rank {rank} never called dist.batch_isend_irecv: this step posts its sends and "
-            "receives as one batch of dist.P2POp"
+        assert got["batches"], t(
+            "rank {rank} never called dist.batch_isend_irecv: this step posts its sends "
+            "and receives as one batch of dist.P2POp",
+            rank=rank,
         )
-        assert got["strip"] == [10 * rank + i for i in range(3)], (
-            f"rank {rank}'s strip changed to {got['strip']}: leave it as it was (send copies or "
-            "slices of it, receive into new tensors)"
+        assert got["strip"] == [10 * rank + i for i in range(3)], t(
+            "rank {rank}'s strip changed to {strip}: leave it as it was (send copies or "
+            "slices of it, receive into new tensors)",
+            rank=rank,
+            strip=got["strip"],
         )
     never = _never_waited(traces, world_size)
     assert never is None, never
@@ -812,9 +963,17 @@ def test_halo_exchange(world_size):
                 traces, world_size, results
             )
             pytest.fail(
-                f"rank {rank} returned {got['halo']}, expected {want}: [left neighbour's last, "
-                f"*strip, right neighbour's first], where the left neighbour is rank {left} and the "
-                f"right rank {right}." + (f"\n{why}" if why else ""),
+                t(
+                    "rank {rank} returned {got}, expected {want}: [left neighbour's last, *strip, "
+                    "right neighbour's first], where the left neighbour is rank {left} and the "
+                    "right rank {right}.",
+                    rank=rank,
+                    got=got["halo"],
+                    want=want,
+                    left=left,
+                    right=right,
+                )
+                + (f"\n{why}" if why else ""),
                 pytrace=False,
             )
 
@@ -837,8 +996,8 @@ def _bad_arguments(rank, world_size, function):
     elif function == "halo_exchange":
         kata.halo_exchange(torch.zeros(2))
         return {
-            "halo_exchange(an empty strip)": refusal(lambda: kata.halo_exchange(torch.zeros(0))),
-            "halo_exchange(a 2-D strip)": refusal(lambda: kata.halo_exchange(torch.zeros(2, 2))),
+            t("halo_exchange(an empty strip)"): refusal(lambda: kata.halo_exchange(torch.zeros(0))),
+            t("halo_exchange(a 2-D strip)"): refusal(lambda: kata.halo_exchange(torch.zeros(2, 2))),
         }
     return {}
 
@@ -851,7 +1010,9 @@ def _world_of_one(rank, world_size, function):
         "shift_right": lambda: kata.shift_right(torch.zeros(1)),
         "halo_exchange": lambda: kata.halo_exchange(torch.zeros(3)),
     }
-    return {f"{function}(...) in a world of one rank": refusal(calls[function])}
+    return {
+        t("{function}(...) in a world of one rank", function=function): refusal(calls[function])
+    }
 
 
 def _check_refusals(function: str) -> None:
@@ -860,7 +1021,11 @@ def _check_refusals(function: str) -> None:
         **run_world(_world_of_one, 1, function, deadline=DEADLINE_S)[0],
     }
     for call, outcome in outcomes.items():
-        assert outcome is None, f"{call} {outcome}, expected a ValueError that says what is wrong"
+        assert outcome is None, t(
+            "{call} {outcome}, expected a ValueError that says what is wrong",
+            call=call,
+            outcome=outcome,
+        )
 
 
 @pytest.mark.step(1)
@@ -901,13 +1066,18 @@ def test_program_shows_every_exchange(kata, capsys):
         ["[main] 3 ranks exchanged messages point to point, and none deadlocked"],
     ):
         block = "\n".join(lines)
-        assert block in out, (
-            f"the program's output lacks these lines, in this order:\n{block}\n\nit printed:\n{out}"
+        assert block in out, t(
+            "the program's output lacks these lines, in this order:\n{block}\n\nit printed:\n{out}",
+            block=block,
+            out=out,
         )
     with pytest.raises(SystemExit) as stopped:  # in this process: no second torch start-up
         kata.main(["--world-size", "1"])
     message = capsys.readouterr().err
-    assert stopped.value.code == 2 and "at least two ranks" in message, (
-        f"--world-size 1 should stop the program with 'at least two ranks', got exit "
-        f"{stopped.value.code}:\n{message}"
+    assert stopped.value.code == 2 and "at least two ranks" in message, t(
+        "--world-size 1 should stop the program with 'at least two ranks', got exit "
+        "{code}:\n"
+        "{message}",
+        code=stopped.value.code,
+        message=message,
     )

@@ -11,6 +11,7 @@ Bad arguments are probed in a world of one rank, where no probe can leave a peer
 
 import inspect
 import os
+import re
 import time
 
 import pytest
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from dojo.harness.calls import CALLS
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
+from dojo.lang import N_, t, tn
 from dojo.spec.testing import needs_torch, refusal, run_program_ok
 from dojo.spec.traces import RankTrace, run_traced
 from dojo.todo import KataTodo
@@ -115,6 +117,17 @@ def _listed(value):
     return value
 
 
+def _said_list(value):
+    """``_listed``'s note of a Python list of tensors (English, made in a rank, compared here) as
+    the learner reads it; any other value as it is."""
+    found = (
+        re.fullmatch(r"a Python (\w+) of (\d+) tensors", value) if isinstance(value, str) else None
+    )
+    if found is None:
+        return value
+    return t("a Python {type_name} of {count} tensors", type_name=found[1], count=found[2])
+
+
 # ------------------------------------------------------------------------------ the trace (in the test)
 
 
@@ -150,19 +163,18 @@ def _said(call: dict) -> str:
 
 def _ranks(numbers) -> str:
     numbers = list(numbers)
-    return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+    return tn("rank {ranks}", "ranks {ranks}", len(numbers), ranks=", ".join(map(str, numbers)))
 
 
-_INSTEAD = {  # (what was called, what the kata call should use) -> why
-    (
-        "all_reduce",
-        "reduce",
-    ): "all_reduce gives the sum to every rank; dist.reduce gives it to dst only",
-    ("all_reduce", "reduce_scatter"): (
+_INSTEAD = {  # (what was called, what the kata call should use) -> why (translated when said)
+    ("all_reduce", "reduce"): N_(
+        "all_reduce gives the sum to every rank; dist.reduce gives it to dst only"
+    ),
+    ("all_reduce", "reduce_scatter"): N_(
         "all_reduce sends every row to every rank, while reduce_scatter gives each rank only the "
         "sum of its own row (a quarter of the traffic on 4 ranks)"
     ),
-    ("all_gather", "all_to_all"): (
+    ("all_gather", "all_to_all"): N_(
         "all_gather moves every row to every rank (N times the data); all_to_all sends each row only "
         "where it belongs"
     ),
@@ -196,12 +208,15 @@ def _collective_problem(label: dict, calls: dict[int, list[dict]]) -> str | None
     for rank, made in calls.items():
         for call in made:
             if call["name"] not in names:
-                why = _INSTEAD.get((call["name"], names[0]), "")
-                return (
-                    f"{text} on rank {rank} called dist.{call['name']}: use {wanted}"
-                    + (f" ({why})" if why else "")
-                    + "."
-                )
+                why = _INSTEAD.get((call["name"], names[0]))
+                values = {"text": text, "rank": rank, "name": call["name"], "wanted": wanted}
+                if why:
+                    return t(
+                        "{text} on rank {rank} called dist.{name}: use {wanted} ({why}).",
+                        why=t(why),
+                        **values,
+                    )
+                return t("{text} on rank {rank} called dist.{name}: use {wanted}.", **values)
     for key in ("src", "dst"):
         if key not in label:
             continue
@@ -214,26 +229,44 @@ def _collective_problem(label: dict, calls: dict[int, list[dict]]) -> str | None
         if len(set(used.values())) > 1:
             (first, first_value), *others = sorted(used.items())
             odd = next((r, v) for r, v in others if v != first_value)
-            return (
-                f"inside {text}, rank {odd[0]} called {wanted}({key}={odd[1]}) while rank {first} "
-                f"used {key}={first_value}: every rank must pass the same {key}, the {key} it was "
-                f"given ({key}={label[key]}), not its own rank. A collective whose ranks disagree "
-                "on its source or destination waits for ever, or mixes up the data."
+            return t(
+                "inside {text}, rank {odd} called {wanted}({key}={odd_value}) while rank {first} "
+                "used {key}={first_value}: every rank must pass the same {key}, the {key} it was "
+                "given ({key}={given}), not its own rank. A collective whose ranks disagree on its "
+                "source or destination waits for ever, or mixes up the data.",
+                text=text,
+                odd=odd[0],
+                wanted=wanted,
+                key=key,
+                odd_value=odd[1],
+                first=first,
+                first_value=first_value,
+                given=label[key],
             )
         wrong = {rank: value for rank, value in used.items() if value != label[key]}
         if wrong:
             value = next(iter(wrong.values()))
-            return (
-                f"inside {text}, {_ranks(wrong)} called {wanted}({key}={value}): pass {key} on "
-                f"unchanged, {wanted}({key}={label[key]})."
+            return t(
+                "inside {text}, {ranks} called {wanted}({key}={value}): pass {key} on unchanged, "
+                "{wanted}({key}={given}).",
+                text=text,
+                ranks=_ranks(wrong),
+                wanted=wanted,
+                key=key,
+                value=value,
+                given=label[key],
             )
     made = {rank for rank, c in calls.items() if any(call["name"] in names for call in c)}
     missing = [rank for rank, c in calls.items() if rank not in made and not _stuck(c)]
     if made and missing:
-        return (
-            f"inside {text}, only {_ranks(sorted(made))} called {wanted}; {_ranks(missing)} never "
-            f"did: a collective is called by every rank of the group, even the ones that only send "
-            "or only receive, or the ones that did call it wait for ever."
+        return t(
+            "inside {text}, only {made} called {wanted}; {missing} never did: a collective is "
+            "called by every rank of the group, even the ones that only send or only receive, or "
+            "the ones that did call it wait for ever.",
+            text=text,
+            made=_ranks(sorted(made)),
+            wanted=wanted,
+            missing=_ranks(missing),
         )
     return None
 
@@ -257,31 +290,43 @@ def _group_problem(label: dict, calls: dict[int, list[dict]]) -> str | None:
         ]
         if without:
             with_it = [rank for rank, seq in created.items() if group in seq]
-            return (
-                f"inside {text}, {_ranks(without)} never called dist.new_group({list(group)}), which "
-                f"{_ranks(with_it)} called: dist.new_group is a collective of the whole world. Every "
-                "rank calls it for every group, members or not, in the same order (a rank outside "
-                "the group gets a placeholder back)."
+            return t(
+                "inside {text}, {without} never called dist.new_group({group}), which {with_it} "
+                "called: dist.new_group is a collective of the whole world. Every rank calls it for "
+                "every group, members or not, in the same order (a rank outside the group gets a "
+                "placeholder back).",
+                text=text,
+                without=_ranks(without),
+                group=list(group),
+                with_it=_ranks(with_it),
             )
     for n in range(max(map(len, created.values()), default=0)):
         nth = {rank: seq[n] for rank, seq in created.items() if len(seq) > n}
         if len(set(nth.values())) > 1:
             (first, group), *others = sorted(nth.items())
             other, group_2 = next((r, g) for r, g in others if g != group)
-            return (
-                f"inside {text}, the ranks' dist.new_group calls do not pair up: call number {n + 1} "
-                f"was for {list(group)} on rank {first} but for {list(group_2)} on rank {other}. "
+            return t(
+                "inside {text}, the ranks' dist.new_group calls do not pair up: call number "
+                "{number} was for {group} on rank {first} but for {other_group} on rank {other}. "
                 "dist.new_group is a collective of the whole world: every rank calls it for every "
                 "group, members or not, in the same order (torch pairs up the n-th new_group call "
-                "of each rank)."
+                "of each rank).",
+                text=text,
+                number=n + 1,
+                group=list(group),
+                first=first,
+                other_group=list(group_2),
+                other=other,
             )
     for rank, made in calls.items():
         for call in made:
             if call["name"] == "all_reduce" and call["group"] is None:
-                return (
-                    f"inside {text}, rank {rank} called dist.all_reduce on the whole world (no "
+                return t(
+                    "inside {text}, rank {rank} called dist.all_reduce on the whole world (no "
                     "group=): pass group=the group dist.new_group returned, so that only its "
-                    "members take part and sum."
+                    "members take part and sum.",
+                    text=text,
+                    rank=rank,
                 )
     return None
 
@@ -295,11 +340,24 @@ def _check(results, call, expected, why):
         want = expected(rank)
         if isinstance(got[call], str) and got[call].startswith("a Python"):
             pytest.fail(
-                f"{call}: rank {rank} returned {got[call]}, expected one tensor {want!r}: stack the "
-                "pieces into one tensor (torch.stack(pieces)) before returning.",
+                t(
+                    "{call}: rank {rank} returned {got}, expected one tensor {want!r}: stack "
+                    "the pieces into one tensor (torch.stack(pieces)) before returning.",
+                    call=call,
+                    rank=rank,
+                    got=_said_list(got[call]),
+                    want=want,
+                ),
                 pytrace=False,
             )
-        assert got[call] == want, f"{call}: rank {rank} got {got[call]!r}, expected {want!r}: {why}"
+        assert got[call] == want, t(
+            "{call}: rank {rank} got {got!r}, expected {want!r}: {why}",
+            call=call,
+            rank=rank,
+            got=got[call],
+            want=want,
+            why=why,
+        )
 
 
 def _check_calls(traces, world_size):
@@ -311,7 +369,11 @@ def _refusals(function):
     """Bad arguments, in a world of one rank (a probe that reaches a collective cannot hang)."""
     outcomes = run_world(_probe, 1, function, deadline=DEADLINE_S)[0]
     for call, outcome in outcomes.items():
-        assert outcome is None, f"{call} {outcome}, expected a ValueError that says what is wrong"
+        assert outcome is None, t(
+            "{call} {outcome}, expected a ValueError that says what is wrong",
+            call=call,
+            outcome=outcome,
+        )
 
 
 def _probe(rank, world_size, function):
@@ -321,7 +383,7 @@ def _probe(rank, world_size, function):
         kata.broadcast_from(one.clone(), 0)  # the functions work ...
         kata.reduce_to(one.clone(), 0)
         return {  # ... and refuse what cannot work
-            "broadcast_from(tensor, src=1) in a world of one": refusal(
+            t("broadcast_from(tensor, src=1) in a world of one"): refusal(
                 lambda: kata.broadcast_from(one.clone(), 1)
             ),
             "reduce_to(tensor, dst=-1)": refusal(lambda: kata.reduce_to(one.clone(), -1)),
@@ -329,30 +391,32 @@ def _probe(rank, world_size, function):
     if function == "scatter_rows":
         kata.scatter_rows(torch.tensor([[1, 2]]), 0, torch.zeros(2, dtype=torch.int64))
         return {
-            "scatter_rows(table=None) on src": refusal(
+            t("scatter_rows(table=None) on src"): refusal(
                 lambda: kata.scatter_rows(None, 0, torch.zeros(2, dtype=torch.int64))
             ),
-            "scatter_rows(a table with one row too many) on src": refusal(
+            t("scatter_rows(a table with one row too many) on src"): refusal(
                 lambda: kata.scatter_rows(
                     torch.tensor([[1, 2], [3, 4]]), 0, torch.zeros(2, dtype=torch.int64)
                 )
             ),
-            "gather_rows(row, dst=1) in a world of one": refusal(lambda: kata.gather_rows(one, 1)),
+            t("gather_rows(row, dst=1) in a world of one"): refusal(
+                lambda: kata.gather_rows(one, 1)
+            ),
         }
     if function == "reduce_scatter_rows":
         kata.reduce_scatter_rows(torch.tensor([[1, 2]]))
         return {
-            "reduce_scatter_rows(a table with one row too many)": refusal(
+            t("reduce_scatter_rows(a table with one row too many)"): refusal(
                 lambda: kata.reduce_scatter_rows(torch.tensor([[1, 2], [3, 4]]))
             ),
-            "reduce_scatter_rows(a 0-d tensor)": refusal(
+            t("reduce_scatter_rows(a 0-d tensor)"): refusal(
                 lambda: kata.reduce_scatter_rows(torch.tensor(5))
             ),
         }
     if function == "all_to_all_rows":
         kata.all_to_all_rows(torch.tensor([[1, 2]]))
         return {
-            "all_to_all_rows(a table with one row too many)": refusal(
+            t("all_to_all_rows(a table with one row too many)"): refusal(
                 lambda: kata.all_to_all_rows(torch.zeros(2, 2))
             )
         }
@@ -364,7 +428,12 @@ def _probe(rank, world_size, function):
             )
             for bad in ([], [0, 0], [1], [-1])
         }
-    raise AssertionError(f"no probe for {function}")
+    raise AssertionError(
+        t(
+            "no probe for {function}",
+            function=function,
+        )
+    )
 
 
 # ------------------------------------------------------------------------------ step 1
@@ -400,8 +469,11 @@ def test_broadcast_and_reduce(world_size):
             results,
             f"broadcast_from(tensor, src={src})",
             lambda r: [10 * src + 1, 10 * src + 2],  # noqa: B023
-            f"every rank ends up with rank {src}'s tensor, in place: dist.broadcast(tensor, src={src}) "
-            "on every rank",
+            t(
+                "every rank ends up with rank {src}'s tensor, in place: "
+                "dist.broadcast(tensor, src={src}) on every rank",
+                src=src,
+            ),
         )
     total = [world_size * (world_size + 1) // 2, 100 * world_size]
     for dst in (0, last):
@@ -409,8 +481,12 @@ def test_broadcast_and_reduce(world_size):
             results,
             f"reduce_to(tensor, dst={dst})",
             lambda r: total if r == dst else None,  # noqa: B023
-            f"rank {dst} returns the sum of every rank's tensor; the other ranks return None, "
-            "because after a reduce their tensors hold partial sums that mean nothing",
+            t(
+                "rank {dst} returns the sum of every rank's tensor; the other ranks return "
+                "None, because after a reduce their tensors hold partial sums that mean "
+                "nothing",
+                dst=dst,
+            ),
         )
 
 
@@ -443,13 +519,15 @@ def _all_reduce_ops(rank, world_size, trace_dir):
             out[f"{op} in place"] = (returned is tensor, tensor.tolist())
     try:
         kata.all_reduce_with(torch.ones(1), "median")
-        out["median"] = "returned without an error"
+        out["median"] = t("returned without an error")
     except ValueError as error:
         out["median"] = ("ValueError", str(error))
     except KataTodo:
         raise
     except Exception as error:
-        out["median"] = f"raised {type(error).__name__}: {error}"
+        out["median"] = t(
+            "raised {error_type}: {error}", error_type=type(error).__name__, error=error
+        )
     return out
 
 
@@ -464,39 +542,54 @@ def test_all_reduce_with_sum_max_avg(world_size):
             same, tensor = got[f"{op} in place"]
             if not same and tensor == _inputs(rank)[op].tolist():
                 pytest.fail(
-                    f"all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was and "
-                    f"returned another one: reduce the caller's tensor in place (dist.all_reduce "
-                    "changes the tensor it is given) and return that same tensor.",
+                    t(
+                        "all_reduce_with(tensor, {op!r}) left rank {rank}'s tensor as it was "
+                        "and returned another one: reduce the caller's tensor in place "
+                        "(dist.all_reduce changes the tensor it is given) and return that "
+                        "same tensor.",
+                        op=op,
+                        rank=rank,
+                    ),
                     pytrace=False,
                 )
     _check(
         results,
         "sum",
         lambda r: [sum(q + 1 for q in ranks), -sum(ranks)],
-        "every rank holds the sum of every rank's tensor: ReduceOp.SUM",
+        t("every rank holds the sum of every rank's tensor: ReduceOp.SUM"),
     )
     _check(
         results,
         "max",
         lambda r: [max((q * 7) % 5 for q in ranks), 0],
-        "every rank holds the element-wise largest: ReduceOp.MAX",
+        t("every rank holds the element-wise largest: ReduceOp.MAX"),
     )
     mean = [float(world_size - 1), 6.0]
     for rank, got in enumerate(results):
         if got["avg"] == [2.0 * sum(ranks), 6.0 * world_size]:
             pytest.fail(
-                f"'avg': rank {rank} got {got['avg']}, the sum; expected the mean {mean}: "
-                "use ReduceOp.AVG (or divide the sum by the world size)",
+                t(
+                    "'avg': rank {rank} got {avg}, the sum; expected the mean {mean}: use "
+                    "ReduceOp.AVG (or divide the sum by the world size)",
+                    rank=rank,
+                    avg=got["avg"],
+                    mean=mean,
+                ),
                 pytrace=False,
             )
-    _check(results, "avg", lambda r: mean, "every rank holds the element-wise mean: ReduceOp.AVG")
-    refused = results[0]["median"]
-    assert isinstance(refused, tuple), (
-        f"all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError"
+    _check(
+        results, "avg", lambda r: mean, t("every rank holds the element-wise mean: ReduceOp.AVG")
     )
-    assert all(op in refused[1] for op in _OPS), (
-        f"all_reduce_with(tensor, 'median') raised ValueError({refused[1]!r}): name the ops it "
-        f"knows ({', '.join(_OPS)}) so that the caller can fix the call"
+    refused = results[0]["median"]
+    assert isinstance(refused, tuple), t(
+        "all_reduce_with(tensor, 'median') {refused}: an op it does not know must raise ValueError",
+        refused=refused,
+    )
+    assert all(op in refused[1] for op in _OPS), t(
+        "all_reduce_with(tensor, 'median') raised ValueError({said!r}): name the ops "
+        "it knows ({names}) so that the caller can fix the call",
+        said=refused[1],
+        names=", ".join(_OPS),
     )
 
 
@@ -526,7 +619,7 @@ def _scatter_and_gather(rank, world_size, trace_dir):
 
 def _explain_scatter_and_gather(traces, world_size, report):
     if "needs one row per rank" in report and "got shape None" in report:
-        return (
+        return t(
             "a rank without the table checked it: only the source rank holds the table, and every "
             "other rank passes table=None. Check the table (_check_table) and split it into rows "
             "on src only."
@@ -542,10 +635,16 @@ def _explain_scatter_and_gather(traces, world_size, report):
                 ):
                     what = "scatter_list" if call["name"] == "scatter" else "gather_list"
                     side = "src" if call["name"] == "scatter" else "dst"
-                    return (
-                        f"inside {label['text']}, rank {rank} passed a {what} of "
-                        f"{len(call['shapes']) - 1} tensors, but it is not {side}: only {side} (rank "
-                        f"{role}) gives the list, every other rank passes {what}=None."
+                    return t(
+                        "inside {text}, rank {rank} passed a {what} of {count} tensors, but it is "
+                        "not {side}: only {side} (rank {role}) gives the list, every other rank "
+                        "passes {what}=None.",
+                        text=label["text"],
+                        rank=rank,
+                        what=what,
+                        count=len(call["shapes"]) - 1,
+                        side=side,
+                        role=role,
                     )
     return None
 
@@ -561,16 +660,22 @@ def test_scatter_and_gather(world_size):
             results,
             f"scatter_rows(table, src={src}, out)",
             lambda r: rows[r],
-            f"rank r gets row r of rank {src}'s table in its out: dist.scatter(out, scatter_list=a "
-            "list of rows (on src only), src=src)",
+            t(
+                "rank r gets row r of rank {src}'s table in its out: dist.scatter(out, "
+                "scatter_list=a list of rows (on src only), src=src)",
+                src=src,
+            ),
         )
     for dst in (0, world_size - 1):
         _check(
             results,
             f"gather_rows(row, dst={dst})",
             lambda r: [[q, q * q] for q in range(world_size)] if r == dst else None,  # noqa: B023
-            f"rank {dst} gets every rank's row, in rank order; the others return None "
-            "(gather_list is a list of empty rows on dst, None elsewhere)",
+            t(
+                "rank {dst} gets every rank's row, in rank order; the others return None "
+                "(gather_list is a list of empty rows on dst, None elsewhere)",
+                dst=dst,
+            ),
         )
 
 
@@ -604,7 +709,7 @@ def _gather_and_reduce_scatter(rank, world_size, trace_dir):
 
 def _explain_gather_and_reduce_scatter(traces, world_size, report):
     if "tensor_list" in report:
-        return (
+        return t(
             "dist.all_gather fills a list of tensors, one per rank, that you allocate first "
             "([torch.empty_like(row) for _ in range(world_size)]), not one big tensor: stack the "
             "list afterwards."
@@ -617,10 +722,12 @@ def _reduce_scatter_columns(results, world_size) -> str | None:
     columns = sum(_pieces(q, world_size) for q in range(world_size)).T.tolist()
     for rank, got in enumerate(results):
         if rank < len(columns) and got["reduce_scatter_rows"] == columns[rank]:
-            return (
-                f"reduce_scatter_rows: rank {rank} got {got['reduce_scatter_rows']}, the sum of column "
-                f"{rank} of the tables, expected the sum of their row {rank}: split the table into its "
-                "rows (list(table.unbind(0)), dim 0), not its columns."
+            return t(
+                "reduce_scatter_rows: rank {rank} got {got}, the sum of column {rank} of the "
+                "tables, expected the sum of their row {rank}: split the table into its rows "
+                "(list(table.unbind(0)), dim 0), not its columns.",
+                rank=rank,
+                got=got["reduce_scatter_rows"],
             )
     return None
 
@@ -633,11 +740,17 @@ def _reduce_scatter_shapes(traces, world_size) -> str | None:
                 continue
             output, pieces = tuple(call["shapes"][0]), [tuple(s) for s in call["shapes"][1:]]
             if output != row or pieces != [row] * world_size:
-                return (
-                    f"rank {rank} gave dist.reduce_scatter {len(pieces)} pieces of shape "
-                    f"{pieces[0] if pieces else None} for an output of shape {output}; expected "
-                    f"{world_size} pieces, one row of the table per rank, each of shape {row}: split "
-                    "the table into its rows (list(table.unbind(0))) and receive into one row."
+                return t(
+                    "rank {rank} gave dist.reduce_scatter {count} pieces of shape {shape} for an "
+                    "output of shape {output}; expected {world_size} pieces, one row of the table "
+                    "per rank, each of shape {row}: split the table into its rows "
+                    "(list(table.unbind(0))) and receive into one row.",
+                    rank=rank,
+                    count=len(pieces),
+                    shape=pieces[0] if pieces else None,
+                    output=output,
+                    world_size=world_size,
+                    row=row,
                 )
     return None
 
@@ -658,20 +771,23 @@ def test_all_gather_and_reduce_scatter(world_size):
         results,
         "all_gather_rows",
         lambda r: [[q, 10 + q] for q in ranks],
-        "every rank gets every rank's row, in rank order (allocate a list of empty rows first)",
+        t("every rank gets every rank's row, in rank order (allocate a list of empty rows first)"),
     )
     _check(
         results,
         "reduce_scatter_rows",
         lambda r: [100 * sum(ranks) + world_size * r, world_size],
-        "rank r gets the sum over all ranks of their row r",
+        t("rank r gets the sum over all ranks of their row r"),
     )
     everything = sum(_pieces(q, world_size) for q in ranks).tolist()
     _check(
         results,
         "all_gather_rows(reduce_scatter_rows(table))",
         lambda r: everything,
-        "reduce_scatter then all_gather is an all-reduce: every rank ends with the sum of all tables",
+        t(
+            "reduce_scatter then all_gather is an all-reduce: every rank ends with the sum "
+            "of all tables"
+        ),
     )
 
 
@@ -702,23 +818,36 @@ def test_all_to_all(world_size):
     for rank, got in enumerate(results):
         if got["table"] != got["before"]:
             pytest.fail(
-                f"rank {rank}'s table changed from {got['before']} to {got['table']}: "
-                "dist.all_to_all(output_list, input_list) writes into its first argument, so the "
-                "list of empty rows to receive into comes first, the table's rows second.",
+                t(
+                    "rank {rank}'s table changed from {before} to {table}: "
+                    "dist.all_to_all(output_list, input_list) writes into its first "
+                    "argument, so the list of empty rows to receive into comes first, the "
+                    "table's rows second.",
+                    rank=rank,
+                    before=got["before"],
+                    table=got["table"],
+                ),
                 pytrace=False,
             )
         if got["all_to_all_rows"] == got["before"] and world_size > 1:
             pytest.fail(
-                f"rank {rank} returned its own table unchanged, {got['before']}: return what arrived "
-                "(the output list of dist.all_to_all, stacked), not the rows you sent.",
+                t(
+                    "rank {rank} returned its own table unchanged, {before}: return what "
+                    "arrived (the output list of dist.all_to_all, stacked), not the rows you "
+                    "sent.",
+                    rank=rank,
+                    before=got["before"],
+                ),
                 pytrace=False,
             )
     _check(
         results,
         "all_to_all_rows",
         lambda r: [[10 * i + r, i] for i in range(world_size)],
-        "row j of rank i becomes row i of rank j (a transpose): rank r collects row r of every "
-        "rank, in rank order",
+        t(
+            "row j of rank i becomes row i of rank j (a transpose): rank r collects row r of "
+            "every rank, in rank order"
+        ),
     )
 
 
@@ -775,31 +904,40 @@ def test_prepare_once_waits_at_a_barrier(world_size, tmp_path):
     path = str(tmp_path / "prepared.txt")
     results, traces = _run(_prepare_once, world_size, path)
     for rank, got in enumerate(results):
-        assert got["prepared"] == (rank == 0), (
-            f"rank {rank} {'called' if got['prepared'] else 'did not call'} prepare(): only rank 0 "
-            "prepares (think of a download: once is enough), the others wait for its file"
+        assert got["prepared"] == (rank == 0), t(
+            "rank {rank} {value} prepare(): only rank 0 prepares (think of a download: "
+            "once is enough), the others wait for its file",
+            rank=rank,
+            value=t("called") if got["prepared"] else t("did not call"),
         )
     _check_calls(traces, world_size)
     waited = [r for r in range(world_size) if _calls_in(traces[r], 0)]
-    assert waited == list(range(world_size)), (
-        f"{_ranks(sorted(set(range(world_size)) - set(waited)))} never called dist.barrier() in "
-        "prepare_once: without it, a rank reads the file whether or not rank 0 has written it. "
-        "Call dist.barrier() on every rank between rank 0's write and the reads."
+    assert waited == list(range(world_size)), t(
+        "{ranks} never called dist.barrier() in prepare_once: without it, a rank reads "
+        "the file whether or not rank 0 has written it. Call dist.barrier() on every "
+        "rank between rank 0's write and the reads.",
+        ranks=_ranks(sorted(set(range(world_size)) - set(waited))),
     )
-    assert results[0]["prepared_before_barrier"], (
-        "rank 0 reached the barrier before it had prepared and written the file, so the barrier "
-        "tells the others nothing: rank 0 writes first, then every rank calls dist.barrier(), "
-        "then every rank reads."
+    assert results[0]["prepared_before_barrier"], t(
+        "rank 0 reached the barrier before it had prepared and written the file, so the "
+        "barrier tells the others nothing: rank 0 writes first, then every rank calls "
+        "dist.barrier(), then every rank reads."
     )
     for rank, got in enumerate(results):
-        assert got["text"] is not FileNotFoundError, (
-            f"rank {rank} looked for the file before rank 0 (which arrived {_LATE_S:g} s late) had "
-            "written it: call dist.barrier() on every rank between rank 0's write and the reads"
+        assert got["text"] is not FileNotFoundError, t(
+            "rank {rank} looked for the file before rank 0 (which arrived {LATE_S:g} s "
+            "late) had written it: call dist.barrier() on every rank between rank 0's "
+            "write and the reads",
+            rank=rank,
+            LATE_S=_LATE_S,
         )
-        assert got["text"] == "prepared by rank 0", (
-            f"rank {rank} returned {got['text']!r}, expected the text rank 0 prepared, 'prepared by rank 0'"
+        assert got["text"] == "prepared by rank 0", t(
+            "rank {rank} returned {text!r}, expected the text rank 0 prepared, 'prepared "
+            "by rank 0'",
+            rank=rank,
+            text=got["text"],
         )
-    assert os.path.exists(path), "nothing was written to the path"
+    assert os.path.exists(path), t("nothing was written to the path")
 
 
 # ------------------------------------------------------------------------------ step 7
@@ -832,7 +970,11 @@ def test_subgroups_touch_only_their_members(world_size):
             results,
             f"group_sum(tensor, members={members})",
             lambda r: inside if r in members else [r + 1, 1],  # noqa: B023
-            f"the members {members} hold their sum; every other rank keeps its own tensor untouched",
+            t(
+                "the members {members} hold their sum; every other rank keeps its own tensor "
+                "untouched",
+                members=members,
+            ),
         )
     _check(
         results,
@@ -841,7 +983,10 @@ def test_subgroups_touch_only_their_members(world_size):
             sum(q + 1 for q in range(r % 2, world_size, 2)),
             len(range(r % 2, world_size, 2)),
         ],
-        "each rank holds the sum over the ranks of its own parity (evens with evens, odds with odds)",
+        t(
+            "each rank holds the sum over the ranks of its own parity (evens with evens, "
+            "odds with odds)"
+        ),
     )
 
 
@@ -865,6 +1010,8 @@ def test_program_shows_every_collective():
         ["[main] 4 ranks ran every collective in the same order"],
     ):
         block = "\n".join(lines)
-        assert block in out, (
-            f"the program's output lacks these lines, in this order:\n{block}\n\nit printed:\n{out}"
+        assert block in out, t(
+            "the program's output lacks these lines, in this order:\n{block}\n\nit printed:\n{out}",
+            block=block,
+            out=out,
         )

@@ -24,6 +24,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
+from dojo.lang import N_, t, tn
 from dojo.spec.testing import run_program_ok, shared_run
 from dojo.todo import KataTodo
 
@@ -32,7 +33,7 @@ DEADLINE_S = 10.0  # a ring that deadlocks ends as a stuck-rank report, not a ha
 # Lengths that do and do not divide by the world size, and lengths below it.
 LENGTHS = (1, 2, 3, 5, 10, 12, 1001)
 BASE = 100  # rank r's integers are multiples of BASE**r: a sum's base-100 digits count the ranks
-COUNTED = (
+COUNTED = N_(  # said in several messages, translated where it is said
     "(sends are counted by wrapping dist.isend and dist.send: call them through the dist module, "
     "not as names imported from it)"
 )
@@ -93,23 +94,27 @@ def counts_of(values, start, world_size):
 def what_it_holds(counts, world_size):
     """``counts`` in words: "rank 2's value only", "a partial sum of 2 of the 4 ranks (0, 1)"."""
     if counts is None:
-        return "values that are no sum of the ranks' values at these positions"
+        return t("values that are no sum of the ranks' values at these positions")
     present = [r for r, c in enumerate(counts) if c]
     if not present:
-        return "zeros (no rank's value)"
+        return t("zeros (no rank's value)")
     if any(c > 1 for c in counts):
         terms = " + ".join(
-            f"{c} x rank {r}'s" if c > 1 else f"rank {r}'s" for r, c in enumerate(counts) if c
+            t("{count} x rank {rank}'s", count=c, rank=r) if c > 1 else t("rank {rank}'s", rank=r)
+            for r, c in enumerate(counts)
+            if c
         )
-        return f"{terms} values"
+        return t("{terms} values", terms=terms)
     if len(present) == 1:
-        return f"rank {present[0]}'s value only"
+        return t("rank {rank}'s value only", rank=present[0])
     if len(present) < world_size:
-        return (
-            f"a partial sum of {len(present)} of the {world_size} ranks "
-            f"(ranks {', '.join(map(str, present))})"
+        return t(
+            "a partial sum of {count} of the {world_size} ranks (ranks {ranks})",
+            count=len(present),
+            world_size=world_size,
+            ranks=", ".join(map(str, present)),
         )
-    return "the sum over every rank"
+    return t("the sum over every rank")
 
 
 def wrong_place(values, start, bounds, world_size):
@@ -122,15 +127,25 @@ def wrong_place(values, start, bounds, world_size):
 
 def _describe(case):
     length, dtype, shape = case
-    what = {"int64": "integer", "float32": "float", "mixed": "float of mixed sizes"}[dtype]
-    if length != 1:
-        what = what.replace("integer", "integers").replace("float", "floats")
-    return f"a tensor of shape {tuple(shape)}" if shape else f"{length} {what}"
+    if shape:
+        return t("a tensor of shape {shape}", shape=tuple(shape))
+    if dtype == "int64":
+        return tn("{count} integer", "{count} integers", length)
+    if dtype == "float32":
+        return tn("{count} float", "{count} floats", length)
+    return tn("{count} float of mixed sizes", "{count} floats of mixed sizes", length)
 
 
 def _span(bounds, chunk):
     start, stop = bounds[chunk]
-    return f"element {start}" if stop - start == 1 else f"elements {start}..{stop - 1}"
+    return _elements(start, stop)
+
+
+def _elements(start, stop):
+    """``element 3`` or ``elements 3..5`` (``stop`` exclusive)."""
+    if stop - start == 1:
+        return t("element {start}", start=start)
+    return t("elements {start}..{last}", start=start, last=stop - 1)
 
 
 # ------------------------------------------------------------------ watching the point-to-point calls
@@ -163,7 +178,11 @@ def _chunk_of(tensor, given, bounds):
     if tensor.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
         start = tensor.storage_offset() - given.storage_offset()
         span = (start, start + tensor.numel())
-        return bounds.index(span) if span in bounds else f"elements {span[0]}..{span[1] - 1}"
+        return (
+            bounds.index(span)
+            if span in bounds
+            else t("elements {start}..{last}", start=span[0], last=span[1] - 1)
+        )
     for chunk, (a, b) in enumerate(bounds):
         if b - a == tensor.numel() and torch.equal(tensor.reshape(-1), flat[a:b]):
             return chunk
@@ -233,8 +252,11 @@ def watching(given=None, trace_path=None):
     def forbidden(name):
         def collective(*args, **kwargs):
             raise AssertionError(
-                f"the ring called dist.{name}: build it from point-to-point calls only "
-                "(dist.isend/dist.irecv/dist.send/dist.recv)"
+                t(
+                    "the ring called dist.{name}: build it from point-to-point calls only "
+                    "(dist.isend/dist.irecv/dist.send/dist.recv)",
+                    name=name,
+                )
             )
 
         return collective
@@ -282,18 +304,35 @@ def explain_deadlock(trace_dir, world_size):
     """What the stuck ranks were doing, in the ring's terms."""
     blocked = _blocked_in(trace_dir, world_size)
     if not blocked:
-        return (
+        return t(
             "no rank was inside a dist.send or dist.recv when the world was stopped: is a rank "
             "waiting on a request (request.wait()) whose matching send or recv never came?"
         )
     lines = [
-        f"  rank {rank} was blocked in dist.{call} {'to' if 'send' in call else 'from'} rank {peer} "
-        f"({elements} element{'' if elements == '1' else 's'})"
+        (
+            tn(
+                "  rank {rank} was blocked in dist.{call} to rank {peer} ({count} element)",
+                "  rank {rank} was blocked in dist.{call} to rank {peer} ({count} elements)",
+                int(elements),
+                rank=rank,
+                call=call,
+                peer=peer,
+            )
+            if "send" in call
+            else tn(
+                "  rank {rank} was blocked in dist.{call} from rank {peer} ({count} element)",
+                "  rank {rank} was blocked in dist.{call} from rank {peer} ({count} elements)",
+                int(elements),
+                rank=rank,
+                call=call,
+                peer=peer,
+            )
+        )
         for rank, (call, peer, elements) in sorted(blocked.items())
     ]
     calls = {call for call, _, _ in blocked.values()}
     if calls == {"send"} and len(blocked) == world_size:
-        advice = (
+        advice = t(
             "Every rank is blocked in a blocking dist.send and none has reached its dist.recv: "
             "gloo's dist.send returns only once the receiver has posted the matching recv, so if "
             "every rank sends first they all wait for ever. Post the send with dist.isend, then "
@@ -305,21 +344,24 @@ def explain_deadlock(trace_dir, world_size):
         wrong = [(r, p) for r, p in froms if p != (r - 1) % world_size]
         if wrong:
             rank, peer = wrong[0]
-            advice = (
-                f"rank {rank} waits for a message from rank {peer}, but in the ring every rank "
-                f"sends to its right neighbour only: receive from the left one, (rank - 1) % N = "
-                f"{(rank - 1) % world_size}."
+            advice = t(
+                "rank {rank} waits for a message from rank {peer}, but in the ring every rank "
+                "sends to its right neighbour only: receive from the left one, (rank - 1) % N = "
+                "{left}.",
+                rank=rank,
+                peer=peer,
+                left=(rank - 1) % world_size,
             )
         else:
-            advice = (
+            advice = t(
                 "the ranks wait in dist.recv for a message their left neighbour never sent: every "
                 "rank must post its send (dist.isend) before it waits in recv, and make as many "
                 "sends as its right neighbour makes receives (an empty chunk is neither sent nor "
                 "received)."
             )
     else:
-        advice = "every send needs a matching recv on the neighbour, in the same order."
-    return "\n".join(["the ring deadlocked:", *lines, advice])
+        advice = t("every send needs a matching recv on the neighbour, in the same order.")
+    return "\n".join([t("the ring deadlocked:"), *lines, advice])
 
 
 def run_ring_world(fn, world_size, *args):
@@ -340,12 +382,19 @@ def check_requests_waited(by_rank, name):
             seen = outcome["seen"]
             if seen["unwaited"]:
                 raise AssertionError(
-                    f"{name} on rank {rank} with {_describe(outcome['case'])} posted "
-                    f"{seen['isends']} dist.isend requests and never waited on {seen['unwaited']} "
-                    "of them: keep the request that dist.isend returns and call request.wait() "
-                    "before you reuse the buffer or return. Until then gloo may still be reading "
-                    "the buffer (the neighbour gets changed data), and a request that is freed "
-                    "unwaited can drop its send (the neighbour waits for ever)."
+                    t(
+                        "{name} on rank {rank} with {describe} posted {isends} dist.isend "
+                        "requests and never waited on {unwaited} of them: keep the request "
+                        "that dist.isend returns and call request.wait() before you reuse "
+                        "the buffer or return. Until then gloo may still be reading the "
+                        "buffer (the neighbour gets changed data), and a request that is "
+                        "freed unwaited can drop its send (the neighbour waits for ever).",
+                        name=name,
+                        rank=rank,
+                        describe=_describe(outcome["case"]),
+                        isends=seen["isends"],
+                        unwaited=seen["unwaited"],
+                    )
                 )
 
 
@@ -358,22 +407,29 @@ def trace_text(rank, seen, expected):
     names = [
         str(e["chunk"])
         if e["chunk"] is not None
-        else ("zeros" if e.get("zeros") else "a copy matching no chunk")
+        else (t("zeros") if e.get("zeros") else t("a copy matching no chunk"))
         for e in seen["sends"]
     ]
     shown = ", ".join(names)
     if got == expected:
-        return f"rank {rank} sent chunks {shown}, in the expected order"
+        return t("rank {rank} sent chunks {shown}, in the expected order", rank=rank, shown=shown)
     for step, (a, b) in enumerate(zip(got, expected)):
         if a != b:
-            sent = f"chunk {a}" if a is not None else names[step]
-            first = f"in step {step} it sent {sent}, expected chunk {b}"
+            sent = t("chunk {a}", a=a) if a is not None else names[step]
+            first = t(
+                "in step {step} it sent {sent}, expected chunk {b}", step=step, sent=sent, b=b
+            )
             break
     else:
-        first = f"it sent {len(got)} chunks, expected {len(expected)}"
-    return (
-        f"rank {rank} sent chunks {shown} (one per step), expected "
-        f"{', '.join(map(str, expected))}: {first}"
+        first = t(
+            "it sent {count} chunks, expected {expected}", count=len(got), expected=len(expected)
+        )
+    return t(
+        "rank {rank} sent chunks {shown} (one per step), expected {expected}: {first}",
+        rank=rank,
+        shown=shown,
+        expected=", ".join(map(str, expected)),
+        first=first,
     )
 
 
@@ -431,19 +487,32 @@ def check_not_padded(seens, length, world_size, steps, name):
     if length % n == 0 or len(sizes) != n * steps or any(s != size for s in sizes):
         return
     sent = [seen["elements"] for seen in seens]
+    long = tn(
+        "every message was {count} element long", "every message was {count} elements long", size
+    )
     raise AssertionError(
-        f"{name} of {length} elements on {n} ranks: the ranks sent {sent} elements, "
-        f"{steps * length} in all expected; "
-        f"every message was {size} element{'s' if size > 1 else ''} long, {steps} per rank: "
-        f"the tensor was padded to N = {n} equal chunks ({length} -> {n * size} elements), and "
-        f"the padding travelled with it ({steps * (n * size - length)} of the "
-        f"{n * steps * size} elements sent). Padding to equal chunks makes a correct ring, and "
-        "it is right elsewhere (FSDP pads its flat shards; "
-        "dist.reduce_scatter_tensor and all_gather_into_tensor need equal pieces), but this "
-        "kata's ring cuts the tensor with chunk_bounds (torch.tensor_split's rule: chunks one "
-        "element apart, empty ones not sent) so that only the tensor's own elements travel: "
-        "exactly (N-1)/N of it per rank in each half of the ring, in place, with no copy to "
-        "pad and cut, however short the tensor"
+        t(
+            "{name} of {length} elements on {n} ranks: the ranks sent {sent} elements, {total} in "
+            "all expected; {long}, {steps} per rank: the tensor was padded to N = {n} equal chunks "
+            "({length} -> {padded} elements), and the padding travelled with it ({extra} of the "
+            "{all_sent} elements sent). Padding to equal chunks makes a correct ring, and it is "
+            "right elsewhere (FSDP pads its flat shards; dist.reduce_scatter_tensor and "
+            "all_gather_into_tensor need equal pieces), but this kata's ring cuts the tensor with "
+            "chunk_bounds (torch.tensor_split's rule: chunks one element apart, empty ones not "
+            "sent) so that only the tensor's own elements travel: exactly (N-1)/N of it per rank "
+            "in each half of the ring, in place, with no copy to pad and cut, however short the "
+            "tensor",
+            name=name,
+            length=length,
+            n=n,
+            sent=sent,
+            total=steps * length,
+            long=long,
+            steps=steps,
+            padded=n * size,
+            extra=steps * (n * size - length),
+            all_sent=n * steps * size,
+        )
     )
 
 
@@ -460,11 +529,18 @@ def _zeros_sent(outcome, rank):
     sends = outcome["seen"]["sends"]
     if not sends or not all(entry.get("zeros") for entry in sends):
         return ""
-    return (
-        f" Every one of the {len(sends)} messages rank {rank} sent held only zeros, though no "
-        "rank's tensor holds a zero: the values of the tensor passed in never reached what the "
-        "ring sends."
+    return t(
+        " Every one of the {count} messages rank {rank} sent held only zeros, though no rank's "
+        "tensor holds a zero: the values of the tensor passed in never reached what the ring "
+        "sends.",
+        count=len(sends),
+        rank=rank,
     )
+
+
+def _likely(likely):
+    """`` Likely: ...``: the lead a message adds where what was observed supports one."""
+    return t(" Likely: {likely}.", likely=likely)
 
 
 def _diagnose_int(outcome, rank, n, name):
@@ -472,7 +548,7 @@ def _diagnose_int(outcome, rank, n, name):
     "Likely" only where what the ranks hold and sent supports it)."""
     got = outcome["given"].reshape(-1)
     length = got.numel()
-    where = f"{name} on rank {rank} of {n} with {_describe(outcome['case'])}"
+    where = _where(name, rank, n, outcome["case"])
     if name == "pass_along_allreduce":
         counts = counts_of(got, 0, n)
         held = what_it_holds(counts, n)
@@ -481,28 +557,39 @@ def _diagnose_int(outcome, rank, n, name):
             and counts[rank] == 0
             and all(counts[r] == 1 for r in range(n) if r != rank)
         ):
-            likely = (
+            likely = t(
                 "it holds every other rank's tensor but not its own: start the sum from your own "
                 "tensor (add each arrival into the tensor passed in)"
             )
         elif counts is not None and any(c > 1 for c in counts):
-            likely = (
+            likely = t(
                 "a tensor was added more than once: at each hop pass on the tensor that just "
                 "arrived, not your own tensor again nor your running sum"
             )
         elif counts is not None and counts[rank] == 1 and sum(counts) == 1:
-            likely = (
+            likely = t(
                 "it still holds its own tensor: add what arrives into the tensor passed in (in "
                 "place: flat += incoming), N-1 times"
             )
         elif counts is not None and sum(counts):  # a partial sum: some hops brought nothing
-            likely = "each of the N-1 hops must bring one more rank's tensor: add each arrival once"
+            likely = t(
+                "each of the N-1 hops must bring one more rank's tensor: add each arrival once"
+            )
         else:  # zeros, or no sum of the inputs: say what was seen, guess nothing
-            seen = _zeros_sent(outcome, rank)
-            return f"{where}: the tensor holds {held}, expected the sum over all {n} ranks.{seen}"
-        return (
-            f"{where}: the tensor holds {held}, expected the sum over all {n} ranks. Likely: "
-            f"{likely}"
+            return t(
+                "{where}: the tensor holds {held}, expected the sum over all {n} ranks.{seen}",
+                where=where,
+                held=held,
+                n=n,
+                seen=_zeros_sent(outcome, rank),
+            )
+        return t(
+            "{where}: the tensor holds {held}, expected the sum over all {n} ranks. Likely: "
+            "{likely}",
+            where=where,
+            held=held,
+            n=n,
+            likely=likely,
         )
     bounds = expected_bounds(length, n)
     for chunk, (a, b) in enumerate(bounds):
@@ -513,23 +600,27 @@ def _diagnose_int(outcome, rank, n, name):
         held = what_it_holds(counts, n)
         elsewhere = wrong_place(values, a, bounds, n) if counts is None else None
         if elsewhere is not None:
-            held = f"chunk {elsewhere}'s values ({_span(bounds, elsewhere)}): a chunk landed in the wrong place"
-            likely = (
+            held = t(
+                "chunk {chunk}'s values ({span}): a chunk landed in the wrong place",
+                chunk=elsewhere,
+                span=_span(bounds, elsewhere),
+            )
+            likely = t(
                 "receive each chunk into its own slice, flat[start:stop] of that chunk's bounds"
             )
         elif counts is not None and any(c > 1 for c in counts):
-            likely = (
+            likely = t(
                 "some values were added more than once. The all-gather must store each "
                 "arriving chunk (it is already the full sum), not add it; and the reduce-scatter "
                 "adds each arriving chunk once"
             )
         elif counts is not None and sum(counts) == 1 and counts[rank] == 0:
-            likely = (
+            likely = t(
                 "a chunk was stored where it should have been added: the reduce-scatter adds the "
                 "arriving chunk (+=), only the all-gather stores it"
             )
         elif counts is not None and sum(counts):  # a partial sum: some addends never came
-            likely = (
+            likely = t(
                 "the chunk was passed on before it had every addend, or another chunk was sent: "
                 "in step s send (rank - s) % N in the reduce-scatter, then (owned - s) % N in the "
                 "all-gather"
@@ -537,14 +628,25 @@ def _diagnose_int(outcome, rank, n, name):
         else:  # zeros, or no sum of the inputs: say what was seen, guess nothing
             likely = None
         expected_sends = _expected_ring_sends(rank, n, bounds)
-        return (
-            f"{where}: chunk {chunk} ({_span(bounds, chunk)}) holds {held}, expected the sum over "
-            f"all {n} ranks."
-            + (f" Likely: {likely}." if likely else _zeros_sent(outcome, rank))
-            + f"\n{trace_text(rank, outcome['seen'], expected_sends)} (reduce-scatter, then "
-            "all-gather)"
+        return t(
+            "{where}: chunk {chunk} ({span}) holds {held}, expected the sum over all {n} ranks."
+            "{likely}\n{sends} (reduce-scatter, then all-gather)",
+            where=where,
+            chunk=chunk,
+            span=_span(bounds, chunk),
+            held=held,
+            n=n,
+            likely=_likely(likely) if likely else _zeros_sent(outcome, rank),
+            sends=trace_text(rank, outcome["seen"], expected_sends),
         )
-    return f"{where}: the result differs from dist.all_reduce's"
+    return t("{where}: the result differs from dist.all_reduce's", where=where)
+
+
+def _where(name, rank, n, case):
+    """``ring_allreduce on rank 1 of 4 with 5 integers``: which call a message is about."""
+    return t(
+        "{name} on rank {rank} of {n} with {case}", name=name, rank=rank, n=n, case=_describe(case)
+    )
 
 
 def check_sums(outcomes_by_rank, name):
@@ -563,10 +665,15 @@ def check_sums(outcomes_by_rank, name):
         for rank, outcomes in enumerate(outcomes_by_rank):
             outcome = outcomes[i]
             got, expected, (_, dtype, _) = outcome["given"], outcome["expected"], outcome["case"]
-            where = f"{name} on rank {rank} of {n} with {_describe(outcome['case'])}"
-            assert got.shape == expected.shape and got.dtype == expected.dtype, (
-                f"{where}: the tensor became {got.dtype} of shape {tuple(got.shape)}, expected it "
-                f"to stay {expected.dtype} of shape {tuple(expected.shape)}"
+            where = _where(name, rank, n, outcome["case"])
+            assert got.shape == expected.shape and got.dtype == expected.dtype, t(
+                "{where}: the tensor became {dtype} of shape {shape}, expected it to "
+                "stay {dtype2} of shape {shape2}",
+                where=where,
+                dtype=got.dtype,
+                shape=tuple(got.shape),
+                dtype2=expected.dtype,
+                shape2=tuple(expected.shape),
             )
             returned = outcome["returned"]
             if not outcome["returned_given"]:
@@ -576,15 +683,24 @@ def check_sums(outcomes_by_rank, name):
                     and n > 1
                 ):
                     raise AssertionError(
-                        f"{where}: it returned a new tensor, and the tensor passed in still holds "
-                        f"rank {rank}'s own values: work in place (flat += incoming writes into "
-                        "the caller's tensor; tensor = tensor + incoming makes a new one), and "
-                        "return the tensor you were given, like dist.all_reduce"
+                        t(
+                            "{where}: it returned a new tensor, and the tensor passed in "
+                            "still holds rank {rank}'s own values: work in place (flat += "
+                            "incoming writes into the caller's tensor; tensor = tensor + "
+                            "incoming makes a new one), and return the tensor you were "
+                            "given, like dist.all_reduce",
+                            where=where,
+                            rank=rank,
+                        )
                     )
                 raise AssertionError(
-                    f"{where}: it returned {'a new tensor' if isinstance(returned, torch.Tensor) else returned}; "
-                    "return the tensor you were given (it holds the sum, in place, like "
-                    "dist.all_reduce), also when there is nothing to send"
+                    t(
+                        "{where}: it returned {value}; return the tensor you were given (it "
+                        "holds the sum, in place, like dist.all_reduce), also when there is "
+                        "nothing to send",
+                        where=where,
+                        value=t("a new tensor") if isinstance(returned, torch.Tensor) else returned,
+                    )
                 )
             if dtype == "int64":
                 ok = torch.equal(got, expected)
@@ -601,10 +717,18 @@ def check_sums(outcomes_by_rank, name):
             wrong = (~close).nonzero().flatten()
             index = int(wrong[0])
             raise AssertionError(
-                f"{where}: element {index} holds {flat_got[index].item()!r}, dist.all_reduce "
-                f"gives {flat_expected[index].item()!r} ({len(wrong)} of {got.numel()} elements "
-                "wrong), while its integer cases came out right: does the ring work on the "
-                "tensor's own dtype (no int conversion, no rounding)?"
+                t(
+                    "{where}: element {index} holds {flat_got!r}, dist.all_reduce gives "
+                    "{flat_expected!r} ({count} of {got} elements wrong), while its integer "
+                    "cases came out right: does the ring work on the tensor's own dtype (no "
+                    "int conversion, no rounding)?",
+                    where=where,
+                    index=index,
+                    flat_got=flat_got[index].item(),
+                    flat_expected=flat_expected[index].item(),
+                    count=len(wrong),
+                    got=got.numel(),
+                )
             )
 
 
@@ -617,43 +741,61 @@ def why_bounds_differ(got, length, world_size):
     try:
         pairs = [(int(a), int(b)) for a, b in got]
     except (TypeError, ValueError):
-        return "return a list of (start, stop) pairs, one per chunk"
+        return t("return a list of (start, stop) pairs, one per chunk")
     if len(pairs) != world_size:
-        return f"return one (start, stop) per rank: {world_size} chunks, got {len(pairs)}"
+        return t(
+            "return one (start, stop) per rank: {world_size} chunks, got {count}",
+            world_size=world_size,
+            count=len(pairs),
+        )
     for index, (start, stop) in enumerate(pairs):
         if stop < start:
-            return (
-                f"chunk {index} is ({start}, {stop}), it stops before it starts: stop is "
-                "exclusive, as in a slice, and each chunk starts where the previous one stops"
+            return t(
+                "chunk {index} is ({start}, {stop}), it stops before it starts: stop is "
+                "exclusive, as in a slice, and each chunk starts where the previous one stops",
+                index=index,
+                start=start,
+                stop=stop,
             )
     for index in range(1, world_size):
         if pairs[index][0] != pairs[index - 1][1]:
-            return (
-                f"chunk {index} starts at {pairs[index][0]} but chunk {index - 1} stops at "
-                f"{pairs[index - 1][1]}: stop is exclusive, as in a slice, and each chunk starts "
-                "where the previous one stops"
+            return t(
+                "chunk {index} starts at {start} but chunk {previous} stops at {stop}: stop is "
+                "exclusive, as in a slice, and each chunk starts where the previous one stops",
+                index=index,
+                start=pairs[index][0],
+                previous=index - 1,
+                stop=pairs[index - 1][1],
             )
     if pairs[0][0] != 0 or pairs[-1][1] != length:
         missing = (
-            f"elements {pairs[-1][1]}..{length - 1} are in no chunk"
+            t("elements {start}..{last} are in no chunk", start=pairs[-1][1], last=length - 1)
             if pairs[-1][1] < length
-            else f"the last chunk runs past the end, to {pairs[-1][1]}"
+            else t("the last chunk runs past the end, to {stop}", stop=pairs[-1][1])
         )
-        return f"the chunks must cover 0..{length} exactly: {missing}"
+        return t(
+            "the chunks must cover 0..{length} exactly: {missing}", length=length, missing=missing
+        )
     sizes = [b - a for a, b in pairs]
     want = [b - a for a, b in expected]
     if max(sizes) - min(sizes) > 1:
-        return (
-            f"the chunk sizes {sizes} differ by more than one: spread the remainder "
-            f"({length} % {world_size} = {length % world_size}) one element each over the first "
-            f"chunks, {want}"
+        return t(
+            "the chunk sizes {sizes} differ by more than one: spread the remainder ({length} % "
+            "{world_size} = {remainder}) one element each over the first chunks, {want}",
+            sizes=sizes,
+            length=length,
+            world_size=world_size,
+            remainder=length % world_size,
+            want=want,
         )
     if sizes != want:
-        return (
-            f"the chunk sizes {sizes} put the larger chunks last: the larger chunks come first, "
-            f"{want} (torch.tensor_split's rule)"
+        return t(
+            "the chunk sizes {sizes} put the larger chunks last: the larger chunks come first, "
+            "{want} (torch.tensor_split's rule)",
+            sizes=sizes,
+            want=want,
         )
-    return "chunk sizes differ by at most one, the larger chunks first"
+    return t("chunk sizes differ by at most one, the larger chunks first")
 
 
 @pytest.mark.step(1)
@@ -669,9 +811,13 @@ def why_bounds_differ(got, length, world_size):
 )
 def test_chunk_bounds_examples(kata, length, world_size, expected):
     got = kata.chunk_bounds(length, world_size)
-    assert [tuple(b) for b in got] == expected, (
-        f"chunk_bounds({length}, {world_size}) returned {got!r}, expected {expected}: "
-        + why_bounds_differ(got, length, world_size)
+    assert [tuple(b) for b in got] == expected, t(
+        "chunk_bounds({length}, {world_size}) returned {got!r}, expected {expected}: {why}",
+        length=length,
+        world_size=world_size,
+        got=got,
+        expected=expected,
+        why=why_bounds_differ(got, length, world_size),
     )
 
 
@@ -695,9 +841,17 @@ def test_chunk_bounds_cover_every_length(kata):
 
         length, world_size, got = max(wrong, key=unevenness)
         raise AssertionError(
-            f"chunk_bounds gave the wrong chunks for {len(wrong)} of the (length, world_size) "
-            f"pairs tried; chunk_bounds({length}, {world_size}) returned {got}, expected "
-            f"{expected_bounds(length, world_size)}: " + why_bounds_differ(got, length, world_size)
+            t(
+                "chunk_bounds gave the wrong chunks for {count} of the (length, world_size) pairs "
+                "tried; chunk_bounds({length}, {world_size}) returned {got}, expected {expected}: "
+                "{why}",
+                count=len(wrong),
+                length=length,
+                world_size=world_size,
+                got=got,
+                expected=expected_bounds(length, world_size),
+                why=why_bounds_differ(got, length, world_size),
+            )
         )
 
 
@@ -710,22 +864,36 @@ def test_chunk_bounds_rejects_bad_input(kata, length, world_size, named):
     try:
         got = kata.chunk_bounds(length, world_size)
     except ValueError as error:
-        assert named in str(error) or named.replace("_", " ") in str(error), (
-            f"{call} raised ValueError({str(error)!r}): say what is wrong, naming {named} and "
-            "the value it got, so that the caller can fix the call"
+        assert named in str(error) or named.replace("_", " ") in str(error), t(
+            "{call} raised ValueError({error!r}): say what is wrong, naming {named} and "
+            "the value it got, so that the caller can fix the call",
+            call=call,
+            error=str(error),
+            named=named,
         )
         return
     except KataTodo:
         raise
     except Exception as error:
         raise AssertionError(
-            f"{call} raised {type(error).__name__}: {error}. Check the arguments first: "
-            f"{named} out of range must raise ValueError saying what is wrong (world_size >= 1, "
-            "length >= 0)"
+            t(
+                "{call} raised {type_name}: {error}. Check the arguments first: {named} out "
+                "of range must raise ValueError saying what is wrong (world_size >= 1, "
+                "length >= 0)",
+                call=call,
+                type_name=type(error).__name__,
+                error=error,
+                named=named,
+            )
         ) from error
     raise AssertionError(
-        f"{call} returned {got!r}: {named} out of range must raise ValueError saying what is "
-        "wrong (world_size >= 1, length >= 0)"
+        t(
+            "{call} returned {got!r}: {named} out of range must raise ValueError saying what "
+            "is wrong (world_size >= 1, length >= 0)",
+            call=call,
+            got=got,
+            named=named,
+        )
     )
 
 
@@ -741,11 +909,17 @@ def test_pass_along_equals_all_reduce(kata, world_size):
         for outcome in outcomes:
             numel = outcome["given"].numel()
             sent = outcome["seen"]["elements"]
-            assert sent == (world_size - 1) * numel, (
-                f"pass_along_allreduce on rank {rank} of {world_size} with "
-                f"{_describe(outcome['case'])} sent {sent} elements, expected {world_size - 1} "
-                f"whole tensors = {(world_size - 1) * numel}: pass the whole tensor on at each of "
-                f"the N-1 hops {COUNTED}"
+            assert sent == (world_size - 1) * numel, t(
+                "pass_along_allreduce on rank {rank} of {world_size} with {describe} "
+                "sent {sent} elements, expected {world_size2} whole tensors = {value}: "
+                "pass the whole tensor on at each of the N-1 hops {COUNTED}",
+                rank=rank,
+                world_size=world_size,
+                describe=_describe(outcome["case"]),
+                sent=sent,
+                world_size2=world_size - 1,
+                value=(world_size - 1) * numel,
+                COUNTED=t(COUNTED),
             )
 
 
@@ -761,15 +935,17 @@ def _three_ranks_cancel(rank, world_size, trace_dir):
 def test_pass_along_ranks_disagree_in_the_last_bits(kata):
     """The lesson's example: 1e8, 1 and -1e8 summed in a different order on each rank."""
     got = run_ring_world(_three_ranks_cancel, 3)
-    assert all(value in (0.0, 1.0) for value in got), (
-        f"ranks 0, 1, 2 holding 1e8, 1, -1e8 (float32) ended with {got}: any order of these "
-        "additions gives 0 or 1"
+    assert all(value in (0.0, 1.0) for value in got), t(
+        "ranks 0, 1, 2 holding 1e8, 1, -1e8 (float32) ended with {got}: any order of "
+        "these additions gives 0 or 1",
+        got=got,
     )
-    assert len(set(got)) > 1, (
-        f"every rank ended with {got[0]}: the pass-along ring adds in a different order on each "
-        "rank (its own tensor first, then each arrival), so float rounding should make the ranks "
-        "disagree here. Each rank should start from its own tensor and add what arrives from its "
-        "left neighbour, hop by hop"
+    assert len(set(got)) > 1, t(
+        "every rank ended with {got0}: the pass-along ring adds in a different order on "
+        "each rank (its own tensor first, then each arrival), so float rounding should "
+        "make the ranks disagree here. Each rank should start from its own tensor and "
+        "add what arrives from its left neighbour, hop by hop",
+        got0=got[0],
     )
 
 
@@ -793,7 +969,10 @@ def _reduce_scatter(rank, world_size, lengths, trace_dir):
 
 
 def _owners_text(world_size):
-    return ", ".join(f"rank {r} chunk {(r + 1) % world_size}" for r in range(world_size))
+    return ", ".join(
+        t("rank {rank} chunk {chunk}", rank=r, chunk=(r + 1) % world_size)
+        for r in range(world_size)
+    )
 
 
 @pytest.mark.step(3)
@@ -813,12 +992,18 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
         check_not_padded([o[i]["seen"] for o in by_rank], length, n, n - 1, "ring_reduce_scatter")
         owners = [outcomes[i]["owned"] for outcomes in by_rank]
         expected_owners = [(r + 1) % n for r in range(n)]
-        assert owners == expected_owners, (
-            f"with {length} elements on {n} ranks, ring_reduce_scatter returned the chunk "
-            f"indices {owners} (rank 0 first), expected {expected_owners}: after N-1 = {n - 1} "
-            f"steps rank r owns chunk (r + 1) % N ({_owners_text(n)}), the chunk it added into "
-            "in its last step. ring_all_gather relies on it: the right neighbour owns chunk "
-            "owned + 1"
+        assert owners == expected_owners, t(
+            "with {length} elements on {n} ranks, ring_reduce_scatter returned the chunk "
+            "indices {owners} (rank 0 first), expected {expected_owners}: after N-1 = "
+            "{n2} steps rank r owns chunk (r + 1) % N ({owners_text}), the chunk it "
+            "added into in its last step. ring_all_gather relies on it: the right "
+            "neighbour owns chunk owned + 1",
+            length=length,
+            n=n,
+            owners=owners,
+            expected_owners=expected_owners,
+            n2=n - 1,
+            owners_text=_owners_text(n),
         )
         for rank, outcomes in enumerate(by_rank):
             outcome = outcomes[i]
@@ -861,26 +1046,48 @@ def test_reduce_scatter_leaves_one_summed_chunk_per_rank(kata, world_size):
             else:  # zeros, or no sum of the inputs: say what was seen, guess nothing
                 likely = None
             raise AssertionError(
-                f"with {length} integers on {n} ranks, after the reduce-scatter's {n - 1} steps "
-                f"rank {rank} should own chunk {owned} ({_span(bounds, owned)}) summed over all "
-                f"{n} ranks, but it holds {what_it_holds(counts, n)}."
-                + (f" Likely: {likely}." if likely else _zeros_sent(outcome, rank))
-                + f"\n{trace_text(rank, outcome['seen'], expected_sends)} "
-                f"(after the reduce-scatter {_owners_text(n)})"
+                t(
+                    "with {length} integers on {n} ranks, after the reduce-scatter's {n2} "
+                    "steps rank {rank} should own chunk {owned} ({span}) summed over all {n} "
+                    "ranks, but it holds {what_it_holds}.{likely}\n"
+                    "{trace_text} (after the reduce-scatter {owners_text})",
+                    length=length,
+                    n=n,
+                    n2=n - 1,
+                    rank=rank,
+                    owned=owned,
+                    span=_span(bounds, owned),
+                    what_it_holds=what_it_holds(counts, n),
+                    likely=_likely(likely) if likely else _zeros_sent(outcome, rank),
+                    trace_text=trace_text(rank, outcome["seen"], expected_sends),
+                    owners_text=_owners_text(n),
+                )
             )
         for rank, outcomes in enumerate(by_rank):
             sent = outcomes[i]["seen"]["elements"]
             low, high = (n - 1) * (length // n), (n - 1) * -(-length // n)
-            assert low <= sent <= high, (
-                f"with {length} elements on {n} ranks, rank {rank} sent {sent} elements in the "
-                f"reduce-scatter, expected N-1 = {n - 1} chunks ({low}..{high} elements): send "
-                "one chunk per step, never the whole tensor"
+            assert low <= sent <= high, t(
+                "with {length} elements on {n} ranks, rank {rank} sent {sent} elements "
+                "in the reduce-scatter, expected N-1 = {n2} chunks ({low}..{high} "
+                "elements): send one chunk per step, never the whole tensor",
+                length=length,
+                n=n,
+                rank=rank,
+                sent=sent,
+                n2=n - 1,
+                low=low,
+                high=high,
             )
         total = sum(outcomes[i]["seen"]["elements"] for outcomes in by_rank)
-        assert total == (n - 1) * length, (
-            f"with {length} elements on {n} ranks the reduce-scatter sent {total} elements in "
-            f"all, expected (N-1) x {length} = {(n - 1) * length}: each chunk travels N-1 hops "
-            f"{COUNTED}"
+        assert total == (n - 1) * length, t(
+            "with {length} elements on {n} ranks the reduce-scatter sent {total} "
+            "elements in all, expected (N-1) x {length} = {value}: each chunk travels "
+            "N-1 hops {COUNTED}",
+            length=length,
+            n=n,
+            total=total,
+            value=(n - 1) * length,
+            COUNTED=t(COUNTED),
         )
 
 
@@ -920,36 +1127,53 @@ def _all_gather_problem(got, rank, n, length, shift):
         values, want = got[a:b], answer[a:b]
         if torch.equal(values, want):
             continue
-        span = f"chunk {chunk} ({_span(bounds, chunk)})"
+        span = t("chunk {chunk} ({span})", chunk=chunk, span=_span(bounds, chunk))
         owner = next(r for r in range(n) if (r + shift) % n == chunk)
         fillers = {_filler(r): r for r in range(n)}
         if (values == values[0]).all() and int(values[0]) in fillers:
             who = fillers[int(values[0])]
             if who == rank:
-                return (
-                    f"{span} never arrived on rank {rank}: it still holds its own filler "
-                    f"{_filler(rank)}. Pass on each chunk as it arrives, N-1 steps in all"
+                return t(
+                    "{span} never arrived on rank {rank}: it still holds its own filler "
+                    "{filler}. Pass on each chunk as it arrives, N-1 steps in all",
+                    span=span,
+                    rank=rank,
+                    filler=_filler(rank),
                 )
-            return (
-                f"{span} on rank {rank} holds rank {who}'s filler {_filler(who)}: rank {who} "
-                "passed on a chunk it had not received yet. In step s send (owned - s) % N, "
-                "the chunk that arrived in step s-1"
+            return t(
+                "{span} on rank {rank} holds rank {who}'s filler {filler}: rank {who} passed on a "
+                "chunk it had not received yet. In step s send (owned - s) % N, the chunk that "
+                "arrived in step s-1",
+                span=span,
+                rank=rank,
+                who=who,
+                filler=_filler(who),
             )
         if torch.equal(values, want + _filler(rank)):
-            return (
-                f"{span} on rank {rank} holds the owned value plus what the rank held there "
-                f"before ({_filler(rank)}): the arriving chunk was added. In the all-gather every "
-                "chunk is already final: store it (receive straight into its slice), do not add"
+            return t(
+                "{span} on rank {rank} holds the owned value plus what the rank held there "
+                "before ({filler}): the arriving chunk was added. In the all-gather every chunk "
+                "is already final: store it (receive straight into its slice), do not add",
+                span=span,
+                rank=rank,
+                filler=_filler(rank),
             )
         for other, (c, d) in enumerate(bounds):
             if other != chunk and d - c == b - a and torch.equal(values, answer[c:d]):
-                return (
-                    f"{span} on rank {rank} holds chunk {other}'s values: a chunk landed in "
-                    "the wrong place; receive chunk (owned - s - 1) % N into its own slice"
+                return t(
+                    "{span} on rank {rank} holds chunk {other}'s values: a chunk landed in the "
+                    "wrong place; receive chunk (owned - s - 1) % N into its own slice",
+                    span=span,
+                    rank=rank,
+                    other=other,
                 )
-        return (
-            f"{span} on rank {rank} holds {values.tolist()}, expected {want.tolist()} (the "
-            f"value rank {owner} owned)"
+        return t(
+            "{span} on rank {rank} holds {values}, expected {want} (the value rank {owner} owned)",
+            span=span,
+            rank=rank,
+            values=values.tolist(),
+            want=want.tolist(),
+            owner=owner,
         )
     return None
 
@@ -973,23 +1197,42 @@ def test_all_gather_copies_every_owned_chunk_everywhere(kata, world_size):
                 c for c in ((owned - s) % n for s in range(n - 1)) if bounds[c][1] > bounds[c][0]
             ]
             raise AssertionError(
-                f"ring_all_gather on {n} ranks with {length} elements, rank r owning chunk "
-                f"(r + {shift}) % {n} (rank {rank} owns chunk {owned}; elsewhere rank r holds the "
-                f"filler -(r + 1)): rank {rank} ended with {got.tolist()}, expected "
-                f"{_answer(length).tolist()}.\n{problem}.\n"
-                f"{trace_text(rank, results[i]['seen'], expected_sends)}"
+                t(
+                    "ring_all_gather on {n} ranks with {length} elements, rank r owning chunk "
+                    "(r + {shift}) % {n} (rank {rank} owns chunk {owned}; elsewhere rank r holds "
+                    "the filler -(r + 1)): rank {rank} ended with {got}, expected {answer}.\n"
+                    "{problem}.\n{sends}",
+                    n=n,
+                    length=length,
+                    shift=shift,
+                    rank=rank,
+                    owned=owned,
+                    got=got.tolist(),
+                    answer=_answer(length).tolist(),
+                    problem=problem,
+                    sends=trace_text(rank, results[i]["seen"], expected_sends),
+                )
                 + (
-                    f"; rank {rank} was told it owns chunk {owned}: use `owned` rather than "
-                    "assuming which chunk a rank owns"
+                    t(
+                        "; rank {rank} was told it owns chunk {owned}: use `owned` rather than "
+                        "assuming which chunk a rank owns",
+                        rank=rank,
+                        owned=owned,
+                    )
                     if sent_chunks(results[i]["seen"])[:1] != expected_sends[:1]
                     else ""
                 )
             )
         total = sum(results[i]["seen"]["elements"] for results in by_rank)
-        assert total == (n - 1) * length, (
-            f"the all-gather of {length} elements on {n} ranks sent {total} elements in all, "
-            f"expected (N-1) x {length} = {(n - 1) * length}: each owned chunk travels N-1 hops, "
-            f"once {COUNTED}"
+        assert total == (n - 1) * length, t(
+            "the all-gather of {length} elements on {n} ranks sent {total} elements in "
+            "all, expected (N-1) x {length} = {value}: each owned chunk travels N-1 "
+            "hops, once {COUNTED}",
+            length=length,
+            n=n,
+            total=total,
+            value=(n - 1) * length,
+            COUNTED=t(COUNTED),
         )
 
 
@@ -1011,11 +1254,18 @@ def test_ring_allreduce_is_bitwise_identical_on_every_rank(kata, world_size):
         for rank in range(1, world_size):
             other = by_rank[rank][i]["given"]
             differ = (other != first).nonzero().flatten()
-            assert len(differ) == 0, (
-                f"ring_allreduce with {_describe(case)} on {world_size} ranks: rank {rank} and "
-                f"rank 0 differ in {len(differ)} elements (element {int(differ[0])}: "
-                f"{other[differ[0]].item()!r} vs {first[differ[0]].item()!r}). Each chunk should "
-                "be summed on one rank only and then copied: is every rank adding on its own?"
+            assert len(differ) == 0, t(
+                "ring_allreduce with {describe} on {world_size} ranks: rank {rank} and "
+                "rank 0 differ in {count} elements (element {differ0}: {other!r} vs "
+                "{first!r}). Each chunk should be summed on one rank only and then "
+                "copied: is every rank adding on its own?",
+                describe=_describe(case),
+                world_size=world_size,
+                rank=rank,
+                count=len(differ),
+                differ0=int(differ[0]),
+                other=other[differ[0]].item(),
+                first=first[differ[0]].item(),
             )
 
 
@@ -1029,16 +1279,28 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
         check_not_padded([o[i]["seen"] for o in by_rank], length, n, 2 * (n - 1), "ring_allreduce")
         if length % n == 0:
             expected = 2 * (n - 1) * length // n
-            assert sent == [expected] * n, (
-                f"ring_allreduce of {length} elements on {n} ranks: the ranks sent {sent} elements, "
-                f"expected 2(N-1)/N of the tensor = {expected} each (N-1 chunks of {length // n} in "
-                "the reduce-scatter, N-1 more in the all-gather)"
+            assert sent == [expected] * n, t(
+                "ring_allreduce of {length} elements on {n} ranks: the ranks sent {sent} "
+                "elements, expected 2(N-1)/N of the tensor = {expected} each (N-1 chunks "
+                "of {length2} in the reduce-scatter, N-1 more in the all-gather)",
+                length=length,
+                n=n,
+                sent=sent,
+                expected=expected,
+                length2=length // n,
             )
         low, high = 2 * (n - 1) * (length // n), 2 * (n - 1) * -(-length // n)
-        assert all(low <= s <= high for s in sent) and sum(sent) == 2 * (n - 1) * length, (
-            f"ring_allreduce of {length} elements on {n} ranks: the ranks sent {sent} elements; "
-            f"each should send 2(N-1) chunks ({low}..{high} elements), {2 * (n - 1) * length} in all "
-            f"{COUNTED}"
+        assert all(low <= s <= high for s in sent) and sum(sent) == 2 * (n - 1) * length, t(
+            "ring_allreduce of {length} elements on {n} ranks: the ranks sent {sent} "
+            "elements; each should send 2(N-1) chunks ({low}..{high} elements), {value} "
+            "in all {COUNTED}",
+            length=length,
+            n=n,
+            sent=sent,
+            low=low,
+            high=high,
+            value=2 * (n - 1) * length,
+            COUNTED=t(COUNTED),
         )
 
 
@@ -1051,11 +1313,18 @@ def test_program_shows_both_rings(kata):
         verdict = next(
             (line for line in lines if line.startswith("[main]") and f" {name}:" in line), None
         )
-        assert verdict is not None, f"no verdict line for the {name} ring in:\n{out}"
-        assert "close to dist.all_reduce: yes" in verdict, (
-            f"the {name} ring's sum is wrong:\n{verdict}"
+        assert verdict is not None, t(
+            "no verdict line for the {name} ring in:\n{out}",
+            name=name,
+            out=out,
+        )
+        assert "close to dist.all_reduce: yes" in verdict, t(
+            "the {name} ring's sum is wrong:\n{verdict}",
+            name=name,
+            verdict=verdict,
         )
     ring_line = next(line for line in lines if line.startswith("[main]") and " ring:" in line)
-    assert "same bits: yes" in ring_line, (
-        f"the optimal ring must agree bitwise on every rank:\n{ring_line}"
+    assert "same bits: yes" in ring_line, t(
+        "the optimal ring must agree bitwise on every rank:\n{ring_line}",
+        ring_line=ring_line,
     )

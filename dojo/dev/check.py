@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from dojo import curriculum
+from dojo import curriculum, lang
 from dojo.curriculum import stubs
 from dojo.dev import classroom, consistency, imports, reach, swaps
 from dojo.dev.mistakes import plugin
@@ -167,7 +167,10 @@ _NOT_PASSED_ON = (impl.ENV_VAR, impl.INSTRUMENTS_VAR, swaps.ENV_VAR, "PYTHONDONT
 
 
 def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _NOT_PASSED_ON}
+    """The maintainer's environment without the instruments, in English (what the catalogues
+    and the tooling's tests read), whatever the maintainer's locale."""
+    kept = {k: v for k, v in os.environ.items() if k not in _NOT_PASSED_ON}
+    return {**kept, lang.ENV_VAR: "en"}
 
 
 def _pytest(

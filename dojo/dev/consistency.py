@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import string
 import sys
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def problems(katas: list[curriculum.Kata] | None = None) -> list[str]:
             found.append("README.zh-CN.md (the quick start in Chinese) is missing")
         elif "README.zh-CN.md" not in (curriculum.ROOT / "README.md").read_text(encoding="utf-8"):
             found.append("README.md does not link README.zh-CN.md")
+        found += catalogue_problems()
     return found
 
 
@@ -292,6 +294,86 @@ def chinese_problems(kata: curriculum.Kata, stub: str | None = None) -> list[str
                     f"{where} names `{code}`, which solutions/{kata.module}.py does not have"
                 )
     return found
+
+
+# ------------------------------------------------------------------ the message catalogues
+
+_SHOWN = 5  # sentences named per problem; the count says the rest
+
+
+def catalogue_problems() -> list[str]:
+    """Each language's message catalogue is complete and in step with the code
+    (``dojo.dev.messages``): its ``.po`` holds exactly the sentences the code marks, each
+    translated (not fuzzy) with no placeholder its English lacks (but those a ``TRANSLATORS:``
+    comment names), and the ``.mo`` beside it is that ``.po`` compiled."""
+    from dojo.dev import messages
+
+    fix = f"`{dojo()} dev messages` merges and compiles"
+    template = messages.extracted()
+    wanted = {message.id: message for message in template if message.id}
+    found = []
+    for language in messages.languages():
+        path = messages.po_path(language)
+        where = messages.shown(path)
+        if not path.exists():
+            found.append(f"{where} is missing: {fix} it")
+            continue
+        catalogue = messages.read(language)
+        held = {message.id: message for message in catalogue if message.id}
+        for what, ids in (
+            ("lacks sentences the code marks", [i for i in wanted if i not in held]),
+            ("holds sentences the code no longer marks", [i for i in held if i not in wanted]),
+            ("has sentences not translated yet (empty or fuzzy)", messages.untranslated(catalogue)),
+        ):
+            if ids:
+                found.append(f"{where} {what} ({fix}; then translate): {_some(ids)}")
+        for msgid, message in held.items():
+            if msgid in wanted and not message.fuzzy:
+                found += [f"{where}: {p}" for p in _placeholder_problems(message, wanted[msgid])]
+        mo = messages.mo_path(language)
+        if not mo.exists() or mo.read_bytes() != messages.compiled(catalogue):
+            found.append(f"{messages.shown(mo)} is not {path.name} compiled: {fix} (commit both)")
+    return found
+
+
+def _placeholder_problems(message, english) -> list[str]:
+    """A translation's ``{name}`` fields must be the English's (``.format`` fills only those),
+    or ones its translators' comment names."""
+    allowed = set().union(*(_fields(text) or set() for text in messages_of(english.id)))
+    for comment in english.auto_comments:
+        allowed |= set(re.findall(r"\{(\w+)\}", comment))
+    found = []
+    for text in messages_of(message.string):
+        fields = _fields(text)
+        if fields is None:
+            found.append(
+                f"the translation {text!r} is no format string (a lone brace: write {{{{ or }}}} for one)"
+            )
+        elif fields - allowed:
+            found.append(
+                f"the translation of {_some([english.id])} uses {sorted(fields - allowed)}, "
+                f"which the English does not fill in (it has {sorted(allowed)})"
+            )
+    return found
+
+
+def messages_of(value) -> tuple[str, ...]:
+    """A message's texts: one, or a plural's forms."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _fields(text: str) -> set[str] | None:
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError:
+        return None
+    return {re.split(r"[.\[]", name)[0] for _, name, _, _ in parsed if name is not None}
+
+
+def _some(ids: list) -> str:
+    shown = [repr(messages_of(i)[0]) for i in ids[:_SHOWN]]
+    more = f" and {len(ids) - _SHOWN} more" if len(ids) > _SHOWN else ""
+    return ", ".join(shown) + more
 
 
 def _listed_steps(lesson: str, heading: str, next_heading: str) -> list[int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from dojo.harness import stacks
+from dojo.lang import t
 
 _SPECS = os.path.join(stacks.ROOT, "tests") + os.sep
 _SHOWN_ARGUMENTS = 4  # more make a line nobody reads
@@ -122,18 +123,18 @@ def describe(value: object) -> str:
         where = "" if value.device.type == "cpu" else f" on {value.device}"
         return f"{dtype}[{', '.join(map(str, value.shape))}]{where}"
     if torch is not None and isinstance(value, torch.nn.Module):
-        return f"a {type(value).__name__}"
+        return t("a {type_name}", type_name=type(value).__name__)
     if isinstance(value, (list, tuple)):
         inner = ", ".join(describe(v) for v in value[:2])
         more = ", ..." if len(value) > 2 else ""
         brackets = "[]" if isinstance(value, list) else "()"
         return f"{brackets[0]}{inner}{more}{brackets[1]} ({len(value)})"
     if isinstance(value, dict):
-        return f"a dict of {len(value)}"
+        return t("a dict of {count}", count=len(value))
     if value is None or isinstance(value, (bool, int, float, str)):
         text = repr(value)
         return text if len(text) <= _SHOWN_CHARACTERS else text[: _SHOWN_CHARACTERS - 3] + "..."
     name = type(value).__name__
     if name in ("ProcessGroup", "ProcessGroupGloo", "ProcessGroupNCCL"):
-        return "a process group"
-    return f"a {name}"
+        return t("a process group")
+    return t("a {type_name}", type_name=name)

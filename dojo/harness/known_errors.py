@@ -10,10 +10,12 @@ raw text below it. An entry only speaks where its evidence holds: no match, no w
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from dojo.harness.culprit import Culprit
+from dojo.lang import t
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class Known:
     name: str
     types: tuple[str, ...]  # exception class names it applies to; () for any
     pattern: re.Pattern
-    means: str  # formatted with the pattern's named groups
+    means: str  # English (a msgid: translated as it is said), filled with the pattern's groups
     evidence: Callable[[Culprit | None], bool] = lambda culprit: True
     likely: bool = False  # inferred from the learner's line, not certain: said as "Likely:"
 
@@ -35,7 +37,8 @@ def _line_has(*words: str) -> Callable[[Culprit | None], bool]:
 
 
 def _k(name, types, pattern, means, evidence=None) -> Known:
-    """An entry; one with ``evidence`` reads the learner's line, so it says "Likely"."""
+    """An entry; one with ``evidence`` reads the learner's line, so it says "Likely". (``means``
+    is marked for translation as ``_k``'s fourth argument: ``dojo.dev.messages.KEYWORDS``.)"""
     holds = evidence or (lambda culprit: True)
     return Known(name, types, re.compile(pattern, re.I | re.S), means, holds, evidence is not None)
 
@@ -181,14 +184,19 @@ def explain(type_name: str, message: str, culprit: Culprit | None = None) -> str
         values = {k: v for k, v in match.groupdict().items() if v is not None}
         if "high" in values:
             values["high_plus_one"] = str(int(values["high"]) + 1)
-        try:
-            means = known.means.format(**values)
-        except KeyError:  # an alternative of the pattern without the group: say it plainly
-            means = re.sub(r"\s*\([^()]*\{\w+\}[^()]*\)|\{\w+\}", "", known.means)
-        return f"Likely: {means}" if known.likely else means
+        fields = {name for _, name, _, _ in string.Formatter().parse(known.means) if name}
+        if fields <= set(values):
+            means = t(known.means, **values)
+        else:  # an alternative of the pattern without the group: say it plainly, with no value
+            means = re.sub(
+                _UNFILLED, "", t(known.means, **{name: f"{{{name}}}" for name in fields})
+            )
+        return t("Likely: {means}", means=means) if known.likely else means
     return None
 
 
+# A placeholder left unfilled, with the parenthesis around it (in either language's brackets)
+_UNFILLED = r"\s*[(（][^()（）]*\{\w+\}[^()（）]*[)）]|\{\w+\}"
 _RAW_LINES = 6  # torch's and gloo's messages run long: their first lines say enough
 
 
@@ -204,21 +212,42 @@ def said(type_name: str, message: str, culprit: Culprit | None) -> str:
         return message  # the spec's own words
     if culprit is None:  # neither a kata's nor a spec's code: the harness's, or a process's
         return raw if meaning is None else f"{raw}\n{meaning}"
-    where = f"{culprit.file}:{culprit.line}, in {culprit.function}"
+    where = t(
+        "{file}:{line}, in {function}",
+        file=culprit.file,
+        line=culprit.line,
+        function=culprit.function,
+    )
     source = f"\n    {culprit.source}" if culprit.source else ""
     if culprit.origin == "kata":
-        head = f"your {culprit.entry} raised {type_name} at {where}:{source}\n  {raw}"
+        head = t(
+            "your {entry} raised {error_type} at {where}:",
+            entry=culprit.entry,
+            error_type=type_name,
+            where=where,
+        )
+        head = f"{head}{source}\n  {raw}"
         return head if meaning is None else f"{head}\n{meaning}"
     if culprit.origin in ("torch", "library"):
-        whose = "torch" if culprit.origin == "torch" else "a library"
-        head = f"{culprit.callee} ({whose}), called by your {culprit.entry} at {where}:{source}"
+        whose = "torch" if culprit.origin == "torch" else t("a library")
+        head = t(
+            "{callee} ({whose}), called by your {entry} at {where}:",
+            callee=culprit.callee,
+            whose=whose,
+            entry=culprit.entry,
+            where=where,
+        )
+        head += source
         if meaning is None:
-            return f"{head}\nraised {raw}"
-        return f"{head}\nfailed: {meaning}\n  {whose} said: {raw}"
-    return (
-        f"the test's own code failed on what your code gave it, at {where} (a fault of the "
-        f"test: please report it, with your code):{source}\n  {raw}"
+            return f"{head}\n" + t("raised {raw}", raw=raw)
+        failed = t("failed: {meaning}", meaning=meaning)
+        return f"{head}\n{failed}\n  " + t("{whose} said: {raw}", whose=whose, raw=raw)
+    said = t(
+        "the test's own code failed on what your code gave it, at {where} (a fault of the "
+        "test: please report it, with your code):",
+        where=where,
     )
+    return f"{said}{source}\n  {raw}"
 
 
 def is_assertion(type_name: str) -> bool:

@@ -15,6 +15,8 @@ import re
 import sysconfig
 from dataclasses import dataclass
 
+from dojo.lang import t, tn
+
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _HIDDEN = (
     os.sep + "multiprocessing" + os.sep,
@@ -109,15 +111,15 @@ def format_stack_dump(dump: str) -> str:
     """A rank's dump as the report shows it (most recent call last)."""
     frames = main_thread_frames(dump)
     if frames is None:
-        return "  (no stack: the rank did not answer the request for one)"
-    return "\n".join(map(str, frames)) or "  (no Python frames outside the harness)"
+        return t("  (no stack: the rank did not answer the request for one)")
+    return "\n".join(map(str, frames)) or t("  (no Python frames outside the harness)")
 
 
 def where(frames: list[Frame] | None) -> str:
     """``all_reduce (katas/k04_allreduce.py:88, average_gradients)``: the call a rank is inside
     and the line of its own code that made it."""
     if not frames:
-        return "an unknown place (no stack)"
+        return t("an unknown place (no stack)")
     own = _own_frame(frames)
     call = _call(frames)
     if own is None:
@@ -222,54 +224,63 @@ def advice(dumps: dict[int, str]) -> str:
             waiting.setdefault(call, []).append(number)
     called = set(waiting)
     if not called:
-        return "No rank waits inside a torch.distributed call: the stacks below say where each is."
+        return t(
+            "No rank waits inside a torch.distributed call: the stacks below say where each is."
+        )
     seen = _waits_text(waiting, dumps)
     point, handles = called & _POINT_TO_POINT, "wait" in called
     everyone = sum(map(len, waiting.values())) == len(dumps)  # no stuck rank is elsewhere
     collectives = called - _POINT_TO_POINT - {"wait"}
     if collectives and point:
-        return (
-            f"{seen}. Some ranks wait in a send or recv, others in a collective: a rank whose peer "
+        return t(
+            "{seen}. Some ranks wait in a send or recv, others in a collective: a rank whose peer "
             "is inside a collective never gets the matching call. Does every rank make the same "
-            "calls in the same order?"
+            "calls in the same order?",
+            seen=seen,
         )
     if collectives and not handles:
-        return (
-            f"{seen}. Every rank of a group must call every collective, in the same order: is "
-            "there one that only some ranks call, or that they call in a different order?"
+        return t(
+            "{seen}. Every rank of a group must call every collective, in the same order: is "
+            "there one that only some ranks call, or that they call in a different order?",
+            seen=seen,
         )
     if collectives:
-        return (
-            f"{seen}. A request's wait() returns once every rank of its group has started the "
+        return t(
+            "{seen}. A request's wait() returns once every rank of its group has started the "
             "collective it came from (async_op=True): does every rank start the same collectives, "
-            "in the same order?"
+            "in the same order?",
+            seen=seen,
         )
     if called == {"wait"}:
-        return (
-            f"{seen}. A request completes only once its peer makes the matching call (the recv "
+        return t(
+            "{seen}. A request completes only once its peer makes the matching call (the recv "
             "for an isend, the send for an irecv, the same collective for one started with "
             "async_op=True): which call does each waiting request need, and does its peer make "
-            "it (and wait on its own request)?"
+            "it (and wait on its own request)?",
+            seen=seen,
         )
     if called == {"send"} and everyone:
-        return (
-            f"{seen}. A blocking send returns only once its peer has made the matching call "
+        return t(
+            "{seen}. A blocking send returns only once its peer has made the matching call "
             "(gloo's send waits for the recv), so ranks that all send first wait for each other: "
             "let one side receive first, or post the send with dist.isend, then receive, then "
-            "wait on the send."
+            "wait on the send.",
+            seen=seen,
         )
     if called == {"recv"} and everyone:
-        return (
-            f"{seen}. A recv returns only once its source sends to it, and every waiting rank is "
+        return t(
+            "{seen}. A recv returns only once its source sends to it, and every waiting rank is "
             "receiving: which rank should send each of these messages, and does it, to this rank "
             "with this tag, before it waits itself? Let one side send first, or post the sends "
-            "with dist.isend before receiving."
+            "with dist.isend before receiving.",
+            seen=seen,
         )
-    return (
-        f"{seen}. A send or recv returns only once its peer has made the matching call: does "
+    return t(
+        "{seen}. A send or recv returns only once its peer has made the matching call: does "
         "every send have its recv on the destination (same peer, same tag), posted in time? "
         "Blocking sends on both sides wait for each other: post them with dist.isend or "
-        "dist.irecv and wait on the requests."
+        "dist.irecv and wait on the requests.",
+        seen=seen,
     )
 
 
@@ -281,11 +292,14 @@ def _waits_text(waiting: dict[str, list[int]], dumps: dict[int, str]) -> str:
     for call, numbers in waiting.items():
         lines = {_calling_line(main_thread_frames(dumps[n])) for n in numbers}
         line = lines.pop() if len(lines) == 1 else None
-        what = "wait() on a request" if call == "wait" else call
+        what = t("wait() on a request") if call == "wait" else call
         parts.append((numbers, what + (f" (`{line}`)" if line else "")))
     (numbers, what), *others = parts
-    first = f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {what}"
-    rest = [f"{ranks_text(n)} in {w}" for n, w in others]
+    first = tn(
+        "{ranks} waits in {what}", "{ranks} wait in {what}", len(numbers),
+        ranks=ranks_text(numbers), what=what,
+    )  # fmt: skip
+    rest = [t("{ranks} in {what}", ranks=ranks_text(n), what=w) for n, w in others]
     return "; ".join([first[0].upper() + first[1:], *rest])
 
 
@@ -306,7 +320,7 @@ def only_in_checking_code(dumps: dict[int, str]) -> bool:
 
 
 def ranks_text(numbers: list[int]) -> str:
-    return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+    return tn("rank {ranks}", "ranks {ranks}", len(numbers), ranks=", ".join(map(str, numbers)))
 
 
 def summary(dumps: dict[int, str], returned: list[int]) -> str:
@@ -315,16 +329,25 @@ def summary(dumps: dict[int, str], returned: list[int]) -> str:
     for number, dump in _learners_first(dumps):
         groups.setdefault(where(main_thread_frames(dump)), []).append(number)
     parts = [
-        f"{ranks_text(numbers)} wait{'s' if len(numbers) == 1 else ''} in {place}"
+        tn(
+            "{ranks} waits in {place}",
+            "{ranks} wait in {place}",
+            len(numbers),
+            ranks=ranks_text(numbers),
+            place=place,
+        )
         for place, numbers in groups.items()
     ]
     line = "; ".join(parts)
     if returned:
-        line += f"; {ranks_text(returned)} returned"
+        line += "; " + t("{ranks} returned", ranks=ranks_text(returned))
     waited = calls(dumps)
     if len(waited) > 1:
-        kind = "collectives" if not waited & _POINT_TO_POINT else "calls"
-        line += f": the ranks called different {kind} ({', '.join(sorted(waited))})"
+        names = ", ".join(sorted(waited))
+        if waited & _POINT_TO_POINT:
+            line += t(": the ranks called different calls ({names})", names=names)
+        else:
+            line += t(": the ranks called different collectives ({names})", names=names)
     return line
 
 
@@ -340,6 +363,12 @@ def grouped_stacks(dumps: dict[int, str]) -> str:
     for number, dump in _learners_first(dumps):
         groups.setdefault(format_stack_dump(dump), []).append(number)
     return "\n\n".join(
-        f"{ranks_text(numbers)} {'is' if len(numbers) == 1 else 'are'} waiting here (most recent call last):\n{stack}"
+        tn(
+            "{ranks} is waiting here (most recent call last):",
+            "{ranks} are waiting here (most recent call last):",
+            len(numbers),
+            ranks=ranks_text(numbers),
+        )
+        + f"\n{stack}"
         for stack, numbers in groups.items()
     )

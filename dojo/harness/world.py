@@ -49,6 +49,7 @@ from dojo.harness import impl, known_errors, stacks
 from dojo.harness import rank as _rank
 from dojo.harness.loopback import loopback_store
 from dojo.harness.stall import BusyWatch, StallWatch
+from dojo.lang import t, tn
 from dojo.todo import KataTodo
 
 DEFAULT_DEADLINE_S = 20.0
@@ -71,6 +72,17 @@ _POLL_S = 0.25  # how often a world with a deadline looks at its ranks' CPU time
 _STACK_WAIT_S = 3.0  # how long stuck ranks get to write their stacks (they answer at once)
 _TEARDOWN_WAIT_S = 10.0  # stretched as deadlines are, while ranks still work
 FRESH_VAR = "DOJO_FRESH_RANKS"  # "1": no rank serves a second world
+# How a deadlock report begins, in each language its catalogue has (a program prints it: the
+# specs and the runner's test log find it in the program's output by these words)
+DEADLOCK_MARKS = ("deadlock: rank(s)", "死锁：rank")
+
+
+def deadlock_report(text: str) -> str | None:
+    """The deadlock report in a program's output, from its first words on; None if none."""
+    found = [text.index(mark) for mark in DEADLOCK_MARKS if mark in text]
+    return text[min(found) :].rstrip() if found else None
+
+
 _MAX_IDLE = 8  # ranks kept waiting for this process's next world
 _MAX_SERVED = 200  # worlds a rank serves before it makes room for a fresh one
 
@@ -501,11 +513,14 @@ def _release(ranks: list[_Rank], keep: bool = False) -> None:
     for rank in ranks:
         code = rank.process.exitcode
         if not rank.idle and code != _rank.EXIT_OK:
-            how = "did not exit" if code is None else _describe_exit(code)
-            raise RankCrashed(
-                f"rank {rank.number} returned its result but then {how} while tearing down "
-                f"its process group.\n{_tail(rank.log_path)}"
+            how = t("did not exit") if code is None else _describe_exit(code)
+            said = t(
+                "rank {rank} returned its result but then {how} while tearing down its process "
+                "group.",
+                rank=rank.number,
+                how=how,
             )
+            raise RankCrashed(f"{said}\n{_tail(rank.log_path)}")
 
 
 _TODO_WAIT_S = 1.0  # how long the other ranks get to stop at a todo too, and to tear down
@@ -587,11 +602,17 @@ def _failed(error: _rank.RankError, ranks: list[_Rank]) -> BaseException:
     if error.type_name == "Skipped":  # pytest.skip() inside a rank (its class does not pickle)
         import pytest
 
-        return pytest.skip.Exception(f"rank {error.rank}: {error.message}")
-    output = _tail(ranks[error.rank].log_path, header=f"rank {error.rank}'s output")
+        return pytest.skip.Exception(
+            t("rank {rank}: {words}", rank=error.rank, words=error.message)
+        )
+    output = _tail(ranks[error.rank].log_path, header=t("rank {rank}'s output:", rank=error.rank))
     words = known_errors.said(error.type_name, error.message, error.culprit)
-    head = f"rank {error.rank} raised " if error.culprit is None else f"rank {error.rank}: "
-    text = f"{head}{words}\n\nrank {error.rank}'s traceback:\n{error.traceback.rstrip()}"
+    if error.culprit is None:
+        head = t("rank {rank} raised {words}", rank=error.rank, words=words)
+    else:
+        head = t("rank {rank}: {words}", rank=error.rank, words=words)
+    traceback = t("rank {rank}'s traceback:", rank=error.rank)
+    text = f"{head}\n\n{traceback}\n{error.traceback.rstrip()}"
     if output:
         text += f"\n\n{output}"
     raw = known_errors.is_raw(error.type_name, error.message, error.culprit)
@@ -637,28 +658,34 @@ def _crashed(rank: _Rank, ranks: list[_Rank], lost: list[int] | None = None) -> 
     rank.process.join(2.0)
     _kill(ranks)
     code = rank.process.exitcode
-    how = "is still running but closed its pipe" if code is None else _describe_exit(code)
+    how = t("is still running but closed its pipe") if code is None else _describe_exit(code)
     output, _, dump = _read_from(rank.log_path, 0).partition("Fatal Python error:")
-    text = (
-        f"rank {rank.number} {how} without a Python exception (a crash, an abort or "
-        "os._exit), and its peers were stopped."
+    text = t(
+        "rank {rank} {how} without a Python exception (a crash, an abort or os._exit), and its "
+        "peers were stopped.",
+        rank=rank.number,
+        how=how,
     )
     if lost:
-        text += f" (rank(s) {_join(lost)} then lost the connection to it: that error follows this.)"
+        text += t(
+            " (rank(s) {ranks} then lost the connection to it: that error follows this.)",
+            ranks=_join(lost),
+        )
     if any(sign in output for sign in _GLOO_MISMATCH):
-        text += (
-            "\ngloo aborted it: a peer's message did not fit the operation this rank was in. "
+        text += "\n" + t(
+            "gloo aborted it: a peer's message did not fit the operation this rank was in. "
             "The ranks' calls did not match: a collective only some ranks call, calls in a "
             "different order, or tensors of different sizes."
         )
     if "bootstrapping phase" in output:
-        text += (
-            "\nIt failed while starting: the main module starts processes when it is imported. "
+        text += "\n" + t(
+            "It failed while starting: the main module starts processes when it is imported. "
             'Put that code under `if __name__ == "__main__":`.'
         )
     if dump:
-        text += f"\n\nwhere it crashed (most recent call last):\n{stacks.format_stack_dump(dump)}"
-    tail = _tail_of(output, header="its last output")
+        text += "\n\n" + t("where it crashed (most recent call last):")
+        text += f"\n{stacks.format_stack_dump(dump)}"
+    tail = _tail_of(output)
     return RankCrashed(f"{text}\n\n{tail}" if tail else text)
 
 
@@ -667,9 +694,9 @@ def _describe_exit(code: int) -> str:
         try:
             name = signal.Signals(-code).name
         except ValueError:
-            name = f"signal {-code}"
-        return f"died from {name} (exit code {code})"
-    return f"exited with code {code}"
+            name = t("signal {number}", number=-code)
+        return t("died from {signal} (exit code {code})", signal=name, code=code)
+    return t("exited with code {code}", code=code)
 
 
 def _deadlock(
@@ -687,36 +714,54 @@ def _deadlock(
     numbers = [r.number for r in stuck]
     finished = [r.number for r in ranks if r.outcome is not None]
     advice = stacks.advice(dumps)
-    waited = "wait" if len(numbers) > 1 else "waits"
+    # TRANSLATORS: every deadlock report begins with the words of DEADLOCK_MARKS (world.py)
+    values = {
+        "ranks": _join(numbers),
+        "seconds": f"{seconds:.0f}",
+        "finished": _join(finished),
+        "advice": advice,
+    }
     if known:
-        head = (
-            f"deadlock: rank(s) {_join(numbers)} {waited} where an earlier test's ranks "
-            f"deadlocked, and made no progress for {seconds:.0f} s: ended at once rather than "
-            f"waiting again. {advice}"
+        head = tn(
+            "deadlock: rank(s) {ranks} waits where an earlier test's ranks deadlocked, and made "
+            "no progress for {seconds} s: ended at once rather than waiting again. {advice}",
+            "deadlock: rank(s) {ranks} wait where an earlier test's ranks deadlocked, and made "
+            "no progress for {seconds} s: ended at once rather than waiting again. {advice}",
+            len(numbers),
+            **values,
         )
     elif stalled and straggling:
-        head = (
-            f"deadlock: rank(s) {_join(numbers)} {waited} inside torch.distributed calls, making "
-            f"no progress for {seconds:.0f} s, after rank(s) {_join(finished)} returned: a call "
-            f"its peers never make. {advice}"
+        head = tn(
+            "deadlock: rank(s) {ranks} waits inside torch.distributed calls, making no progress "
+            "for {seconds} s, after rank(s) {finished} returned: a call its peers never make. "
+            "{advice}",
+            "deadlock: rank(s) {ranks} wait inside torch.distributed calls, making no progress "
+            "for {seconds} s, after rank(s) {finished} returned: a call its peers never make. "
+            "{advice}",
+            len(numbers),
+            **values,
         )
     elif stalled:
-        head = (
-            f"deadlock: rank(s) {_join(numbers)} made no progress for {seconds:.0f} s (no rank "
-            f"returned, none computed). {advice}"
+        head = t(
+            "deadlock: rank(s) {ranks} made no progress for {seconds} s (no rank returned, none "
+            "computed). {advice}",
+            **values,
         )
     elif straggling:
-        head = (
-            f"deadlock: rank(s) {_join(numbers)} still had not returned {_lasted(seconds, stretched)} "
-            f"after rank(s) {_join(finished)} had. {advice}"
+        head = t(
+            "deadlock: rank(s) {ranks} still had not returned {lasted} after rank(s) {finished} "
+            "had. {advice}",
+            lasted=_lasted(seconds, stretched),
+            **values,
         )
     else:
-        head = (
-            f"deadlock: rank(s) {_join(numbers)} did not return within the "
-            f"{_lasted(seconds, stretched, 'deadline')}. {advice}"
+        head = t(
+            "deadlock: rank(s) {ranks} did not return within the {lasted}. {advice}",
+            lasted=_lasted(seconds, stretched, deadline=True),
+            **values,
         )
     if stacks.only_in_checking_code(dumps):
-        head += (
+        head += t(
             " No rank is inside your code: they wait in the test's own call, after your code "
             "returned, for something it left unmatched (a collective or a send that only some "
             "ranks started, an asynchronous one included)."
@@ -726,31 +771,39 @@ def _deadlock(
     return WorldDeadlock(text, numbers, advice)
 
 
-def _lasted(seconds: float, stretched: float | None, what: str = "") -> str:
+def _lasted(seconds: float, stretched: float | None, deadline: bool = False) -> str:
     """``20 s deadline`` or ``20 s deadline (stretched to 45 s while the ranks were busy)``."""
-    text = f"{seconds:g} s" + (f" {what}" if what else "")
+    shown = f"{seconds:g}"
+    text = t("{seconds} s deadline", seconds=shown) if deadline else t("{seconds} s", seconds=shown)
     if stretched is not None:
-        text += f" (stretched to {stretched:.0f} s while they still used the CPU)"
+        text += t(
+            " (stretched to {seconds} s while they still used the CPU)",
+            seconds=f"{stretched:.0f}",
+        )
     return text
 
 
 def _stall_report(ranks: list[_Rank], stuck: list[_Rank], seconds: float) -> str:
     dumps = _dump_stacks(stuck)
     finished = [r.number for r in ranks if r.outcome is not None]
-    return (
-        f"no progress for {seconds:.0f} s: {stacks.summary(dumps, finished)}.\n"
-        f"Still waiting (Ctrl-C stops every rank). {stacks.advice(dumps)}\n\n"
-        f"{stacks.grouped_stacks(dumps)}"
+    said = t(
+        "no progress for {seconds} s: {summary}.\nStill waiting (Ctrl-C stops every rank). "
+        "{advice}",
+        seconds=f"{seconds:.0f}",
+        summary=stacks.summary(dumps, finished),
+        advice=stacks.advice(dumps),
     )
+    return f"{said}\n\n{stacks.grouped_stacks(dumps)}"
 
 
 def _interrupted_report(ranks: list[_Rank]) -> str:
     stuck = [r for r in ranks if r.outcome is None and r.process.is_alive()]
     if not stuck:
-        return "interrupted"
+        return t("interrupted")
     dumps = _dump_stacks(stuck)
     finished = [r.number for r in ranks if r.outcome is not None]
-    return f"interrupted: {stacks.summary(dumps, finished)}\n\n{stacks.grouped_stacks(dumps)}"
+    said = t("interrupted: {summary}", summary=stacks.summary(dumps, finished))
+    return f"{said}\n\n{stacks.grouped_stacks(dumps)}"
 
 
 def _say(text: str) -> None:
@@ -817,16 +870,18 @@ def _echo(ranks: list[_Rank]) -> None:
             print(f"[rank {rank.number}] {line}")
 
 
-def _tail(path: str, lines: int = 20, header: str = "its last output") -> str:
+def _tail(path: str, lines: int = 20, header: str | None = None) -> str:
     return _tail_of(_read_from(path, 0), lines, header)
 
 
-def _tail_of(text: str, lines: int = 20, header: str = "its last output") -> str:
+def _tail_of(text: str, lines: int = 20, header: str | None = None) -> str:
+    """The last ``lines`` of a rank's output, under ``header`` (default: "its last output")."""
     text = text.rstrip()
     if not text:
         return ""
     last = text.splitlines()[-lines:]
-    return f"{header}:\n" + "\n".join(f"  | {line}" for line in last)
+    heading = t("its last output:") if header is None else header
+    return heading + "\n" + "\n".join(f"  | {line}" for line in last)
 
 
 def _join(numbers: list[int]) -> str:

@@ -216,6 +216,11 @@ def _parser() -> argparse.ArgumentParser:
         "regenerate docs/timelines/*.png (the k09, k21, k26 and k27 lessons' timelines) from solutions/",
     )
     dev_command("readme", "rewrite README.md's kata table from dojo/curriculum/")
+    dev_command(
+        "messages",
+        "extract the sentences marked for translation, merge them into dojo/locale/*/dojo.po "
+        "and compile each dojo.mo (Babel, the dev extra)",
+    )
     stubs_ = dev_command(
         "stubs",
         "write katas/ from solutions/: each stub made from its reference's markers (never over a "
@@ -401,7 +406,7 @@ def _dev(args: argparse.Namespace) -> int:
     if args.dev_command is None:
         raise _Usage(
             f"say which: `{dojo()} dev check` (the gate `make test` runs), classroom, timelines, "
-            f"readme or stubs (`{dojo()} dev --help`)"
+            f"readme, messages or stubs (`{dojo()} dev --help`)"
         )
     if args.dev_command == "check":
         from dojo.dev import check as devcheck
@@ -428,6 +433,12 @@ def _dev(args: argparse.Namespace) -> int:
         print(
             "README.md's kata and catalogue tables rewritten from dojo/curriculum/ and dojo/dev/mistakes/"
         )
+        return 0
+    if args.dev_command == "messages":
+        from dojo.dev import messages
+
+        for line in messages.update():
+            print(line)
         return 0
     from dojo.dev import consistency
 

@@ -18,15 +18,33 @@ def default_step(kata: curriculum.Kata) -> tuple[int | None, str]:
     """The first failing step, and where that came from."""
     run = progress.fresh_run(progress.load(), kata)
     if run is None:
-        print(f"Running {kata.id}'s tests to find the first failing step...", flush=True)
+        print(
+            t("Running {kata}'s tests to find the first failing step...", kata=kata.id), flush=True
+        )
         result = runs.run_kata(kata, capture=True)
         state = learn.remember(result)
         run = result.summary()
         if result.passed and progress.is_current(state, kata):
-            print(f"{kata.id} passes: it stays your current kata until `{dojo()} next`.")
+            print(
+                t(
+                    "{kata} passes: it stays your current kata until `{next}`.",
+                    kata=kata.id,
+                    next=f"{dojo()} next",
+                )
+            )
     if run.get("exit") == 0:
         return None, "why passes"
     return run.get("step"), "why first failing"
+
+
+def _said(why: str) -> str:
+    """Why this step's hints are shown, as the header says it."""
+    return {
+        "why first failing": t("the first failing step"),
+        "why asked": t("the step asked for"),
+        "why passes": t("it passes, so step 1"),
+        "why unknown": t("no step could be told apart, so step 1"),
+    }[why]
 
 
 def show(
@@ -34,13 +52,18 @@ def show(
     step: int | None = None,
     level: int | None = None,
     more: bool = False,
-    why: str = "why asked",  # a key of dojo.lang's sentences
+    why: str = "why asked",  # a key of _said
     again: str | None = None,
 ) -> int:
     """Print hints 1..N of a step: N the highest tier seen so far (at least 1), one more with
     ``more``, or ``level``. ``again`` says how to ask for the next tier."""
     if not kata.steps:
-        print(f"{kata.id} has no hints yet (its file in dojo/curriculum/ lists no steps).")
+        print(
+            t(
+                "{kata} has no hints yet (its file in dojo/curriculum/ lists no steps).",
+                kata=kata.id,
+            )
+        )
         return 1
     if step is None:
         step, why = default_step(kata)
@@ -57,19 +80,39 @@ def show(
     if level is None:
         level = min(max(seen, 1) + (1 if more and seen else 0), tiers)
     elif not 1 <= level <= tiers:
-        return fail(f"{kata.id} step {step} has hint levels 1 to {tiers}, not {level}")
+        return fail(
+            t(
+                "{kata} step {step} has hint levels 1 to {tiers}, not {level}",
+                kata=kata.id,
+                step=step,
+                tiers=tiers,
+                level=level,
+            )
+        )
     with progress.editing() as state:
         state.hints.setdefault(kata.id, {})[str(step)] = max(seen, level)
 
     print(
         paint(f"{kata.id} {runs.describe_step(kata, step)}", "bold")
-        + t("hint header", level=level, tiers=tiers, why=t(why))
+        + t(": hint {level} of {tiers} ({why})", level=level, tiers=tiers, why=_said(why))
     )
     for number, hint in enumerate(chosen.hints[:level], start=1):
         body = "\n".join(wrap(hint, width=100, indent="     ")).lstrip()
         print(f"  {number}. {paint(body, 'cyan') if number == level else body}")
     if level < tiers:
-        print(t("stuck still", again=again, next=level + 1, tiers=tiers))
+        print(
+            t(
+                "Stuck still? {again} shows hint {next} of {tiers} (it says more of the answer).",
+                again=again,
+                next=level + 1,
+                tiers=tiers,
+            )
+        )
     else:
-        print(t("last hint", solution=f"{dojo()} solution {kata.id} --diff"))
+        print(
+            t(
+                "That was the last hint for this step; `{solution}` compares with the reference.",
+                solution=f"{dojo()} solution {kata.id} --diff",
+            )
+        )
     return 0

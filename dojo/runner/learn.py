@@ -24,7 +24,8 @@ def progress_view(state: progress.State) -> str:
     done = sum(1 for k in katas if state.is_done(k) and progress.available(k))
     lines = [
         paint("torch-dist-katas", "bold")
-        + f" {bar(done, len(katas))} {t('katas done', done=done, total=len(katas))}"
+        + f" {bar(done, len(katas))} "
+        + t("{done} of {total} katas done", done=done, total=len(katas))
     ]
     for number, name in curriculum.parts().items():
         members = [k for k in katas if k.part == number]
@@ -32,14 +33,24 @@ def progress_view(state: progress.State) -> str:
             lines.append(f"\n  {name}")
         for kata in members:
             status = progress.status(state, kata, now)
-            label = t(f"status {status}")
+            label = _status(status)
             row = f"  {label}{' ' * max(1, 9 - _width(label))}{kata.id}  {kata.title}"
             if status == "later":
-                row += "  " + t("not written yet")
+                row += "  " + t("(not written yet)")
             elif status == "current" and state.is_done(kata):
-                row += "  " + t("passes, next moves on", next=f"{dojo()} next")
+                row += "  " + t("(passes: `{next}` moves on)", next=f"{dojo()} next")
             lines.append("  " + paint(row, *_STYLE[status]))
     return "\n".join(lines)
+
+
+def _status(status: str) -> str:
+    """A kata's status (``progress.status``) as the list shows it."""
+    return {
+        "done": t("done"),
+        "current": t("current"),
+        "pending": t("pending"),
+        "later": t("later"),
+    }[status]
 
 
 def listing(state: progress.State) -> list[dict]:
@@ -74,7 +85,7 @@ def check(kata: curriculum.Kata, solutions: bool = False, capture: bool = False)
     tests = runs.spec_file(kata)
     print(
         paint(f"\n{kata.id} · {kata.title}", "bold")
-        + t("testing", file=f"{where}{kata.module}.py", tests=tests),
+        + t(": testing {file} with {tests}", file=f"{where}{kata.module}.py", tests=tests),
         flush=True,
     )
     try:
@@ -113,7 +124,13 @@ def _last_run(state: progress.State, kata: curriculum.Kata) -> runs.RunResult | 
     if not run or "records" not in run or run.get("exit") in (None, 0):
         return None
     print(paint(f"\n{kata.id} · {kata.title}", "bold"))
-    print(t("unchanged since", at=run.get("at", "?"), check=f"{dojo()} check {kata.id}"))
+    print(
+        t(
+            "(the outcome of its last run, at {at}: nothing has changed since; `{check}` runs the tests again)",
+            at=run.get("at", "?"),
+            check=f"{dojo()} check {kata.id}",
+        )
+    )
     return runs.RunResult(kata, run["exit"], run["records"])
 
 
@@ -125,7 +142,10 @@ def start() -> int:
     if kata is None:
         return _all_done(state)
     if state.is_done(kata) and progress.passed_unchanged(state, kata):
-        print("\n" + t("passes unchanged", kata=f"{kata.id} · {kata.title}"))
+        print(
+            "\n"
+            + t("{kata} passes (nothing changed since it did).", kata=f"{kata.id} · {kata.title}")
+        )
         return _after_pass(kata, state)
     result = _last_run(state, kata)  # nothing changed: minutes of tests would say the same
     if result is not None:
@@ -138,12 +158,28 @@ def start() -> int:
     where = runs.describe_step(kata, step) if step else t("the first failing step")
     print(
         "\n"
-        + t("next: write", file=f"katas/{kata.module}.py", lesson=f"{dojo()} lesson", step=where)
+        + t(
+            "Next: open {file}, read its lesson (the docstring at the top, or `{lesson}`) and write {step}.",
+            file=f"katas/{kata.module}.py",
+            lesson=f"{dojo()} lesson",
+            step=where,
+        )
     )
-    print(t("hint and watch", hint=f"{dojo()} hint", watch=f"{dojo()} watch"))
+    print(
+        t(
+            "      `{hint}` gives a nudge; `{watch}` re-runs the tests every time you save.",
+            hint=f"{dojo()} hint",
+            watch=f"{dojo()} watch",
+        )
+    )
     if dojo() != "dojo":  # make learn ran it from .venv without activating it
         activate = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "activate"))
-        print(t("activate", activate=activate))
+        print(
+            t(
+                "      (`source {activate}` once per shell, and plain `dojo` works too.)",
+                activate=activate,
+            )
+        )
     return 0
 
 
@@ -151,16 +187,28 @@ def _after_pass(kata: curriculum.Kata, state: progress.State) -> int:
     upcoming = progress.following(state, kata)
     if upcoming is None:
         return _all_done(state)
-    print(t("next moves on", next=f"{dojo()} next", kata=f"{upcoming.id} · {upcoming.title}"))
+    print(
+        t(
+            "Next: `{next}` moves on to {kata}.",
+            next=f"{dojo()} next",
+            kata=f"{upcoming.id} · {upcoming.title}",
+        )
+    )
     return 0
 
 
 def _all_done(state: progress.State) -> int:
     later = [k.id for k in curriculum.katas() if not progress.available(k)]
     if later:
-        print("\n" + t("all written pass", later=", ".join(later)))
+        print(
+            "\n"
+            + t(
+                "Every kata written so far passes; {later} are still being written.",
+                later=", ".join(later),
+            )
+        )
     else:
-        print("\n" + t("all pass"))
+        print("\n" + t("Every kata passes: you have finished torch-dist-katas."))
     return 0
 
 
@@ -170,7 +218,7 @@ def check_command(kata: curriculum.Kata, solutions: bool = False) -> int:
         if progress.is_current(result.state, kata):  # it stays current until `dojo next`
             _after_pass(kata, result.state)
     elif not result.passed and not solutions:
-        print(t("hint gives a nudge", hint=f"{dojo()} hint {kata.id}"))
+        print(t("`{hint}` gives a nudge.", hint=f"{dojo()} hint {kata.id}"))
     return 0 if result.passed else 1
 
 
@@ -180,25 +228,28 @@ def verify(fresh: bool = False, solutions: bool = False) -> int:
         state = progress.load()
         if not fresh and not solutions and progress.passed_unchanged(state, kata):
             print(
-                f"{kata.id} passes (unchanged since it passed at {state.done[kata.id]['at']}; --fresh re-runs it)"
+                t(
+                    "{kata} passes (unchanged since it passed at {at}; --fresh re-runs it)",
+                    kata=kata.id,
+                    at=state.done[kata.id]["at"],
+                )
             )
             continue
         result = check(kata, solutions=solutions, capture=True)
         if not result.passed:
-            why = (
-                "its reference solution fails"
-                if solutions
-                else "does not pass yet: it is the first pending kata"
-            )
-            print(paint(f"\n{kata.id} · {kata.title} {why}.", "red"))
+            named = f"{kata.id} · {kata.title}"
+            if solutions:
+                said = t("{kata} its reference solution fails.", kata=named)
+            else:
+                said = t("{kata} does not pass yet: it is the first pending kata.", kata=named)
+            print(paint("\n" + said, "red"))
             return 1
     later = [k.id for k in curriculum.katas() if not progress.available(k)]
-    print(
-        paint(
-            "\nEvery kata passes" + (f" (not written yet: {', '.join(later)})." if later else "."),
-            "green",
-        )
-    )
+    if later:
+        said = t("Every kata passes (not written yet: {later}).", later=", ".join(later))
+    else:
+        said = t("Every kata passes.")
+    print(paint("\n" + said, "green"))
     return 0
 
 
@@ -211,7 +262,14 @@ def next_kata() -> int:
     if not progress.passed_unchanged(state, kata):
         result = check(kata)
         if not result.passed:
-            print(t("stay", kata=kata.id, hint=f"{dojo()} hint", goto=f"{dojo()} goto kNN"))
+            print(
+                t(
+                    "{kata} does not pass yet, so you stay on it. `{hint}` helps; `{goto}` jumps elsewhere on purpose.",
+                    kata=kata.id,
+                    hint=f"{dojo()} hint",
+                    goto=f"{dojo()} goto kNN",
+                )
+            )
             return 1
         state = result.state
     upcoming = progress.following(state, kata)
@@ -219,10 +277,17 @@ def next_kata() -> int:
         return _all_done(state)
     with progress.editing() as state:
         state.focus = upcoming.id
-    print("\n" + t("done, now", kata=kata.id, upcoming=f"{upcoming.id} · {upcoming.title}"))
+    print(
+        "\n"
+        + t(
+            "{kata} done. Now: {upcoming}",
+            kata=kata.id,
+            upcoming=f"{upcoming.id} · {upcoming.title}",
+        )
+    )
     print(
         t(
-            "open and read",
+            "Open {file} and read its lesson (`{lesson}`); `{dojo}` runs its tests.",
             file=f"katas/{upcoming.module}.py",
             lesson=f"{dojo()} lesson",
             dojo=dojo(),
@@ -234,8 +299,18 @@ def next_kata() -> int:
 def goto(kata: curriculum.Kata) -> int:
     with progress.editing() as state:
         state.focus = kata.id
-    status = "it already passes" if state.is_done(kata) else f"its tests run with `{dojo()}`"
-    print(f"Now: {kata.id} · {kata.title} (katas/{kata.module}.py); {status}.")
+    named, file = f"{kata.id} · {kata.title}", f"katas/{kata.module}.py"
+    if state.is_done(kata):
+        print(t("Now: {kata} ({file}); it already passes.", kata=named, file=file))
+    else:
+        print(
+            t(
+                "Now: {kata} ({file}); its tests run with `{dojo}`.",
+                kata=named,
+                file=file,
+                dojo=dojo(),
+            )
+        )
     return 0
 
 
@@ -254,7 +329,7 @@ def lesson(kata: curriculum.Kata) -> int:
     """``dojo lesson [kNN]``: the kata's lesson, in the learner's language."""
     text = curriculum.lesson(kata)
     if text is None:
-        print(t("no lesson", kata=kata.id) + "\n")
+        print(t("{kata} has no lesson in this language yet.", kata=kata.id) + "\n")
         text = curriculum.lesson(kata, "en") or ""
     print(paint(f"{kata.id} · {kata.title}", "bold") + f"  (katas/{kata.module}.py)\n")
     print(text)

@@ -26,7 +26,7 @@ from dojo import curriculum
 from dojo.commands import dojo, python
 from dojo.curriculum import steps
 from dojo.harness import impl
-from dojo.lang import t
+from dojo.lang import t, tn
 from dojo.runner import progress, testlog
 from dojo.runner.term import display_width, wrap
 from dojo.spec.report import Place
@@ -103,12 +103,20 @@ class RunResult:
         if todos:
             lines += _todos(self.kata, todos)
         if self.not_run:
-            lines += _wrapped(t("stopped at deadlock", count=self.not_run))
+            lines += _wrapped(
+                t(
+                    "Stopped at that deadlock: the {count} test(s) after it did not run (most would wait for the same one). Fix it, then run the tests again.",
+                    count=self.not_run,
+                )
+            )
         if self.interruption is not None:
             lines += _interrupted(self.interruption)
         if real or todos:
             lines.append(
-                t("every failure in full", command=f"{python()} -m pytest {spec_file(self.kata)}")
+                t(
+                    "(every failure in full: {command})",
+                    command=f"{python()} -m pytest {spec_file(self.kata)}",
+                )
             )
         return "\n".join(lines)
 
@@ -118,30 +126,37 @@ class RunResult:
         if self.passed:
             skipped = len({r["test"] for r in self.records if r["outcome"] == "skipped"})
             return t(
-                "passes all", kata=k.id, count=self.count("passed"), seconds=f"{self.seconds:.0f}",
-                skipped=t("skipped", count=skipped) if skipped else "",
+                "{kata} passes: all {count} tests{skipped} in {seconds} s.", kata=k.id, count=self.count("passed"), seconds=f"{self.seconds:.0f}",
+                skipped=t(" ({count} skipped)", count=skipped) if skipped else "",
             )  # fmt: skip
         if self.returncode == PYTEST_EXIT_NO_TESTS:
-            return t("no tests", kata=k.id, file=spec_file(k))
+            return t("{kata}: pytest found no tests in {file}.", kata=k.id, file=spec_file(k))
         skipped = {r["test"] for r in self.records if r["outcome"] == "skipped"}
         ran = {r["test"] for r in self.records if r["when"] not in ("collect", "session")}
         total = len(ran - skipped) + self.not_run
         line = t(
-            "n of m pass", kata=k.id, passed=self.count("passed"), total=total,
-            skipped=t("skipped", count=len(skipped)) if skipped else "",
+            "{kata}: {passed} of {total} tests pass{skipped}", kata=k.id, passed=self.count("passed"), total=total,
+            skipped=t(" ({count} skipped)", count=len(skipped)) if skipped else "",
         )  # fmt: skip
         if self.broken:
-            line += t("could not start", count=len(self.broken), file=f"katas/{k.module}.py")
+            line += t(
+                "; {count} could not start (the error above: does {file} import?)",
+                count=len(self.broken),
+                file=f"katas/{k.module}.py",
+            )
         step = self.first_failing_step()
         if step is not None and not self.broken:
-            line += t("first failing step", step=describe_step(k, step))
-        return line + t("full stop")
+            line += t(". First failing step: {step}", step=describe_step(k, step))
+        # TRANSLATORS: the end of that sentence (a Chinese one ends with its own full stop)
+        return line + t(".")
 
     def describe_interrupted(self) -> str:
         """One line after Ctrl-C: how far the run got, and that it did not finish."""
         finished = {r["test"] for r in self.records if r["when"] == "call"}
         return t(
-            "interrupted", seconds=f"{self.seconds:.0f}", count=len(finished), kata=self.kata.id,
+            "Interrupted after {seconds} s: {count} test(s) had finished ({passed} passed, "
+            "{failed} failed) and the others did not run, so {kata} does not pass yet.",
+            seconds=f"{self.seconds:.0f}", count=len(finished), kata=self.kata.id,
             passed=self.count("passed"), failed=self.count("failed"),
         )  # fmt: skip
 
@@ -152,25 +167,26 @@ def _failures(real: list[dict], shown: int) -> list[str]:
     if not real:
         return []
     first, lines = real[0], []
-    lines.append(
-        f"FAILED {_name(first)}" + (f" ({first['when']})" if first["when"] != "call" else "")
-    )
+    # TRANSLATORS: pytest's word for a failed test; {test} is the test's name
+    failed = t("FAILED {test}", test=_name(first))
+    lines.append(failed + (f" ({first['when']})" if first["when"] != "call" else ""))
     for line in first.get("text", "").rstrip().splitlines():
         lines += _wrapped("  " + line)
     groups: dict[str, list[dict]] = {}
     for record in real[1:]:
         groups.setdefault(_message(record), []).append(record)
     for message, records in list(groups.items())[:shown]:
-        more = t("and more", count=len(records) - 1) if len(records) > 1 else ""
+        more = t(" and {count} more", count=len(records) - 1) if len(records) > 1 else ""
+        failed = t("FAILED {test}", test=_name(records[0])) + more
         if message == _message(first):
-            lines.append(f"FAILED {_name(records[0])}{more}: {t('the same error')}")
+            lines.append(f"{failed}: " + t("the same error"))
         else:  # the whole message: its end is often the advice
-            lines += _wrapped(f"FAILED {_name(records[0])}{more}: {message}")
+            lines += _wrapped(f"{failed}: {message}")
         where = _where(records[0])  # the first's is in its text already
         if where and (message != _message(first) or where != _where(first)):
             lines += _wrapped("    " + where)
     if len(groups) > shown:
-        lines.append(t("more errors"))
+        lines.append(t("... and more failing tests with other errors"))
     return lines
 
 
@@ -179,14 +195,14 @@ def _where(record: dict) -> str:
     places = record.get("where") or ()
     if not places:
         return ""
-    said = t("your code", place=Place(**places[-1]))
-    return said + (t("on rank", rank=record["rank"]) if "rank" in record else "")
+    said = t("your code: {place}", place=Place(**places[-1]))
+    return said + (t(" (rank {rank})", rank=record["rank"]) if "rank" in record else "")
 
 
 def _todos(kata: curriculum.Kata, todos: dict[tuple[str, int], list[KataTodo]]) -> list[str]:
     """The steps not written yet, each with its tests counted; the first with where to write it
     and the gentlest hint (a kata whose tests use an earlier kata's code may stop at that one's)."""
-    lines = [t("not implemented header")]
+    lines = [t("not implemented yet:")]
     for (kata_id, number), found in sorted(todos.items()):
         owner = kata if kata_id == kata.id else curriculum.find(kata_id)
         step = describe_step(owner, number)
@@ -195,17 +211,32 @@ def _todos(kata: curriculum.Kata, todos: dict[tuple[str, int], list[KataTodo]]) 
         # the todos' own words, where they say more than the step's title (they are English)
         whats = sorted({todo.what for todo in found} - {"", _english_title(owner, number)})
         if whats:
-            step += t("todo also", whats="; ".join(whats))
-        counted = t("tests counted plural" if len(found) > 1 else "tests counted", count=len(found))
-        lines.append(t("todo counted", step=step, counted=counted))
+            step += t(" (also: {whats})", whats="; ".join(whats))
+        counted = tn("{count} test", "{count} tests", len(found))
+        lines.append(t("  {step}: {counted}", step=step, counted=counted))
         if owner.id != kata.id:
-            lines.append("    " + t("uses earlier code", kata=kata.id, other=owner.id))
+            lines.append(
+                "    "
+                + t(
+                    "({kata}'s tests use {other}'s code: write that step first)",
+                    kata=kata.id,
+                    other=owner.id,
+                )
+            )
     kata_id, number = min(todos)  # an earlier kata's step first: this one's tests need it
     owner = curriculum.find(kata_id)
-    lines.append(t("todo write", step=number, file=f"katas/{owner.module}.py"))
+    lines.append(
+        t(
+            "  -> write step {step} in {file} (its lesson explains it)",
+            step=number,
+            file=f"katas/{owner.module}.py",
+        )
+    )
     with contextlib.suppress(KeyError, IndexError):
         hint = owner.step(number).hints[0]
-        lines += _wrapped(t("todo hint", hint=hint, more=f"{dojo()} hint {owner.id}"))
+        lines += _wrapped(
+            t("  hint: {hint}  (more: {more})", hint=hint, more=f"{dojo()} hint {owner.id}")
+        )
     return lines
 
 
@@ -216,7 +247,7 @@ def _english_title(kata: curriculum.Kata, number: int) -> str:
 
 def _interrupted(record: dict) -> list[str]:
     """What Ctrl-C stopped, and where its ranks waited (the harness's report, as a program's)."""
-    lines = [t("interrupted in", test=_name(record) or "?")]
+    lines = [t("Ctrl-C stopped {test}:", test=_name(record) or "?")]
     for line in record.get("text", "").rstrip().splitlines():
         lines += _wrapped("  " + line)
     where = _where(record)
@@ -248,9 +279,9 @@ def _wrapped(line: str, more: str = "    ") -> list[str]:
 
 def describe_step(kata: curriculum.Kata, number: int) -> str:
     try:
-        return t("step", number=number, title=kata.step(number).title)
+        return t("step {number} · {title}", number=number, title=kata.step(number).title)
     except KeyError:
-        return t("step bare", number=number)
+        return t("step {number}", number=number)
 
 
 def spec_file(kata: curriculum.Kata) -> str:

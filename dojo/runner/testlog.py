@@ -31,6 +31,7 @@ from dataclasses import asdict
 import pytest
 
 from dojo.curriculum import steps
+from dojo.harness.world import deadlock_report
 from dojo.spec import report as learners_report
 from dojo.todo import KataTodo
 
@@ -126,7 +127,7 @@ def _failure(excinfo: pytest.ExceptionInfo) -> dict:
             found.setdefault("rank", error.rank)
         # the harness's report: raised as it is, quoted by a spec's own message (which says what
         # hung), or that of a program under test that hung (dojo.spec.testing's)
-        if type(error).__name__ == "WorldDeadlock" or "deadlock: rank(s)" in str(error):
+        if type(error).__name__ == "WorldDeadlock" or deadlock_report(str(error)) is not None:
             found["deadlock"] = True
     places = learners_report.places(excinfo)
     if places:

@@ -18,10 +18,15 @@ import sys
 import time
 
 from dojo import curriculum
+from dojo.lang import t
 from dojo.runner import hints, learn, progress, reset, runs
 from dojo.runner.term import paint
 
-KEYS_HELP = "[h] hint  [m] more hint  [l] list  [r] reset  [c] check again  [q] quit"
+
+def keys_help(passed: bool = False) -> str:
+    """The keys the watcher answers, as its prompt lists them."""
+    said = t("keys: [h] hint  [m] more hint  [l] list  [r] reset  [c] check again  [q] quit")
+    return said + (t("  [n] next") if passed else "")
 
 
 class Keys:
@@ -91,14 +96,15 @@ class Watcher:
         self.runs = 0
 
     def loop(self) -> int:
-        self.start("first run")
+        self.start(t("first run"))
         while True:
             key = self.keys.read(self.interval)
             if self.running is not None and self.running.done():
                 self.finish()
             changed = self.changes()
             if changed:
-                self.start(f"{', '.join('katas/' + name for name in changed)} changed")
+                named = ", ".join("katas/" + name for name in changed)
+                self.start(t("{files} changed", files=named))
             if key:
                 code = self.on_key(key.lower())
                 if code is not None:
@@ -121,15 +127,20 @@ class Watcher:
         self.runs += 1
         if sys.stdout.isatty():
             print("\033[2J\033[H", end="")
-        print(
-            paint(
-                f"dojo watch · {self.kata.id} · {self.kata.title} · run {self.runs} ({why})", "bold"
-            )
+        heading = t(
+            "dojo watch · {kata} · {title} · run {number} ({why})",
+            kata=self.kata.id,
+            title=self.kata.title,
+            number=self.runs,
+            why=why,
         )
-        print(
-            f"Save katas/{self.kata.module}.py and its tests run again (checked every {self.interval:g} s).\n",
-            flush=True,
+        print(paint(heading, "bold"))
+        said = t(
+            "Save {file} and its tests run again (checked every {seconds} s).",
+            file=f"katas/{self.kata.module}.py",
+            seconds=f"{self.interval:g}",
         )
+        print(said + "\n", flush=True)
         self.last = None
         self.running = runs.Running(self.kata)
 
@@ -143,12 +154,12 @@ class Watcher:
         if result.passed:
             upcoming = progress.following(state, self.kata)
             after = (
-                f"[n] next: {upcoming.id} · {upcoming.title}"
+                t("[n] next: {kata}", kata=f"{upcoming.id} · {upcoming.title}")
                 if upcoming
-                else "every kata written so far passes"
+                else t("every kata written so far passes")
             )
             print(paint(after, "green"))
-        print(f"keys: {KEYS_HELP}" + ("  [n] next" if result.passed else ""), flush=True)
+        print(keys_help(result.passed), flush=True)
 
     def stop(self) -> None:
         if self.running is not None:
@@ -158,7 +169,7 @@ class Watcher:
     def on_key(self, key: str) -> int | None:
         if key == "q":
             self.stop()
-            print("dojo watch stopped.")
+            print(t("dojo watch stopped."))
             return 0
         if key in ("h", "m"):
             self.hint(more=key == "m")
@@ -169,20 +180,20 @@ class Watcher:
                 [self.kata], yes=self.yes, confirm=self.confirm
             )  # the save triggers the run
         elif key in ("c", "\n", "\r"):
-            self.start("checked again")
+            self.start(t("checked again"))
         elif key == "n":
             self.next()
         elif not key.isspace():
-            print(f"keys: {KEYS_HELP}" + ("  [n] next" if self.last and self.last.passed else ""))
+            print(keys_help(bool(self.last and self.last.passed)))
         sys.stdout.flush()
         return None
 
     def hint(self, more: bool = False) -> None:
         if self.last is None:
-            print("\nThe tests are still running: press h again once they finish.")
+            print("\n" + t("The tests are still running: press h again once they finish."))
             return
         if self.last.passed:
-            print(f"\n{self.kata.id} passes: no hint needed. [n] moves on.")
+            print("\n" + t("{kata} passes: no hint needed. [n] moves on.", kata=self.kata.id))
             return
         step = self.last.first_failing_step()
         if step is None and self.kata.steps:
@@ -194,16 +205,22 @@ class Watcher:
 
     def next(self) -> None:
         if not (self.last and self.last.passed):
-            print(f"\n[n] works once {self.kata.id} passes: the watcher never moves on by itself.")
+            print(
+                "\n"
+                + t(
+                    "[n] works once {kata} passes: the watcher never moves on by itself.",
+                    kata=self.kata.id,
+                )
+            )
             return
         upcoming = progress.following(progress.load(), self.kata)
         if upcoming is None:
-            print("\nEvery kata written so far passes. [q] quits.")
+            print("\n" + t("Every kata written so far passes. [q] quits."))
             return
         with progress.editing() as state:
             state.focus = upcoming.id
         self.kata = upcoming
-        self.start(f"moved on to {upcoming.id}")
+        self.start(t("moved on to {kata}", kata=upcoming.id))
 
     def confirm(self, question: str) -> bool:
         print(f"\n{question} [y/N] ", end="", flush=True)
@@ -226,7 +243,7 @@ def watch(interval: float = 0.5, yes: bool = False) -> int:
             return watcher.loop()
         except KeyboardInterrupt:
             watcher.stop()
-            print("\ndojo watch stopped.")
+            print("\n" + t("dojo watch stopped."))
             return 130
 
 

@@ -147,11 +147,23 @@ def _todo_report(todo) -> str:
     except KeyError:
         return f"{todo}\n  -> write {todo.kata} step {todo.step} in katas/"
     lines = [
-        t("todo", todo=todo, kata=todo.kata, step=todo.step, title=step.title),
-        t("todo write", step=todo.step, file=f"katas/{kata.module}.py"),
+        # TRANSLATORS: {todo} is the todo's English ("not implemented yet: k01 step 2 (what)"),
+        # which a translation says with {kata}, {step} and {title} (the step's title in it)
+        t("{todo}", todo=todo, kata=todo.kata, step=todo.step, title=step.title),
+        t(
+            "  -> write step {step} in {file} (its lesson explains it)",
+            step=todo.step,
+            file=f"katas/{kata.module}.py",
+        ),
     ]
     if step.hints:
-        lines.append(t("todo hint", hint=step.hints[0], more=f"{dojo()} hint {todo.kata}"))
+        lines.append(
+            t(
+                "  hint: {hint}  (more: {more})",
+                hint=step.hints[0],
+                more=f"{dojo()} hint {todo.kata}",
+            )
+        )
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from dojo import curriculum
 from dojo.curriculum import steps
 from dojo.harness import culprit, known_errors
 from dojo.harness.world import RankFailed, WorldFailure
+from dojo.lang import t
 
 _EXPLANATION_LINES = 12  # pytest's "assert a == b" diff: useful, but not at any length
 
@@ -41,14 +42,14 @@ def compact(item: pytest.Item, excinfo: pytest.ExceptionInfo, kata: curriculum.K
     lines = [_heading(item, kata)]
     message = said(excinfo).rstrip().splitlines()
     if len(message) > _EXPLANATION_LINES and not _is_world_report(excinfo):
-        message = [*message[:_EXPLANATION_LINES], "  ... (`pytest --tb=long` shows the rest)"]
+        message = [*message[:_EXPLANATION_LINES], t("  ... (`pytest --tb=long` shows the rest)")]
     lines += message
     frames = _learner_frames(excinfo)
     if frames:
-        lines.append("in your code (most recent call last):")
+        lines.append(t("in your code (most recent call last):"))
         for path, line, function in frames[-3:]:
             source = linecache.getline(path, line).strip()
-            lines.append(f"  {os.path.relpath(path, curriculum.ROOT)}:{line}, in {function}")
+            lines.append("  " + str(Place(os.path.relpath(path, curriculum.ROOT), line, function)))
             if source:
                 lines.append(f"    {source}")
     return "\n".join(lines)
@@ -89,12 +90,12 @@ def _heading(item: pytest.Item, kata: curriculum.Kata | None) -> str:
     where = f"{path}:{(line or 0) + 1}"
     marked = steps.of_test(item)
     if kata is None or not marked:
-        return f"checked by {where}"
+        return t("checked by {where}", where=where)
     try:
         title = kata.step(marked[0]).title
     except KeyError:
-        return f"step {marked[0]} ({where})"
-    return f"step {marked[0]} · {title} ({where})"
+        return t("step {number} ({where})", number=marked[0], where=where)
+    return t("step {number} · {title} ({where})", number=marked[0], title=title, where=where)
 
 
 def _is_world_report(excinfo: pytest.ExceptionInfo) -> bool:
@@ -126,7 +127,12 @@ class Place:
     function: str
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}, in {self.function}"
+        return where(self.file, self.line, self.function)
+
+
+def where(file: str, line: int, function: str) -> str:
+    """``FILE:LINE, in FUNCTION``, as a report names a line of code."""
+    return t("{file}:{line}, in {function}", file=file, line=line, function=function)
 
 
 # A frame as Python's tracebacks and the harness's stacks of stuck ranks show it.

@@ -20,6 +20,7 @@ from dojo.console import EXIT_TODO
 from dojo.curriculum import ROOT
 from dojo.harness import impl
 from dojo.harness.loopback import keep_gloo_on_loopback
+from dojo.lang import t
 from dojo.todo import find_todo
 
 # A program under test that makes no progress for this long ends with the harness's report of
@@ -62,9 +63,13 @@ def run_program(
         todo = find_todo(AssertionError(err))
         if todo is not None:
             raise todo
-    if "deadlock: rank(s)" in err:
-        report = err[err.index("deadlock: rank(s)") :].rstrip()
-        raise AssertionError(f"`{shown}` hung: its ranks stopped making progress.\n{report}")
+    from dojo.harness.world import deadlock_report
+
+    report = deadlock_report(err)
+    if report is not None:
+        raise AssertionError(
+            t("`{command}` hung: its ranks stopped making progress.", command=shown) + "\n" + report
+        )
     return subprocess.CompletedProcess([sys.executable, "-m", target, *args], returncode, out, err)
 
 
@@ -86,7 +91,12 @@ def _run_fresh(target, args, environment, timeout, shown) -> tuple[int, str, str
         kill_session(process.pid)
         out, err = process.communicate()
         raise AssertionError(
-            f"`{shown}` did not finish within {timeout:g} s.\nstdout:\n{out}\nstderr:\n{err}"
+            t(
+                "`{command}` did not finish within {seconds} s.",
+                command=shown,
+                seconds=f"{timeout:g}",
+            )
+            + f"\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
     finally:  # an exception (pytest's timeout, Ctrl-C) must not leave the program running
         if process.poll() is None:
@@ -125,8 +135,12 @@ def _run_forked(target, args, environment, timeout, shown) -> tuple[int, str, st
                 kill_session(process.pid)
                 process.join()
                 raise AssertionError(
-                    f"`{shown}` did not finish within {timeout:g} s.\nstdout:\n"
-                    f"{_read(out_path)}\nstderr:\n{_read(err_path)}"
+                    t(
+                        "`{command}` did not finish within {seconds} s.",
+                        command=shown,
+                        seconds=f"{timeout:g}",
+                    )
+                    + f"\nstdout:\n{_read(out_path)}\nstderr:\n{_read(err_path)}"
                 )
         finally:  # an exception (pytest's timeout, Ctrl-C) must not leave the program running
             if process.exitcode is None:
@@ -212,7 +226,13 @@ def _check_nothing_left(session: int, shown: str) -> None:
     leftovers = _wait_for_session_to_end(session)
     if leftovers:
         kill_session(session)
-        raise AssertionError(f"`{shown}` exited but left processes running: {leftovers}")
+        raise AssertionError(
+            t(
+                "`{command}` exited but left processes running: {leftovers}",
+                command=shown,
+                leftovers=leftovers,
+            )
+        )
 
 
 def hears_ctrl_c() -> None:
@@ -309,10 +329,10 @@ def refusal(call) -> str | None:
     except KataTodo:
         raise
     except Exception as error:
-        return f"raised {type(error).__name__}: {error}"
+        return t("raised {error_type}: {error}", error_type=type(error).__name__, error=error)
     if hasattr(value, "tolist"):
         value = value.tolist()
-    return f"returned {value!r}"
+    return t("returned {value!r}", value=value)
 
 
 def assert_refuses_missing_keys(call: str, outcome: str, message: str, lacking) -> None:
@@ -321,21 +341,36 @@ def assert_refuses_missing_keys(call: str, outcome: str, message: str, lacking) 
     ``outcome`` is "returned", "ValueError" or another exception's name; ``message`` its text (or
     what was returned).
     """
-    what = f"a file without {', '.join(map(repr, lacking))}"
+    what = t("a file without {keys}", keys=", ".join(map(repr, lacking)))
     if outcome == "returned":
         raise AssertionError(
-            f"{call} of {what} returned {message}: check the keys first and raise "
-            "ValueError naming the ones it lacks"
+            t(
+                "{call} of {what} returned {message}: check the keys first and raise ValueError "
+                "naming the ones it lacks",
+                call=call,
+                what=what,
+                message=message,
+            )
         )
     if outcome != "ValueError":
         raise AssertionError(
-            f"{call} of {what} raised {outcome}: {message}. Raise ValueError naming the "
-            "keys it lacks (a KeyError names one, and not why)"
+            t(
+                "{call} of {what} raised {outcome}: {message}. Raise ValueError naming the keys "
+                "it lacks (a KeyError names one, and not why)",
+                call=call,
+                what=what,
+                outcome=outcome,
+                message=message,
+            )
         )
     unnamed = [key for key in lacking if key not in message]
-    assert not unnamed, (
-        f"{call} of {what} raised ValueError({message!r}): name every key it lacks "
-        f"({', '.join(map(repr, unnamed))} not named)"
+    assert not unnamed, t(
+        "{call} of {what} raised ValueError({message!r}): name every key it lacks ({unnamed} "
+        "not named)",
+        call=call,
+        what=what,
+        message=message,
+        unnamed=", ".join(map(repr, unnamed)),
     )
 
 
@@ -382,8 +417,14 @@ def needs_torch(name: str):
     version, kata, what = NEWER_TORCH[name]
     return pytest.mark.skipif(
         torch_older_than(version),
-        reason=f"{kata} needs torch {version} or newer for {what}; this is torch "
-        f"{torch.__version__} (`make clean-venv && make learn` installs the torch the suite runs on)",
+        reason=t(
+            "{kata} needs torch {version} or newer for {what}; this is torch {installed} (`make "
+            "clean-venv && make learn` installs the torch the suite runs on)",
+            kata=kata,
+            version=version,
+            what=what,
+            installed=torch.__version__,
+        ),
     )
 
 
@@ -394,7 +435,7 @@ def require_gpus(count: int) -> None:
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < count:
-        pytest.skip(f"needs {count} CUDA GPU(s), found {found}")
+        pytest.skip(t("needs {count} CUDA GPU(s), found {found}", count=count, found=found))
 
 
 def fake_hosts_or_skip(count: int = 2, **options):
@@ -414,8 +455,8 @@ def ranks_phrase(numbers) -> str:
     """``rank 0``, ``ranks 1 and 2``, ``ranks 0, 1 and 2``: ranks named in a sentence."""
     numbers = [str(n) for n in numbers]
     if len(numbers) == 1:
-        return f"rank {numbers[0]}"
-    return f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
+        return t("rank {rank}", rank=numbers[0])
+    return t("ranks {ranks} and {last}", ranks=", ".join(numbers[:-1]), last=numbers[-1])
 
 
 def shared_run(function):
@@ -468,9 +509,14 @@ def returns_within(what: str, function, *args, limit: float = 3.0):
             ctypes.c_ulong(thread.ident), ctypes.py_object(_StillRunning)
         )
         raise DidNotReturn(
-            f"{what} did not return within {limit:g} s: it waits for no other rank and reads "
-            "nothing, so it is going round a loop for ever. Does every turn of the loop change "
-            "what its condition tests (an index that moves on, a rank that makes progress)?"
+            t(
+                "{what} did not return within {seconds} s: it waits for no other rank and reads "
+                "nothing, so it is going round a loop for ever. Does every turn of the loop "
+                "change what its condition tests (an index that moves on, a rank that makes "
+                "progress)?",
+                what=what,
+                seconds=f"{limit:g}",
+            )
         )
     if "error" in box:
         raise box["error"]
@@ -485,7 +531,10 @@ def run_program_ok(
     done = run_program(module, *args, timeout=timeout, env=env)
     if done.returncode != 0:
         typed = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), python(), *done.args[1:]])
-        raise AssertionError(f"`{typed}` exited with status {done.returncode}\n{streams(done)}")
+        raise AssertionError(
+            t("`{command}` exited with status {status}", command=typed, status=done.returncode)
+            + f"\n{streams(done)}"
+        )
     return done
 
 
@@ -525,13 +574,23 @@ def check_refuses_naming(call, shown: str, wrong: str, why: str, returned) -> No
         raise
     except Exception as error:
         raise AssertionError(
-            f"{shown} raised {type(error).__name__}: {error}. {why}: raise ValueError, saying so"
+            t(
+                "{call} raised {error_type}: {error}. {why}: raise ValueError, saying so",
+                call=shown,
+                error_type=type(error).__name__,
+                error=error,
+                why=why,
+            )
         ) from None
     else:
         raise AssertionError(f"{shown} {returned(got)}")
-    assert re.search(rf"(?<![\d-]){re.escape(wrong)}(?!\d)", message), (
-        f"{shown} raised ValueError({message!r}): say which number is wrong ({wrong}) and why "
-        f"({why}), so that whoever called it can fix the call"
+    assert re.search(rf"(?<![\d-]){re.escape(wrong)}(?!\d)", message), t(
+        "{call} raised ValueError({message!r}): say which number is wrong ({wrong}) and why "
+        "({why}), so that whoever called it can fix the call",
+        call=shown,
+        message=message,
+        wrong=wrong,
+        why=why,
     )
 
 

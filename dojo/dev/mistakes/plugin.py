@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dojo import curriculum
+from dojo import curriculum, lang
 from dojo.curriculum import steps
 from dojo.dev import mistakes, reach, swaps
 from dojo.dev.mistakes import Mistake, RightAnswer
@@ -65,6 +65,7 @@ class Variant:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[impl.ENV_VAR] = "solutions"  # entries are swapped into the reference
+    os.environ[lang.ENV_VAR] = "en"  # what an entry says is English, whatever the locale
     # A mistake's tests must run in order on one worker (the first failure is what counts).
     dist = getattr(config.option, "dist", "no")
     if dist not in ("no", "loadfile"):
