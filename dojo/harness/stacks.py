@@ -15,6 +15,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 
+from dojo import lang
 from dojo.lang import t, tn
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -300,7 +301,9 @@ def _waits_text(waiting: dict[str, list[int]], dumps: dict[int, str]) -> str:
         ranks=ranks_text(numbers), what=what,
     )  # fmt: skip
     rest = [t("{ranks} in {what}", ranks=ranks_text(n), what=w) for n, w in others]
-    return "; ".join([first[0].upper() + first[1:], *rest])
+    if lang.current() == "en":  # a sentence's first word; Chinese has no capitals
+        first = first[0].upper() + first[1:]
+    return "; ".join([first, *rest])
 
 
 def _calling_line(frames: list[Frame] | None) -> str | None:
