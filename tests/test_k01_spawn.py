@@ -18,7 +18,7 @@ import pytest
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.lang import t
-from dojo.spec.testing import run_program_ok
+from dojo.spec.testing import run_module_ok
 from dojo.todo import KataTodo
 
 KATA = "k01_spawn"
@@ -831,7 +831,7 @@ def test_launch_names_the_rank_that_failed(kata):
 def test_program_prints_the_tutorial_lines(kata):
     """`python -m katas.k01_spawn` does what the tutorial's run_multiprocess.py does."""
     # 4 processes import torch: slow on a busy machine
-    out = run_program_ok(KATA, "--world-size", "4", timeout=300).stdout
+    out = run_module_ok(KATA, "--world-size", "4", timeout=300).stdout
     for rank in range(4):
         line = f"[rank {rank}] world size:4. I'm rank {rank}."
         assert line in out.splitlines(), t(

@@ -14,7 +14,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.lang import t
-from dojo.spec.testing import free_port, run_program_ok, with_free_port
+from dojo.spec.testing import free_port, run_module_ok, with_free_port
 from dojo.todo import KataTodo
 
 KATA = "k02_init_group"
@@ -427,7 +427,7 @@ def test_a_failed_init_is_reported_as_itself(kata):
 @pytest.mark.step(3)
 def test_program_prints_every_rank_from_the_group(kata):
     out = with_free_port(
-        lambda port: run_program_ok(
+        lambda port: run_module_ok(
             KATA, "--world-size", "4", "--master-port", str(port), timeout=90
         )
     ).stdout

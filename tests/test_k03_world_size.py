@@ -17,7 +17,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.loopback import loopback_store
 from dojo.harness.world import run_world
 from dojo.lang import t
-from dojo.spec.testing import run_program, with_free_port
+from dojo.spec.testing import run_module, with_free_port
 from dojo.todo import KataTodo
 
 KATA = "k03_world_size"
@@ -629,7 +629,7 @@ def _check_clear_output(result, command: str) -> None:
 
 @pytest.mark.step(3)
 def test_program_fails_like_the_tutorial_with_a_clear_error(kata):
-    result = with_free_port(lambda port: run_program(KATA, "--master-port", str(port), timeout=90))
+    result = with_free_port(lambda port: run_module(KATA, "--master-port", str(port), timeout=90))
     command = f"python -m katas.{KATA}"
     assert result.returncode != 0, t(
         "4 processes with world size 2 must make `{command}` fail (non-zero exit); it exited 0:"
@@ -650,7 +650,7 @@ def test_program_fails_like_the_tutorial_with_a_clear_error(kata):
 @pytest.mark.step(3)
 def test_program_with_fewer_processes_fails_within_seconds(kata):
     result = with_free_port(
-        lambda port: run_program(KATA, "--fewer", "--master-port", str(port), timeout=90)
+        lambda port: run_module(KATA, "--fewer", "--master-port", str(port), timeout=90)
     )
     command = f"python -m katas.{KATA} --fewer"
     assert result.returncode != 0, t(

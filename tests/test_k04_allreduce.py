@@ -13,7 +13,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.lang import t, tn
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import ranks_phrase, run_program_ok
+from dojo.spec.testing import ranks_phrase, run_module_ok
 from dojo.todo import KataTodo
 
 KATA = "k04_allreduce"
@@ -482,7 +482,7 @@ def test_average_gradients_in_a_world_of_one(kata):
 
 @pytest.mark.step(1)
 def test_program_prints_every_rank_before_and_after(kata):
-    done = run_program_ok(
+    done = run_module_ok(
         KATA, "--world-size", "4", "--backend", "gloo", "--device", "cpu", timeout=90
     )
     expected = [f"[rank {rank}] before all_reduce: tensor([{rank}])" for rank in range(4)]

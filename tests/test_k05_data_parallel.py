@@ -21,7 +21,7 @@ from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.testing import (
     check_refuses_naming,
     ranks_phrase,
-    run_program_ok,
+    run_module_ok,
     shared_run,
     streams,
 )
@@ -1007,7 +1007,7 @@ def _plotted(plot) -> dict:
 def test_program_trains_reports_from_rank_0_and_plots(kata, tmp_path):
     plot = tmp_path / "curve.png"
     world_size, limit, epochs = 2, 384, 2
-    done = run_program_ok(
+    done = run_module_ok(
         KATA,
         *("--world-size", str(world_size), "--epochs", str(epochs), "--limit", str(limit)),
         *("--log-every", "2", "--plot", str(plot), "--backend", "gloo", "--device", "cpu"),

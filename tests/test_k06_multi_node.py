@@ -22,7 +22,7 @@ from dojo.curriculum import ROOT
 from dojo.harness import impl
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.lang import N_, t, tn
-from dojo.spec.testing import fake_hosts_or_skip, free_port, is_port_clash, run_program
+from dojo.spec.testing import fake_hosts_or_skip, free_port, is_port_clash, run_module
 from dojo.todo import KataTodo, find_todo
 
 KATA = "k06_multi_node"
@@ -1054,7 +1054,7 @@ def test_launch_node_stops_everything_at_its_timeout(kata, tmp_path):
 
 @pytest.mark.step(2)
 def test_program_explains_an_incomplete_environment():
-    done = run_program(KATA, timeout=60, env={"RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    done = run_module(KATA, timeout=60, env={"RANK": "0", "MASTER_ADDR": "127.0.0.1"})
     assert done.returncode not in (0, 3), t(
         "with only RANK set the program exited with {returncode}",
         returncode=done.returncode,
@@ -1073,7 +1073,7 @@ def test_program_explains_an_incomplete_environment():
 
 @pytest.mark.step(1)
 def test_program_refuses_a_node_rank_beyond_the_nodes():
-    done = run_program(
+    done = run_module(
         KATA, "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", timeout=60
     )
     assert done.returncode == 2 and re.search(r"node.rank", done.stderr), t(

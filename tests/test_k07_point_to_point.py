@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.lang import t
-from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.testing import refusal, run_module_ok
 from dojo.spec.traces import RankTrace, read_trace, read_traces, run_traced
 
 KATA = "k07_point_to_point"
@@ -1053,7 +1053,7 @@ def test_halo_exchange_refuses_bad_strips():
 
 @pytest.mark.step(5)
 def test_program_shows_every_exchange(kata, capsys):
-    out = run_program_ok(KATA, "--world-size", "3", timeout=120).stdout
+    out = run_module_ok(KATA, "--world-size", "3", timeout=120).stdout
     for lines in (
         ["[rank 0] ping-pong: received [1, 3, 5]", "[rank 1] ping-pong: received [0, 2, 4]"],
         [

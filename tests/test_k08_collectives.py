@@ -22,7 +22,7 @@ from dojo.harness.calls import CALLS
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.lang import N_, t, tn
-from dojo.spec.testing import needs_torch, refusal, run_program_ok
+from dojo.spec.testing import needs_torch, refusal, run_module_ok
 from dojo.spec.traces import RankTrace, run_traced
 from dojo.todo import KataTodo
 
@@ -1001,7 +1001,7 @@ def test_group_sum_refuses_bad_members():
 @pytest.mark.step(7)
 @needs_torch("gloo all_to_all")
 def test_program_shows_every_collective():
-    out = run_program_ok(KATA, "--world-size", "4", timeout=120).stdout
+    out = run_module_ok(KATA, "--world-size", "4", timeout=120).stdout
     for lines in (
         ["[rank 0] --- reduce (sum) to rank 0", "[rank 0] 0 -> 6", "[rank 1] 1 -> None"],
         ["[rank 0] --- all_reduce avg", "[rank 0] 0.0 -> 1.5", "[rank 1] 1.0 -> 1.5"],

@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.lang import N_, t, tn
-from dojo.spec.testing import run_program_ok, shared_run
+from dojo.spec.testing import run_module_ok, shared_run
 from dojo.todo import KataTodo
 
 KATA = "k09_ring_allreduce"
@@ -1307,7 +1307,7 @@ def test_ring_allreduce_sends_two_n_minus_one_over_n(kata, world_size):
 @pytest.mark.step(4)
 def test_program_shows_both_rings(kata):
     """`python -m katas.k09_ring_allreduce`: both rings against dist.all_reduce."""
-    out = run_program_ok(KATA, "--world-size", "3", "--length", "200", timeout=90).stdout
+    out = run_module_ok(KATA, "--world-size", "3", "--length", "200", timeout=90).stdout
     lines = out.splitlines()
     for name in ("pass-along", "ring"):
         verdict = next(

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dojo.harness.impl import load_kata
 from dojo.lang import t
-from dojo.spec.testing import run_program_ok
+from dojo.spec.testing import run_module_ok
 from dojo.todo import KataTodo
 
 KATA = "k10_sharding"
@@ -737,7 +737,7 @@ def test_data_parallel_run_on_your_sampler(world, world_size):
 @pytest.mark.step(4)
 def test_program_shows_the_shards(kata):
     """`python -m katas.k10_sharding`: the tutorial's parts and the sampler's shards, per rank."""
-    out = run_program_ok(KATA, "--world-size", "4", "--dataset-size", "10", timeout=90).stdout
+    out = run_module_ok(KATA, "--world-size", "4", "--dataset-size", "10", timeout=90).stdout
     verdicts = [line for line in out.splitlines() if "same as DistributedSampler" in line]
     assert len(verdicts) == 2 and all(line.endswith("yes") for line in verdicts), t(
         "expected two epochs, each the same as DistributedSampler, in:\n{out}",

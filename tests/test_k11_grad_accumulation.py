@@ -14,7 +14,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec.cuda import on_cuda
-from dojo.spec.testing import check_refuses_naming, run_program_ok, shared_run, streams
+from dojo.spec.testing import check_refuses_naming, run_module_ok, shared_run, streams
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
 
@@ -530,7 +530,7 @@ def test_ddp_accumulation_step_syncs_once_and_equals_one_step(kata, model_name, 
 
 @pytest.mark.step(3)
 def test_program_compares_every_k_and_ddp(kata):
-    done = run_program_ok(
+    done = run_module_ok(
         KATA, "--world-size", "2", "--steps", "2", "--k", "1", "2", "4", "--backend", "gloo",
         "--device", "cpu",
     )  # fmt: skip

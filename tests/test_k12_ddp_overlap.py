@@ -15,7 +15,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec import wrappers
 from dojo.spec.cuda import on_cuda
-from dojo.spec.testing import run_program_ok, shared_run, streams
+from dojo.spec.testing import run_module_ok, shared_run, streams
 from dojo.todo import KataTodo
 from dojo.toy_models import loss as toy_loss
 from dojo.toy_models import make_batch, make_model
@@ -980,7 +980,7 @@ def test_nested_no_sync_restores_what_it_found(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_overlap_and_matches_one_process(kata):
-    done = run_program_ok(
+    done = run_module_ok(
         KATA, "--world-size", "2", "--model", "tied", "--steps", "2", "--backend", "gloo",
         "--device", "cpu",
     )  # fmt: skip

@@ -15,7 +15,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec import wrappers
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import run_program_ok
+from dojo.spec.testing import run_module_ok
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_batch, make_model
 
@@ -1265,7 +1265,7 @@ def test_no_sync_restores_what_was_there(kata):
 
 @pytest.mark.step(6)
 def test_program_shows_buckets_and_overlap(kata):
-    out = run_program_ok(KATA, "--world-size", "2", "--steps", "2").stdout
+    out = run_module_ok(KATA, "--world-size", "2", "--steps", "2").stdout
     assert "[rank 0] 3 bucket(s), cap 0.3 MiB" in out, out
     lines = out.splitlines()
     launch = [i for i, line in enumerate(lines) if "all-reduce launched bucket 0 (async)" in line]

@@ -14,7 +14,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.models import ConvNet
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.testing import refusal, run_module_ok
 from dojo.todo import KataTodo
 from dojo.toy_models import loss, make_model
 
@@ -914,7 +914,7 @@ def test_converted_convnet_trains_like_one_process_on_the_whole_batch(kata):
 
 @pytest.mark.step(6)
 def test_program_compares_and_shows_batchnorm(kata):
-    out = run_program_ok(
+    out = run_module_ok(
         KATA, "--world-size", "2", "--steps", "2", "--images", "4", timeout=180
     ).stdout
     assert out.count("bitwise equal on every rank") == 3, out

@@ -20,7 +20,7 @@ from dojo.spec.cuda import on_cuda
 from dojo.spec.states import to_cpu
 from dojo.spec.testing import (
     ranks_phrase,
-    run_program_ok,
+    run_module_ok,
     shared_run,
     streams,
 )
@@ -248,7 +248,7 @@ def test_every_rank_waits_until_the_checkpoint_is_complete(kata):
 @pytest.mark.step(1)
 @pytest.mark.slow  # the program, and 5 s of a deliberate hang before its report
 def test_the_program_shows_the_classic_hang_and_its_report(kata):
-    done = run_program_ok(KATA, "--show-the-hang", "--backend", "gloo", "--device", "cpu")
+    done = run_module_ok(KATA, "--show-the-hang", "--backend", "gloo", "--device", "cpu")
     shown = streams(done)
     assert "rank 0 waits in barrier" in done.stdout and "save_checkpoint" in done.stdout, (
         "with save_checkpoint called on rank 0 only, rank 0 should wait in save_checkpoint's "
@@ -507,7 +507,7 @@ def test_every_rank_saves_every_save_every_steps(kata):
 
 @pytest.mark.step(3)
 def test_program_crashes_resumes_and_matches(kata, tmp_path):
-    done = run_program_ok(
+    done = run_module_ok(
         KATA,
         *("--steps", "8", "--save-every", "3", "--interrupt-at", "5"),
         *("--checkpoint-dir", str(tmp_path), "--backend", "gloo", "--device", "cpu"),

@@ -22,7 +22,7 @@ from dojo.spec import checkpoints
 from dojo.spec.cuda import on_cuda
 from dojo.spec.states import same, to_cpu
 from dojo.spec.testing import (
-    run_program_ok,
+    run_module_ok,
     shared_run,
     streams,
 )
@@ -591,7 +591,7 @@ def _loopback() -> str:
 
 
 def _stop_workers(output: str) -> list[int]:
-    """torchrun starts its workers in sessions of their own, which run_program cannot see: the
+    """torchrun starts its workers in sessions of their own, which run_module cannot see: the
     workers that the output names and that still run, killed."""
     leftovers = [int(pid) for _, pid, _ in _PID.findall(output) if _alive(int(pid))]
     for pid in leftovers:
@@ -606,7 +606,7 @@ def test_torchrun_restarts_the_group_after_a_killed_worker(kata, tmp_path):
     reference = _shared_story("buffer")["whole"]["results"][0]  # the uninterrupted run (harness)
     out = tmp_path / "result.pt"
     try:
-        done = run_program_ok(
+        done = run_module_ok(
             KATA,
             *("--epochs", str(EPOCHS), "--fault", FAULT, "--no-reference", "--out", str(out)),
             *("--snapshot-dir", str(tmp_path), "--timeout", "150"),

@@ -9,7 +9,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.testing import refusal, run_module_ok
 from dojo.todo import KataTodo
 
 KATA = "k17_rank_grids"
@@ -615,7 +615,7 @@ def test_a_column_averages_over_its_own_members(kata, shape):
 
 @pytest.mark.step(3)
 def test_program_draws_the_grid_and_sums_each_row(kata):
-    out = run_program_ok(KATA, "--world-size", "4", "--data-parallel", "2").stdout
+    out = run_module_ok(KATA, "--world-size", "4", "--data-parallel", "2").stdout
     shown = "`python -m k17_rank_grids --world-size 4 --data-parallel 2`"
     lines = [line for line in out.splitlines() if line.startswith("[main]  ")]
     rows = [line.split("row", 1)[1].split("tensor")[0].split() for line in lines if " row " in line]

@@ -14,7 +14,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import to_cpu
-from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.testing import refusal, run_module_ok
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
 KATA = "k18_zero"
@@ -838,7 +838,7 @@ def test_add_param_group_after_construction(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_state_split(kata):
-    out = run_program_ok(KATA, "--world-size", "2", "--steps", "2").stdout
+    out = run_module_ok(KATA, "--world-size", "2", "--steps", "2").stdout
     assert "[rank 1] AdamW state held:" in out and "50%" in out, out
     assert "bitwise those of unsharded AdamW" in out, out
 

@@ -17,7 +17,7 @@ from dojo.harness.culprit import describe
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.testing import refusal, run_module_ok
 from dojo.toy_models import Block, TinyTransformer, make_tokens, make_transformer, transformer_loss
 
 KATA = "k19_fsdp"
@@ -1292,7 +1292,7 @@ def test_against_torchs_fully_shard(kata):
 
 @pytest.mark.step(6)
 def test_program_trains_like_one_process(kata):
-    out = run_program_ok(KATA, "--world-size", "2", "--steps", "2").stdout
+    out = run_module_ok(KATA, "--world-size", "2", "--steps", "2").stdout
     assert "3 all-gathers in forward, 2 in backward, 3 reduce-scatters" in out, out
     assert "(bitwise equal)" in out, out
 

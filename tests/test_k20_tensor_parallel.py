@@ -14,7 +14,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run, succeeded
+from dojo.spec.testing import ranks_phrase, run_module_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import MLP, Attention
 
@@ -915,7 +915,7 @@ def test_parallel_attention_matches_torchs_parallelize_module(kata):
 
 @pytest.mark.step(5)
 def test_program_splits_a_block_and_counts_its_all_reduces(kata):
-    out = run_program_ok(KATA, "--world-size", "2").stdout
+    out = run_module_ok(KATA, "--world-size", "2").stdout
     shown = f"`python -m katas.{KATA} --world-size 2`"
     for line, why in (
         ("mlp: each rank keeps up.weight (32, 16)", "half of up's 64 output features each"),

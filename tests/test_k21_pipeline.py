@@ -12,7 +12,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec import pipelines
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import refusal, run_program_ok, shared_run
+from dojo.spec.testing import refusal, run_module_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -652,7 +652,7 @@ def test_simulate_refuses_a_schedule_that_waits_for_ever(kata):
 @pytest.mark.step(4)
 def test_program_draws_the_schedule(kata):
     args = ("--world-size", "2", "--schedule", "gpipe", "--micro-batches", "4")
-    out = run_program_ok(KATA, *args).stdout
+    out = run_module_ok(KATA, *args).stdout
     shown = f"`python -m katas.{KATA} {' '.join(args)}`"
     for line, why in (
         ("rank 0: F0 F1 F2 F3  .  . B0 B1 B2 B3", "the lesson's GPipe picture, rank 0"),

@@ -15,7 +15,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, RankFailed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import run_program_ok, shared_run
+from dojo.spec.testing import run_module_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import MODEL_DIM
 
@@ -644,7 +644,7 @@ def test_a_subgroup_holds_its_own_experts(kata):
 
 @pytest.mark.step(4)
 def test_program_reports_tokens_per_expert(kata):
-    out = run_program_ok(KATA, "--world-size", "2", "--tokens", "12").stdout
+    out = run_module_ok(KATA, "--world-size", "2", "--tokens", "12").stdout
     assert "[rank 0] sent its 12 tokens to the experts [" in out, out
     assert "expert 1 processed" in out, out
     assert "against one process running every expert" in out, out

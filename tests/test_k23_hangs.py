@@ -14,7 +14,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import MAX_STRETCH, WorldDeadlock, WorldFailure, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import refusal, run_program_ok
+from dojo.spec.testing import refusal, run_module_ok
 from dojo.todo import KataTodo
 
 KATA = "k23_hangs"
@@ -798,7 +798,7 @@ def test_program_names_the_ranks_of_every_hang(kata):
     args = ("--world-size", "3", "--skip-rank", "1", "--mismatch-rank", "0", "--timeout", "1.5")
     args += ("--unchecked",)
     # Started with DETAIL set, as a learner would: torch then checks the world group too.
-    out = run_program_ok(KATA, *args, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).stdout
+    out = run_module_ok(KATA, *args, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).stdout
     shown = f"`TORCH_DISTRIBUTED_DEBUG=DETAIL python -m {KATA} {' '.join(args)}`"
     for rank in (0, 2):
         assert re.search(rf"\[rank {rank}\] caught BarrierTimeout: .*rank 1 did not arrive", out), (

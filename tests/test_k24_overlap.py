@@ -18,7 +18,7 @@ from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.testing import (
     DidNotReturn,
     returns_within,
-    run_program_ok,
+    run_module_ok,
     shared_run,
     streams,
 )
@@ -805,7 +805,7 @@ def test_record_step_rejects_bad_arguments(kata):
 
 @pytest.mark.step(4)
 def test_program_prints_the_three_ways(kata):
-    done = run_program_ok(KATA, "--world-size", "2", "--steps", "2", "--blocks", "2", "--dim", "32")
+    done = run_module_ok(KATA, "--world-size", "2", "--steps", "2", "--blocks", "2", "--dim", "32")
     shown = streams(done)
     rows = {}
     for line in done.stdout.splitlines():

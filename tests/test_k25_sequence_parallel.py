@@ -15,7 +15,7 @@ from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run, succeeded
+from dojo.spec.testing import ranks_phrase, run_module_ok, shared_run, succeeded
 from dojo.todo import KataTodo
 from dojo.toy_models import Block
 
@@ -1269,7 +1269,7 @@ def test_activation_bytes_is_what_autograd_saved(kata, ranks):
 
 @pytest.mark.step(6)
 def test_program_splits_a_block_along_the_sequence(kata):
-    out = run_program_ok(KATA, "--world-size", "2").stdout
+    out = run_module_ok(KATA, "--world-size", "2").stdout
     shown = f"`python -m katas.{KATA} --world-size 2`"
     for line, why in (
         (

@@ -24,7 +24,7 @@ from dojo.harness.calls import clock, recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import run_program_ok, shared_run, streams
+from dojo.spec.testing import run_module_ok, shared_run, streams
 from dojo.todo import KataTodo
 
 KATA = "k26_ring_attention"
@@ -1135,7 +1135,7 @@ def _program_check(done):
 
 @pytest.mark.step(5)
 def test_program_compares_both_splits(kata):
-    _program_check(run_program_ok(KATA, "--world-size", "2", "--length", "32"))
+    _program_check(run_module_ok(KATA, "--world-size", "2", "--length", "32"))
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -14,7 +14,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
 from dojo.spec import pipelines
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import run_program_ok, shared_run
+from dojo.spec.testing import run_module_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -645,7 +645,7 @@ def test_against_torchs_interleaved_1f1b(kata):
 
 @pytest.mark.step(4)
 def test_program_draws_and_runs_the_schedule(kata):
-    out = run_program_ok(KATA, "--world-size", "2", "--chunks", "2", "--micro-batches", "4").stdout
+    out = run_module_ok(KATA, "--world-size", "2", "--chunks", "2", "--micro-batches", "4").stdout
     assert "rank 0: F0.0 F0.1 F1.0 F1.1 F0.2   .  B1.0 ---- F0.3" in out, out
     assert "rank 1 idle 3 of 27 ticks: bubble 0.125 of its work; formula 0.125" in out, out
     assert "largest difference" in out, out

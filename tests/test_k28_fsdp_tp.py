@@ -16,7 +16,7 @@ from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
-from dojo.spec.testing import refusal, run_program_ok, shared_run
+from dojo.spec.testing import refusal, run_module_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -700,7 +700,7 @@ def test_against_torchs_fully_shard_and_parallelize_module(kata):
 @pytest.mark.step(5)
 def test_program_trains_like_one_process(kata):
     args = ("--dp", "2", "--tp", "2", "--steps", "2")
-    out = run_program_ok(KATA, *args).stdout
+    out = run_module_ok(KATA, *args).stdout
     shown = f"`python -m katas.{KATA} {' '.join(args)}`"
     for line, why in (
         ("[rank 3] dp 1, tp 1", "rank 3 = dp_index 1 * tp 2 + tp_index 1"),

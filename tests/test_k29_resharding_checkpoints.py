@@ -16,7 +16,7 @@ import torch
 
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program_ok, shared_run, streams
+from dojo.spec.testing import require_gpus, run_module_ok, shared_run, streams
 from dojo.todo import KataTodo
 
 KATA = "k29_resharding_checkpoints"
@@ -628,7 +628,7 @@ def test_slices_saved_from_a_gpu_load_on_a_machine_without_one(kata, tmp_path):
 
 @pytest.mark.step(5)
 def test_the_program_saves_on_four_ranks_and_resumes_on_two(kata):
-    done = run_program_ok(KATA)
+    done = run_module_ok(KATA)
     assert "the same bits as 6 steps in one process" in done.stdout, (
         f"the program should end with 'the same bits as 6 steps in one process'\n{streams(done)}"
     )

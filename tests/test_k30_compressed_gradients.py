@@ -12,7 +12,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankCrashed, WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import run_program_ok
+from dojo.spec.testing import run_module_ok
 from dojo.todo import KataTodo
 from dojo.toy_models import (
     loss,
@@ -1059,7 +1059,7 @@ def test_compressed_training_on_the_convnet_learns_the_digits(kata, method):
 
 @pytest.mark.step(5)
 def test_program_compares_the_methods(kata):
-    out = run_program_ok(
+    out = run_module_ok(
         KATA, "--world-size", "2", "--steps", "3", "--start", "2", "--methods",
         "allreduce,fp16,powersgd", "--per-rank", "4", timeout=180,
     ).stdout  # fmt: skip

@@ -12,7 +12,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
-from dojo.spec.testing import ranks_phrase, run_program_ok, shared_run
+from dojo.spec.testing import ranks_phrase, run_module_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import (
     loss,
@@ -1105,7 +1105,7 @@ def test_fp16_fsdp_with_your_loss_scale_like_sharded_grad_scaler(kata):
 
 @pytest.mark.step(4)
 def test_program_shows_the_scale_the_error_and_the_bytes(kata):
-    out = run_program_ok(KATA, "--world-size", "2", "--steps", "3", timeout=180).stdout
+    out = run_module_ok(KATA, "--world-size", "2", "--steps", "3", timeout=180).stdout
     assert "step skipped, scale halved" in out and "stepped" in out, (
         f"the program's fp16 run shows no skipped and no taken step:\n{out}"
     )

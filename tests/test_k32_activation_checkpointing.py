@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, run_world
-from dojo.spec.testing import needs_torch, refusal, require_gpus, run_program, shared_run
+from dojo.spec.testing import needs_torch, refusal, require_gpus, run_module, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import Block, make_tokens, make_transformer, transformer_loss
 
@@ -895,7 +895,7 @@ def test_kept_fsdp_units_serve_the_recompute(kata):
 
 @pytest.mark.step(5)
 def test_program_shows_what_each_way_keeps(kata):
-    done = run_program(
+    done = run_module(
         KATA, "--world-size", "2", "--steps", "1", "--sequence", "16", "--dim", "16",
         timeout=180,
     )  # fmt: skip

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import RankFailed, run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.testing import require_gpus, run_module, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import SEQUENCE, VOCABULARY, make_transformer
 
@@ -1312,7 +1312,7 @@ def test_clip_grad_norm_refuses_a_max_norm_that_is_not_positive(kata):
 
 @pytest.mark.step(5)
 def test_program_shows_every_rank_the_global_numbers(kata):
-    done = run_program(KATA, "--max-norm", "0.5", timeout=180)
+    done = run_module(KATA, "--max-norm", "0.5", timeout=180)
     out = done.stdout
     assert done.returncode == 0, f"the program exited with {done.returncode}:\n{out}\n{done.stderr}"
     globals_ = [line for line in out.splitlines() if "global_mean" in line]

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec.testing import require_gpus, run_program, shared_run
+from dojo.spec.testing import require_gpus, run_module, shared_run
 from dojo.todo import KataTodo
 
 KATA = "k34_vocab_parallel"
@@ -1125,7 +1125,7 @@ def test_split_model_equals_torchs_parallelize_module_under_loss_parallel(kata):
 
 @pytest.mark.step(5)
 def test_program_shows_the_split_against_one_process(kata):
-    done = run_program(
+    done = run_module(
         KATA, "--world-size", "2", "--vocab", "64", "--dim", "16", "--batch", "2",
         "--length", "4", timeout=120,
     )  # fmt: skip

@@ -152,7 +152,7 @@ def _redirect_output(log_path: str) -> None:
 class LauncherOutput:
     """The launching process's stdout and stderr, handed to a rank as it starts (a program's
     ranks print where the program prints, even when the forkserver that forked them was started
-    by another process with other output: a program under test, ``dojo.spec.testing.run_program``)."""
+    by another process with other output: a program under test, ``dojo.spec.testing.run_module``)."""
 
     def __init__(self, fds: tuple[int, int] = (1, 2)):
         self.fds = fds

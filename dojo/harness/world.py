@@ -24,7 +24,7 @@ What it guarantees, whatever the function does:
   world that ended cleanly serve this process's next worlds (``dojo.harness.rank`` says when a rank
   may), which saves the fork and the exit (~0.1 s of CPU per rank). ``DOJO_FRESH_RANKS=1``
   forks every rank afresh. A program under test, forked from that forkserver
-  (``dojo.spec.testing.run_program``), forks its ranks from it too (``use_parent_forkserver``).
+  (``dojo.spec.testing.run_module``), forks its ranks from it too (``use_parent_forkserver``).
 """
 
 from __future__ import annotations

@@ -366,7 +366,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             case "watch":
                 return watch.watch(args.interval, args.yes)
             case "run":
-                return learn.run_program(_kata(args.kata), args.solutions, args.args)
+                return learn.run_kata_program(_kata(args.kata), args.solutions, args.args)
             case "trace":
                 from dojo.runner import trace
 

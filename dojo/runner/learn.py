@@ -314,7 +314,7 @@ def goto(kata: curriculum.Kata) -> int:
     return 0
 
 
-def run_program(kata: curriculum.Kata, solutions: bool, args: list[str]) -> int:
+def run_kata_program(kata: curriculum.Kata, solutions: bool, args: list[str]) -> int:
     """``dojo run kNN``: the kata's program (``python -m katas.kNN_topic ARGS``)."""
     package = "solutions" if solutions else "katas"
     return foreground([sys.executable, "-m", f"{package}.{kata.module}", *args], curriculum.ROOT)

@@ -30,7 +30,7 @@ PROGRAM_HANG_S = 5.0
 FRESH_PROGRAM_VAR = "DOJO_FRESH_PROGRAMS"
 
 
-def run_program(
+def run_module(
     module: str, *args: str, timeout: float = 120, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m <impl>.<module> *args`` with a deadline; nothing it starts survives it.
@@ -523,12 +523,12 @@ def returns_within(what: str, function, *args, limit: float = 3.0):
     return box["value"]
 
 
-def run_program_ok(
+def run_module_ok(
     module: str, *args: str, timeout: float = 120, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``run_program(module, *args)`` that must exit with status 0: otherwise the test fails,
+    """``run_module(module, *args)`` that must exit with status 0: otherwise the test fails,
     showing the command as the learner types it and both of its streams."""
-    done = run_program(module, *args, timeout=timeout, env=env)
+    done = run_module(module, *args, timeout=timeout, env=env)
     if done.returncode != 0:
         typed = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), python(), *done.args[1:]])
         raise AssertionError(

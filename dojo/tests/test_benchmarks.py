@@ -7,13 +7,13 @@ import re
 import pytest
 
 from dojo.harness import impl
-from dojo.spec.testing import run_program
+from dojo.spec.testing import run_module
 
 
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
 def test_benchmark_runs_on_your_ring():
     """`python -m benchmarks.allreduce` (what `dojo bench allreduce` runs), cut down to one size."""
-    result = run_program(
+    result = run_module(
         "benchmarks.allreduce",
         "--impl",
         impl.current(),
@@ -34,7 +34,7 @@ def test_benchmark_runs_on_your_ring():
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~6 s on 2 cores
 def test_ddp_benchmark_runs_on_your_ddps():
     """`python -m benchmarks.ddp` (what `dojo bench ddp` runs), cut down to a small model."""
-    result = run_program(
+    result = run_module(
         "benchmarks.ddp",
         "--impl",
         impl.current(),
@@ -61,7 +61,7 @@ def test_ddp_benchmark_runs_on_your_ddps():
 def test_harness_benchmark_says_what_it_times_as_it_goes():
     """`python -m benchmarks.harness` (`dojo bench harness`), cut down to 2 ranks, once each way:
     a line as each way starts and ends (the whole thing takes about a minute), then the table."""
-    result = run_program("benchmarks.harness", "--world-size", "2", "--repeat", "1", timeout=150)
+    result = run_module("benchmarks.harness", "--world-size", "2", "--repeat", "1", timeout=150)
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     started = re.findall(r"^  \S.* \.\.\.$", out, re.M)
@@ -84,7 +84,7 @@ def test_memory_formulas_are_the_zero_papers():
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
 def test_memory_benchmark_measures_what_the_formulas_say():
     """`python -m benchmarks.memory` (what `dojo bench memory` runs), on a small model."""
-    result = run_program(
+    result = run_module(
         "benchmarks.memory", "--ranks", "2", "--blocks", "2", "--dim", "64", timeout=120
     )
     out, err = result.stdout, result.stderr
@@ -224,10 +224,10 @@ def test_collectives_arguments_are_checked(capsys):
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~7 s on 2 cores
 def test_collectives_benchmark_makes_its_table_and_plot(tmp_path):
     """`python -m benchmarks.collectives` (what `dojo bench collectives` runs), one small size."""
-    from dojo.curriculum import ROOT  # where run_program runs it
+    from dojo.curriculum import ROOT  # where run_module runs it
 
     plot = tmp_path / "collectives.png"
-    result = run_program(
+    result = run_module(
         "benchmarks.collectives",
         "--world-sizes",
         "2",
@@ -269,7 +269,7 @@ def test_collectives_benchmark_makes_its_table_and_plot(tmp_path):
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~8 s on 2 cores
 def test_parallel_benchmark_holds_each_kata_against_torch():
     """`python -m benchmarks.parallel` (what `dojo bench parallel` runs), one step of each row."""
-    result = run_program(
+    result = run_module(
         "benchmarks.parallel",
         "--impl",
         impl.current(),
@@ -307,7 +307,7 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
 @pytest.mark.slow  # a process importing torch, then a 2-rank world running DTensor: ~6 s on 2 cores
 def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
     """`python -m benchmarks.parallel --only vocab` (k34's row), one step of a one-block model."""
-    result = run_program(
+    result = run_module(
         "benchmarks.parallel", "--impl", impl.current(), "--only", "vocab", "--steps", "1",
         "--warmup", "0", "--dim", "32", "--blocks", "1", timeout=120,
     )  # fmt: skip
@@ -325,7 +325,7 @@ def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
 def test_parallel_benchmark_holds_mixed_precision_fsdp_against_fully_shard():
     """`dojo bench parallel --only mp`: k31's MixedPrecisionFSDP beside fully_shard with the same
     MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters), one step."""
-    result = run_program(
+    result = run_module(
         "benchmarks.parallel",
         "--impl",
         impl.current(),

@@ -13,7 +13,7 @@ from dojo.harness import world
 from dojo.harness.loopback import loopback_store
 from dojo.harness.world import run_world
 from dojo.launch import launch_world
-from dojo.spec.testing import run_program
+from dojo.spec.testing import run_module
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads listening sockets from /proc (Linux)"
@@ -114,7 +114,7 @@ def test_a_program_world_listens_on_loopback_only():
 
 def test_a_program_under_test_makes_its_own_groups_on_loopback():
     """A kata's program that starts its own ranks (k01-k03's, k06's) gets gloo on loopback."""
-    done = run_program("dojo.tests.tiny_program", "interface", timeout=60)
+    done = run_module("dojo.tests.tiny_program", "interface", timeout=60)
     assert done.stdout.strip() in ("GLOO_SOCKET_IFNAME=lo", "GLOO_SOCKET_IFNAME=lo0"), (
         f"a program under test runs with {done.stdout.strip() or done.stderr}: its own groups' "
         "gloo then listens on the address the host name resolves to"

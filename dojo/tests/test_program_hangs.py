@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dojo.curriculum import ROOT
 from dojo.dev import swaps
-from dojo.spec.testing import hears_ctrl_c, run_program
+from dojo.spec.testing import hears_ctrl_c, run_module
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc"), reason="needs /proc to see leftover processes"
@@ -92,10 +92,10 @@ WAYS = ("forked", "fresh")
 
 def _run_hanging(way: str, monkeypatch, environment: dict, *args: str):
     if way == "fresh":
-        return run_program("solutions.k04_allreduce", *args, env=environment)
+        return run_module("solutions.k04_allreduce", *args, env=environment)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    return run_program("solutions.k04_allreduce", *args)
+    return run_module("solutions.k04_allreduce", *args)
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -107,7 +107,7 @@ def test_a_hung_program_under_test_ends_within_seconds_saying_where_each_rank_wa
             way, monkeypatch, HANG, "--world-size", "4", "--backend", "gloo", "--device", "cpu"
         )
     message = str(caught.value)
-    # Ended by its seconds without progress, not by run_program's timeout (start-up on a loaded
+    # Ended by its seconds without progress, not by run_module's timeout (start-up on a loaded
     # machine takes what it takes: that is not the hang's time).
     assert "made no progress for 5 s" in message, message
     assert " -m solutions.k04_allreduce --world-size 4" in message, (
@@ -180,11 +180,11 @@ def test_a_learners_hung_program_says_where_ranks_wait_and_ctrl_c_says_it_again(
 
 TEST_FILE = """
 import dojo.spec.testing
-from dojo.spec.testing import run_program
+from dojo.spec.testing import run_module
 
 def test_hangs(monkeypatch):
     monkeypatch.setattr(dojo.spec.testing, "PROGRAM_HANG_S", 600.0)  # it hangs until pytest ends
-    run_program("solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu", timeout=300)
+    run_module("solutions.k04_allreduce", "--world-size", "2", "--backend", "gloo", "--device", "cpu", timeout=300)
 """
 
 

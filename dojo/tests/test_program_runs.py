@@ -1,4 +1,4 @@
-"""``dojo.spec.testing.run_program`` forks a program from the harness's forkserver: a test sees what
+"""``dojo.spec.testing.run_module`` forks a program from the harness's forkserver: a test sees what
 ``python -m`` in a new interpreter shows (``DOJO_FRESH_PROGRAMS=1`` runs it so): its output and
 its ranks' output, its exit status, what it says as it fails, the environment its ranks see."""
 
@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from dojo.spec.testing import FRESH_PROGRAM_VAR, run_program
+from dojo.spec.testing import FRESH_PROGRAM_VAR, run_module
 
 PROGRAM = "dojo.tests.tiny_program"
 
 
 def _both_ways(monkeypatch, *args: str):
-    forked = run_program(PROGRAM, *args)
+    forked = run_module(PROGRAM, *args)
     with monkeypatch.context() as fresh_only:
         fresh_only.setenv(FRESH_PROGRAM_VAR, "1")
-        fresh = run_program(PROGRAM, *args)
+        fresh = run_module(PROGRAM, *args)
     return forked, fresh
 
 

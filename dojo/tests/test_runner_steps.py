@@ -189,7 +189,7 @@ def test_the_digest_speaks_the_learners_language(monkeypatch):
         ],
     )
     digest = result.digest()
-    assert "你的代码：katas/k01_spawn.py:149, in launch（rank 1）" in digest, digest
+    assert "你的代码：katas/k01_spawn.py:149，在 launch 中（rank 1）" in digest, digest
     assert f"第 2 步 · {k01.step(2).title}" in digest and "尚未实现：" in digest, digest
     assert f"提示：{k01.step(2).hints[0][:20]}" in digest, digest
     assert "not implemented" not in digest and "your code" not in digest, digest
@@ -327,7 +327,7 @@ def test_run_and_trace_without_a_kata_take_the_current_one(monkeypatch):
     seen = []
     monkeypatch.setattr(progress, "load", lambda: None)
     monkeypatch.setattr(progress, "current", lambda state: K01)
-    monkeypatch.setattr(learn, "run_program", lambda *a: seen.append(("run", *a)) or 0)
+    monkeypatch.setattr(learn, "run_kata_program", lambda *a: seen.append(("run", *a)) or 0)
     monkeypatch.setattr(trace, "trace_program", lambda *a: seen.append(("trace", *a)) or 0)
     assert cli.main(["run", "--world-size", "2"]) == 0
     assert cli.main(["trace", "--solutions"]) == 0

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dojo.harness import impl, timeline
 from dojo.harness.calls import recording
 from dojo.harness.world import RankFailed, WorldDeadlock, run_world
-from dojo.spec.testing import run_program
+from dojo.spec.testing import run_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -326,7 +326,7 @@ def _recorded(rank, world_size):
 
 
 def test_a_program_traced_with_dash_dash_trace_writes_both_files(tmp_path):
-    done = run_program("k04_allreduce", "--world-size", "2", "--trace", str(tmp_path), timeout=120)
+    done = run_module("k04_allreduce", "--world-size", "2", "--trace", str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     made = sorted(os.listdir(tmp_path))
     assert made == ["k04_allreduce.json", "k04_allreduce.png"], made
