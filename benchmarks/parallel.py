@@ -116,6 +116,22 @@ def _batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor
     return tokens.to(rank_device()), targets.to(rank_device())
 
 
+def _training_step(
+    args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> Way:
+    """One way's step: a fresh batch, forward, backward and the optimizer's step (what a row
+    times for each side)."""
+    rank = dist.get_rank()
+
+    def step(number: int) -> None:
+        optimizer.zero_grad()
+        tokens, targets = _batch(args, number, rank)
+        transformer_loss(model(tokens), targets).backward()
+        optimizer.step()
+
+    return step
+
+
 def _average_gradients(model: nn.Module) -> None:
     size = dist.get_world_size()
     for param in model.parameters():
@@ -524,7 +540,6 @@ def _powersgd(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
         from torch.nn.parallel import DistributedDataParallel
     except ImportError as error:
         raise Skip(f"this torch has no PowerSGD hook ({error})") from None
-    rank = dist.get_rank()
     models = [_model(args), _model(args)]
     wrapped = []
     for model, hook in zip(models, (kata.powersgd_hook, _torch_powersgd)):
@@ -537,13 +552,7 @@ def _powersgd(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     optimizers = [torch.optim.SGD(ddp.parameters(), lr=LR) for ddp in wrapped]
 
     def way(index: int) -> Way:
-        def step(number: int) -> None:
-            optimizers[index].zero_grad()
-            tokens, targets = _batch(args, number, rank)
-            transformer_loss(wrapped[index](tokens), targets).backward()
-            optimizers[index].step()
-
-        return step
+        return _training_step(args, wrapped[index], optimizers[index])
 
     def same() -> bool:
         return all(
@@ -560,7 +569,6 @@ def _fp16(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    rank = dist.get_rank()
     models = [_model(args), _model(args)]
     wrapped = []
     for model, hook in zip(models, (kata.fp16_hook, fp16_compress_hook)):
@@ -570,13 +578,7 @@ def _fp16(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     optimizers = [torch.optim.SGD(ddp.parameters(), lr=LR) for ddp in wrapped]
 
     def way(index: int) -> Way:
-        def step(number: int) -> None:
-            optimizers[index].zero_grad()
-            tokens, targets = _batch(args, number, rank)
-            transformer_loss(wrapped[index](tokens), targets).backward()
-            optimizers[index].step()
-
-        return step
+        return _training_step(args, wrapped[index], optimizers[index])
 
     def same() -> bool:
         return all(
@@ -731,7 +733,6 @@ def _ckpt(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     def torchs(block, x):
         return checkpoint(block, x, use_reentrant=False)
 
-    rank = dist.get_rank()
     models = [_model(args), _model(args)]
     for model, way in zip(models, (kata.checkpoint, torchs)):
         for index, block in enumerate(model.blocks):
@@ -740,12 +741,7 @@ def _ckpt(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     optimizers = [torch.optim.SGD(ddp.parameters(), lr=LR) for ddp in wrapped]
 
     def way(index: int) -> Way:
-        def step(number: int) -> None:
-            optimizers[index].zero_grad()
-            tokens, targets = _batch(args, number, rank)
-            transformer_loss(wrapped[index](tokens), targets).backward()
-            optimizers[index].step()
-
+        step = _training_step(args, wrapped[index], optimizers[index])
         step.model = models[index]  # for _saved_bytes
         return step
 
@@ -763,7 +759,7 @@ def _mp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError as error:
         raise Skip(f"this torch has no fully_shard or MixedPrecisionPolicy ({error})") from None
-    rank, device = dist.get_rank(), rank_device()
+    device = rank_device()
     yours = kata.MixedPrecisionFSDP(_model(args), torch.bfloat16, torch.float32)
     theirs = _model(args)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -777,13 +773,7 @@ def _mp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     optimizers = [torch.optim.AdamW(model.parameters(), lr=LR) for model in models]
 
     def way(index: int) -> Way:
-        def step(number: int) -> None:
-            optimizers[index].zero_grad()
-            tokens, targets = _batch(args, number, rank)
-            transformer_loss(models[index](tokens), targets).backward()
-            optimizers[index].step()
-
-        return step
+        return _training_step(args, models[index], optimizers[index])
 
     def same() -> bool:
         full = yours.gather_full_params()
