@@ -147,9 +147,9 @@ from dojo.console import run_program, say, verdict
 from dojo.devices import rank_device
 from dojo.launch import add_launch_arguments, launch_world
 from dojo.todo import KataTodo
-from dojo.toy_models import VOCABULARY, Block, TinyTransformer, transformer_loss
+from dojo.toy_models import VOCABULARY, Block, TinyTransformer
 
-from .k19_fsdp import FullyShardedModule, _counting
+from .k19_fsdp import FullyShardedModule, counted_step
 from .k25_sequence_parallel import saved_activation_bytes
 
 aten = torch.ops.aten
@@ -412,21 +412,10 @@ def _fsdp_steps(rank: int, args, way: str, keep: bool) -> dict:
         checkpoint_blocks(model, save=WAYS[way])  # after the units: their hooks run inside
     optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.1)
     counts: dict = {}
-    phase = ["forward"]
     for step in range(args.steps):
         tokens, targets = _tokens(args.batch, args.sequence, 1000 * step + rank)
         optimizer.zero_grad()
-        originals = _counting(counts, phase)
-        try:
-            phase[0] = "forward"
-            loss = transformer_loss(wrapper(tokens), targets)
-            phase[0] = "backward"
-            loss.backward()
-        finally:
-            for name, original in originals.items():
-                if original is not None:
-                    setattr(torch.distributed, name, original)
-        wrapper.finish_gradient_synchronization()
+        counted_step(wrapper, tokens, targets, counts)
         optimizer.step()
     gathers = {p: counts.get(("all-gather", p), 0) // args.steps for p in ("forward", "backward")}
     return {"gathers": gathers, "params": wrapper.gather_full_params()}

@@ -631,6 +631,22 @@ def _counting(counts: dict, phase: list):
     return originals
 
 
+def counted_step(wrapper, tokens: torch.Tensor, targets: torch.Tensor, counts: dict) -> None:
+    """Forward, backward and the gradients' synchronization of one step, adding the all-gathers
+    and reduce-scatters each phase launched to ``counts[(kind, phase)]``."""
+    phase = ["forward"]
+    originals = _counting(counts, phase)
+    try:
+        loss = transformer_loss(wrapper(tokens), targets)
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        for name, original in originals.items():
+            if original is not None:
+                setattr(dist, name, original)
+    wrapper.finish_gradient_synchronization()
+
+
 def _one_process(steps: int, world_size: int, lr: float, seed: int) -> dict:
     """One process: each step, every rank's micro-batch's gradient, averaged, one SGD step."""
     model = make_transformer(seed)
@@ -688,21 +704,10 @@ def show_fsdp(
                 f"({unit.shard.numel() * world_size - unit.numel} padding)",
             )
     counts: dict = {}
-    phase = ["forward"]
     for step in range(steps):
         tokens, targets = (t.to(device) for t in make_tokens(4, 1000 * seed + 10 * step + rank))
         optimizer.zero_grad()
-        originals = _counting(counts, phase)
-        try:
-            phase[0] = "forward"
-            loss = transformer_loss(wrapper(tokens), targets)
-            phase[0] = "backward"
-            loss.backward()
-        finally:
-            for name, original in originals.items():
-                if original is not None:
-                    setattr(dist, name, original)
-        wrapper.finish_gradient_synchronization()
+        counted_step(wrapper, tokens, targets, counts)
         optimizer.step()
     held = sum(p.numel() * p.element_size() for p in wrapper.parameters())
     if rank == 0:
