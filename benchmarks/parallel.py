@@ -36,6 +36,10 @@ same data and the same seeds:
            checkpoint + SGD                     (use_reentrant=False) + SGD; beside the times
                                                 the activation bytes each way keeps (measured
                                                 in an untimed step, saved_tensors_hooks)
+    hsdp   k36's HsdpTransformer + AdamW on     fully_shard on init_device_mesh((replicate,
+           a replicate x shard mesh (2 x N/2     shard), mesh_dim_names=("replicate", "shard"))
+           from 4 ranks on, 1 x 2 on 2)         + AdamW: the same units, a block each and the
+                                                model the rest
     mp     k31's MixedPrecisionFSDP + AdamW     fully_shard(mp_policy=MixedPrecisionPolicy(
            (bf16 gathers, fp32 reduce-scatters,  param_dtype=bf16, reduce_dtype=fp32)) + AdamW,
            a unit per block and the model's)     the same units, reshard_after_forward=False
@@ -97,6 +101,7 @@ KATAS = {
     "vocab": ("k34_vocab_parallel", "VocabParallelLM", "loss_parallel"),
     "ckpt": ("k32_activation_checkpointing", "checkpoint", "torch.utils.checkpoint"),
     "mp": ("k31_mixed_precision", "MixedPrecisionFSDP", "fully_shard MixedPrecisionPolicy"),
+    "hsdp": ("k36_hsdp_zero2", "HsdpTransformer", "fully_shard HSDP"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -785,6 +790,46 @@ def _mp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     return way(0), way(1), same
 
 
+def _hsdp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as error:
+        raise Skip(f"this torch has no fully_shard ({error})") from None
+    size, rank = dist.get_world_size(), dist.get_rank()
+    replicate = 2 if size >= 4 and size % 2 == 0 else 1  # 2 copies from 4 ranks on
+    shard = size // replicate
+    mesh = kata.make_mesh(replicate, shard)
+    yours = kata.HsdpTransformer(_model(args), mesh)  # it copies the model
+    theirs = _model(args)
+    device_mesh = init_device_mesh(
+        rank_device().type, (replicate, shard), mesh_dim_names=("replicate", "shard")
+    )
+    for block in theirs.blocks:  # the same units: a block each, the model the rest
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(theirs, mesh=device_mesh)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (yours, theirs)]
+
+    def step(model, optimizer, number: int) -> None:
+        optimizer.zero_grad()
+        tokens, targets = _batch(args, number, rank)
+        transformer_loss(model(tokens), targets).backward()
+        optimizer.step()
+
+    def same() -> bool:
+        full = kata.full_state(yours)
+        return all(
+            torch.allclose(full[name], param.full_tensor(), **TOLERANCE)
+            for name, param in theirs.named_parameters()
+        )
+
+    return (
+        lambda number: step(yours, optimizers[0], number),
+        lambda number: step(theirs, optimizers[1], number),
+        same,
+    )
+
+
 SAVED = ("ckpt",)  # rows that show the activation bytes each way keeps for backward
 
 
@@ -820,6 +865,7 @@ COMPARISONS = {
     "vocab": _vocab,
     "ckpt": _ckpt,
     "mp": _mp,
+    "hsdp": _hsdp,
 }
 
 

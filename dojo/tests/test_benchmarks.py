@@ -349,3 +349,21 @@ def test_parallel_benchmark_holds_mixed_precision_fsdp_against_fully_shard():
     assert re.search(r"\d\.\d\dx +10 +10 ", rows[0]), rows[0]
     if impl.current() == "solutions":
         assert "same weights" in rows[0], rows[0]
+
+
+@pytest.mark.slow  # a process importing torch, then a 4-rank world running DTensor: ~8 s on 2 cores
+def test_parallel_benchmark_holds_hsdp_against_fully_shard_on_a_2d_mesh():
+    """`dojo bench parallel --world-size 4 --only hsdp`: k36's HsdpTransformer beside fully_shard
+    on a (replicate, shard) = (2, 2) mesh, the same units, one step."""
+    result = run_program(
+        "benchmarks.parallel", "--impl", impl.current(), "--world-size", "4", "--only", "hsdp",
+        "--steps", "1", "--warmup", "0", "--dim", "32", timeout=120,
+    )  # fmt: skip
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 1 and rows[0].startswith("[main] k36 HsdpTransformer vs"), out
+    if "not implemented yet" in rows[0]:
+        return
+    if impl.current() == "solutions":
+        assert "same weights" in rows[0], rows[0]
