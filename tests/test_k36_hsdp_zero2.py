@@ -14,7 +14,7 @@ from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec import collectives
 from dojo.spec.states import close, gap
-from dojo.spec.testing import refusal, run_program_ok, shared_run
+from dojo.spec.testing import refusal, run_module_ok, shared_run
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
@@ -554,7 +554,7 @@ def test_zero2_holds_what_the_formula_says(kata):
 @pytest.mark.step(4)
 def test_program_trains_and_shows_the_bytes(kata):
     args = ("--replicate", "2", "--shard", "2", "--steps", "2")
-    out = run_program_ok(KATA, *args).stdout
+    out = run_module_ok(KATA, *args).stdout
     shown = f"`python -m katas.{KATA} {' '.join(args)}`"
     for line, why in (
         ("ZeRO-2         params   30,592  grads    7,648", "ZeRO-2's bytes by the formula"),

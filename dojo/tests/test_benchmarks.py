@@ -355,7 +355,7 @@ def test_parallel_benchmark_holds_mixed_precision_fsdp_against_fully_shard():
 def test_parallel_benchmark_holds_hsdp_against_fully_shard_on_a_2d_mesh():
     """`dojo bench parallel --world-size 4 --only hsdp`: k36's HsdpTransformer beside fully_shard
     on a (replicate, shard) = (2, 2) mesh, the same units, one step."""
-    result = run_program(
+    result = run_module(
         "benchmarks.parallel", "--impl", impl.current(), "--world-size", "4", "--only", "hsdp",
         "--steps", "1", "--warmup", "0", "--dim", "32", timeout=120,
     )  # fmt: skip
