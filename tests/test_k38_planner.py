@@ -1,15 +1,17 @@
 """k38 the planner: the memory, bytes and time of every layout from the model's shape, held to
 the byte against what the references of k18 (ZeRO-1), k19 (FSDP), k21 (pipeline stages) and
-k25 (tensor and sequence parallelism) hold and send on TinyTransformer, measured on 2 ranks;
-the rest by arithmetic; the plan's order, its budget and its refusals."""
+k25 (tensor and sequence parallelism), and torch's fully_shard, hold and send on TinyTransformer,
+measured on 2 ranks; the rest by arithmetic; the plan's order, its budget and its refusals."""
 
 from __future__ import annotations
 
 import importlib
 import math
+import warnings
 
 import pytest
 import torch
+from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from dojo.harness.calls import recording
@@ -66,7 +68,9 @@ def _payloads(calls) -> dict[str, int]:
 
 
 def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds of ``tensors`` (a DTensor: its local shard)."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _moments(optimizer) -> int:
@@ -115,6 +119,18 @@ def _measure(rank: int, world_size: int) -> dict:
     found["zero3"] = {"parameters": _bytes(sharded.parameters()),
                       "gradients": _bytes(p.grad for p in sharded.parameters()),
                       "optimizer": _moments(adam), "traffic": _payloads(calls)}  # fmt: skip
+
+    model = make_transformer(SEED)  # zero 3, torch's own: fully_shard on every block and the root
+    for piece in (*model.blocks, model):
+        fully_shard(piece)
+    adam = torch.optim.AdamW(model.parameters())
+    with recording() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP2's note that the model's output is a view
+        transformer_loss(model(tokens), targets).backward()
+    adam.step()
+    found["fully_shard"] = {"parameters": _bytes(model.parameters()),
+                            "gradients": _bytes(p.grad for p in model.parameters()),
+                            "optimizer": _moments(adam), "traffic": _payloads(calls)}  # fmt: skip
 
     k18 = _reference("k18_zero")  # zero 1: AdamW's state on each parameter's owner
     model = make_transformer(SEED)
@@ -259,6 +275,7 @@ MEASURED_MEMORY = [
     ("zero0", dict(dp=2, zero=0), "plain AdamW: everything whole on every rank"),
     ("zero1", dict(dp=2, zero=1), "k18's ShardedOptimizer: AdamW's moments on the owner only"),
     ("zero3", dict(dp=2, zero=3), "k19's FullyShardedModule: every block and the root sharded"),
+    ("fully_shard", dict(dp=2, zero=3), "torch's fully_shard on every block and the root"),
 ]
 
 
@@ -411,6 +428,7 @@ def test_wire_bytes_follow_the_ring(kata):
 # A layout measured on the world, and the group whose payloads it recorded
 MEASURED_TRAFFIC = [
     ("zero3", dict(dp=2, zero=3), {}, "dp", "k19's FullyShardedModule, one forward and backward"),
+    ("fully_shard", dict(dp=2, zero=3), {}, "dp", "torch's fully_shard, one forward and backward"),
     ("zero1", dict(dp=2, zero=1), {}, "dp", "k18's ShardedOptimizer's step (its all-gather half)"),
     ("tp", dict(tp=2), {"layers": 1, "batch": PER_RANK}, "tp", "k25's block, both ways, synced"),
 ]
@@ -430,7 +448,7 @@ def test_traffic_is_what_the_references_send(kata, name, layout, model, group, w
             f"rank {rank} recorded {what} putting {recorded} bytes into its collectives; "
             f"step_traffic(.., {kata.Layout(**layout)})[{group!r}] says {planned}"
             + (". The blocks are gathered forward and again backward, the root once"
-               if name == "zero3" else "")
+               if name in ("zero3", "fully_shard") else "")
             + (". k25's block: 6 all-gathers and 4 reduce-scatters of b s h, the 6 h whole "
                "parameters' gradients all-reduced" if name == "tp" else "")
         )  # fmt: skip
