@@ -100,15 +100,15 @@ WHAT THE TESTS CHECK
     Against the references, on TinyTransformer, measured on 2 ranks (numels and bytes counted,
     not trusted): the parameters k21's stages and k25's tensor-parallel block hold; what k19's
     FSDP (every block and the root a unit) and torch's ``fully_shard`` (the same units) hold of
-    parameters, gradients and AdamW's moments, and what k18's ZeRO-1 holds of AdamW's moments; the bytes autograd saves in a block, plain,
-    checkpointed (torch's checkpoint) and in k25's sequence-parallel block; the payloads of
-    k19's and ``fully_shard``'s all-gathers and reduce-scatters, k18's broadcasts and k25's
-    collectives, recorded;
-    each equal to the planner to the byte. By arithmetic: precisions, ZeRO stages, micro-batches
+    parameters, gradients and AdamW's moments, and what k18's ZeRO-1 holds of AdamW's moments;
+    the bytes autograd saves in a block, plain, checkpointed (torch's checkpoint) and in k25's
+    sequence-parallel block; the payloads of k19's and ``fully_shard``'s all-gathers and
+    reduce-scatters (also gathering and reducing in bf16, ``MixedPrecisionPolicy``), k18's
+    broadcasts and k25's collectives, recorded; each equal to the planner to the byte. By arithmetic: precisions, ZeRO stages, micro-batches
     in a pipeline, rounding up, the ring's factors, the bubble, recomputation's FLOPs, overlap,
     MFU, the plan's order and its budget; bad input (a tp that does not divide the heads, a
     layout whose product is not the world, a budget nothing fits) refused with a ValueError that
-    says what to do; the program.
+    says what to do; the program; on GPUs, ``fully_shard``'s bf16 traffic over NCCL.
 
 RUN IT
     .venv/bin/python -m katas.k38_planner

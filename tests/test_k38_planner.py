@@ -11,12 +11,13 @@ import warnings
 
 import pytest
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from dojo.harness.calls import recording
 from dojo.harness.impl import current
 from dojo.harness.world import run_world
+from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.testing import check_refuses_naming, run_program_ok
 from dojo.toy_models import (
     BLOCKS,
@@ -56,7 +57,8 @@ def _reference(name: str):
 def _payloads(calls) -> dict[str, int]:
     """Recorded calls as the planner counts them: per kind, the bytes of the whole buffer (an
     all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor)."""
-    kinds = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
+    kinds = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
              "all_reduce": "all_reduce", "broadcast": "all_gather"}  # fmt: skip
     found: dict[str, int] = {}
     for call in calls:
@@ -95,6 +97,24 @@ def _saved(run, module) -> int:
     return sum(saved.values())
 
 
+def _fully_sharded(device: torch.device, rank: int, param_dtype=None) -> dict:
+    """What torch's fully_shard (every block and the root, gathering and reducing in
+    ``param_dtype``; None: fp32) holds on this rank after one AdamW step, and what it sent."""
+    model = make_transformer(SEED).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    for piece in (*model.blocks, model):
+        fully_shard(piece, mp_policy=policy)
+    adam = torch.optim.AdamW(model.parameters())
+    tokens, targets = (t.to(device) for t in make_tokens(PER_RANK, SEED + rank))
+    with recording() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP2's note that the model's output is a view
+        transformer_loss(model(tokens).float(), targets).backward()
+    adam.step()
+    return {"parameters": _bytes(model.parameters()),
+            "gradients": _bytes(p.grad for p in model.parameters()),
+            "optimizer": _moments(adam), "traffic": _payloads(calls)}  # fmt: skip
+
+
 def _measure(rank: int, world_size: int) -> dict:
     """What the references hold and send on this rank: parameters, gradients and AdamW's
     moments (bytes), activations saved (bytes), collectives' payloads (bytes)."""
@@ -120,17 +140,8 @@ def _measure(rank: int, world_size: int) -> dict:
                       "gradients": _bytes(p.grad for p in sharded.parameters()),
                       "optimizer": _moments(adam), "traffic": _payloads(calls)}  # fmt: skip
 
-    model = make_transformer(SEED)  # zero 3, torch's own: fully_shard on every block and the root
-    for piece in (*model.blocks, model):
-        fully_shard(piece)
-    adam = torch.optim.AdamW(model.parameters())
-    with recording() as calls, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # FSDP2's note that the model's output is a view
-        transformer_loss(model(tokens), targets).backward()
-    adam.step()
-    found["fully_shard"] = {"parameters": _bytes(model.parameters()),
-                            "gradients": _bytes(p.grad for p in model.parameters()),
-                            "optimizer": _moments(adam), "traffic": _payloads(calls)}  # fmt: skip
+    found["fully_shard"] = _fully_sharded(torch.device("cpu"), rank)  # zero 3, torch's own
+    found["fully_shard_bf16"] = _fully_sharded(torch.device("cpu"), rank, torch.bfloat16)
 
     k18 = _reference("k18_zero")  # zero 1: AdamW's state on each parameter's owner
     model = make_transformer(SEED)
@@ -429,6 +440,13 @@ def test_wire_bytes_follow_the_ring(kata):
 MEASURED_TRAFFIC = [
     ("zero3", dict(dp=2, zero=3), {}, "dp", "k19's FullyShardedModule, one forward and backward"),
     ("fully_shard", dict(dp=2, zero=3), {}, "dp", "torch's fully_shard, one forward and backward"),
+    (
+        "fully_shard_bf16",
+        dict(dp=2, zero=3, precision="bf16"),
+        {},
+        "dp",
+        "torch's fully_shard gathering and reducing in bf16 (MixedPrecisionPolicy)",
+    ),
     ("zero1", dict(dp=2, zero=1), {}, "dp", "k18's ShardedOptimizer's step (its all-gather half)"),
     ("tp", dict(tp=2), {"layers": 1, "batch": PER_RANK}, "tp", "k25's block, both ways, synced"),
 ]
@@ -448,7 +466,8 @@ def test_traffic_is_what_the_references_send(kata, name, layout, model, group, w
             f"rank {rank} recorded {what} putting {recorded} bytes into its collectives; "
             f"step_traffic(.., {kata.Layout(**layout)})[{group!r}] says {planned}"
             + (". The blocks are gathered forward and again backward, the root once"
-               if name in ("zero3", "fully_shard") else "")
+               if name.startswith(("zero3", "fully_shard")) else "")
+            + (". In bf16 every element that travels is 2 bytes" if "bf16" in name else "")
             + (". k25's block: 6 all-gathers and 4 reduce-scatters of b s h, the 6 h whole "
                "parameters' gradients all-reduced" if name == "tp" else "")
         )  # fmt: skip
@@ -641,3 +660,24 @@ def test_program_plans_a_node_and_agrees_with_fully_shard(kata):
     out = run_program_ok(KATA, "--top", "3", timeout=120).stdout
     assert "the pick: dp" in out, f"the program names no pick:\n{out}"
     assert "to the byte" in out, f"the program's planner disagrees with fully_shard:\n{out}"
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _fully_sharded_on_cuda(rank: int, world_size: int) -> dict:
+    return _fully_sharded(rank_gpu(), rank, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.step(3)
+def test_traffic_in_bf16_is_what_fully_shard_sends_over_nccl(kata):
+    layout = kata.Layout(dp=2, zero=3, precision="bf16")
+    planned = kata.step_traffic(_model(kata), layout).get("dp", {})
+    measured = run_world(_fully_sharded_on_cuda, WORLD, **on_cuda(WORLD, "nccl"))
+    for rank, found in enumerate(measured):
+        assert found["traffic"] == planned, (
+            f"rank {rank} recorded torch's fully_shard (bf16, NCCL, on GPUs) putting "
+            f"{found['traffic']} bytes into its collectives; step_traffic(.., {layout})['dp'] "
+            f"says {planned}"
+        )
