@@ -46,6 +46,11 @@ THE IDEA
                                                       (the root stays gathered, as fully_shard's
                                                       does), reduce-scatter (P)
 
+    Exact where the shards are: a flat shard (k19) or fully_shard's per-parameter rows split
+    evenly when dp divides them; k18's ZeRO-1 gives whole parameters to owners, so a rank holds
+    N / dp only where the owners balance (TinyTransformer's do on 2 ranks), else within the
+    largest parameter of it.
+
     Activations per block and micro-batch, kept for backward (k32's formula, measured there):
     e (12 b s h + a b s^2 + 4 b s) bytes + s^2 for the causal mask (one bool a pair); with
     recomputation only the input, e b s h. Tensor and sequence parallelism divide the floats
@@ -95,6 +100,9 @@ STEPS
     5. ``plan``: every layout that fits a budget, fastest first (equal times: less memory
        first, then the order of the layouts given; ``every_layout``'s: tp, pp, ZeRO stage,
        recomputation, precision, each ascending), and bad layouts or budgets refused.
+    The plumbing around them is yours to use: ``micro_batches`` (a data-parallel rank's
+    micro-batches a step), ``_layers_of_stages`` (k21's cut), ``_check_layout`` (a layout's
+    fields refused with a ValueError) and ``every_layout``.
 
 WHAT THE TESTS CHECK
     Against the references, on TinyTransformer, measured on 2 ranks (numels and bytes counted,
@@ -237,7 +245,7 @@ def parameters_per_rank(model: Model, tp: int = 1, pp: int = 1) -> list[int]:
     # hold them: blocks spread as k21 spreads them, the embedding on the first stage, the final
     # norm and output on the last, the vocabulary never split. A tp that does not divide the heads
     # or a pp above the layers (or anything not a positive int) is a ValueError saying what fits.
-    # The tests count k21's and k25's parameters on 2 ranks and try 1 to 4 stages and tp up to 8.
+    # The tests count k21's and k25's parameters on 2 ranks and try 1 to 5 stages and tp up to 8.
     for name in ("layers", "dim", "heads", "vocab"):
         _positive(f"model.{name}", getattr(model, name))
     _positive("tp", tp)
@@ -309,7 +317,8 @@ def memory_per_rank(model: Model, layout: Layout) -> Memory:
     # each block's activations per micro-batch (recomputed: the input only; tp divides the floats,
     # not the mask), stage i keeping min(pp - i, m) micro-batches. A ZeRO stage, precision or
     # recompute that is not one of the lesson's is a ValueError. The tests measure k19's FSDP,
-    # k18's ZeRO-1 and a block's saved tensors on 2 ranks, then check every term by arithmetic.
+    # torch's fully_shard, k18's ZeRO-1 and a block's saved tensors on 2 ranks, then check every
+    # term by arithmetic.
     _check_layout(layout)
     m = micro_batches(model, layout.dp)
     weight, gradient, state, element = BYTES[layout.precision]
@@ -373,7 +382,8 @@ def step_traffic(model: Model, layout: Layout, stage: int = 0) -> dict[str, dict
     # step: dp's by ZeRO stage (ZeRO-3: per micro-batch, blocks gathered twice, the rest once), tp's
     # per layer and micro-batch as k25's block makes them plus its whole parameters' gradients once,
     # pp's sends (forward, backward), each in the precision's element size. A stage outside the
-    # pipeline is a ValueError. The tests record k19's, k18's and k25's collectives on 2 ranks.
+    # pipeline is a ValueError. The tests record k19's, fully_shard's (fp32 and bf16), k18's and
+    # k25's collectives on 2 ranks, then check the rest by arithmetic.
     _check_layout(layout)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < layout.pp:
         raise ValueError(
@@ -562,6 +572,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.memory_gib <= 0 or args.top < 1:
         parser.error("--gpus and --top must be at least 1 and --memory-gib above 0")
+    if args.world_size < 1 or MODEL_DIM % args.world_size:
+        parser.error(
+            f"--world-size must divide {MODEL_DIM}, TinyTransformer's width, so that fully_shard "
+            "splits every parameter evenly (1, 2, 4, 8 or 16)"
+        )
     model = SMALL_GPT
     hardware = Hardware(H100_NODE.flops, H100_NODE.mfu, int(args.memory_gib * GIB),
                         H100_NODE.bandwidth)  # fmt: skip
