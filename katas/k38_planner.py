@@ -106,17 +106,19 @@ STEPS
 
 WHAT THE TESTS CHECK
     Against the references, on TinyTransformer, measured on 2 ranks (numels and bytes counted,
-    not trusted): the parameters k21's stages and k25's tensor-parallel block hold; what k19's
-    FSDP (every block and the root a unit) and torch's ``fully_shard`` (the same units) hold of
-    parameters, gradients and AdamW's moments, and what k18's ZeRO-1 holds of AdamW's moments;
-    the bytes autograd saves in a block, plain, checkpointed (torch's checkpoint) and in k25's
-    sequence-parallel block; the payloads of k19's and ``fully_shard``'s all-gathers and
-    reduce-scatters (also gathering and reducing in bf16, ``MixedPrecisionPolicy``), k18's
-    broadcasts and k25's collectives, recorded; each equal to the planner to the byte. By arithmetic: precisions, ZeRO stages, micro-batches
-    in a pipeline, rounding up, the ring's factors, the bubble, recomputation's FLOPs, overlap,
-    MFU, the plan's order and its budget; bad input (a tp that does not divide the heads, a
-    layout whose product is not the world, a budget nothing fits) refused with a ValueError that
-    says what to do; the program; on GPUs, ``fully_shard``'s bf16 traffic over NCCL.
+    not trusted): the parameters k21's stages and k25's tensor-parallel block hold, and the
+    micro-batches k21's 1F1B pipeline keeps in flight; what k19's FSDP (every block and the root
+    a unit) and torch's ``fully_shard`` (the same units) hold of parameters, gradients and
+    AdamW's moments, and what k18's ZeRO-1 holds of AdamW's moments; the bytes autograd saves in
+    a block, plain, checkpointed (torch's checkpoint) and in k25's sequence-parallel block; the
+    payloads of k19's and ``fully_shard``'s all-gathers and reduce-scatters (also gathering and
+    reducing in bf16, ``MixedPrecisionPolicy``), k18's broadcasts, k25's collectives and k21's
+    sends, recorded; each equal to the planner to the byte. By arithmetic: precisions, ZeRO
+    stages, micro-batches in a pipeline, rounding up, the ring's factors, the bubble,
+    recomputation's FLOPs, overlap, MFU, the plan's order and its budget; bad input (a tp that
+    does not divide the heads, a layout whose product is not the world, a budget nothing fits)
+    refused with a ValueError that says what to do; the program; on GPUs, ``fully_shard``'s bf16
+    traffic over NCCL.
 
 RUN IT
     .venv/bin/python -m katas.k38_planner
@@ -290,8 +292,8 @@ def memory_per_rank(model: Model, layout: Layout) -> Memory:
     # each block's activations per micro-batch (recomputed: the input only; tp divides the floats,
     # not the mask), stage i keeping min(pp - i, m) micro-batches. A ZeRO stage, precision or
     # recompute that is not one of the lesson's is a ValueError. The tests measure k19's FSDP,
-    # torch's fully_shard, k18's ZeRO-1 and a block's saved tensors on 2 ranks, then check every
-    # term by arithmetic.
+    # torch's fully_shard, k18's ZeRO-1, a block's saved tensors and k21's micro-batches in flight
+    # on 2 ranks, then check every term by arithmetic.
     raise KataTodo("k38", 2, "memory per rank under a layout")
 
 
@@ -315,8 +317,8 @@ def step_traffic(model: Model, layout: Layout, stage: int = 0) -> dict[str, dict
     # step: dp's by ZeRO stage (ZeRO-3: per micro-batch, blocks gathered twice, the rest once), tp's
     # per layer and micro-batch as k25's block makes them plus its whole parameters' gradients once,
     # pp's sends (forward, backward), each in the precision's element size. A stage outside the
-    # pipeline is a ValueError. The tests record k19's, fully_shard's (fp32 and bf16), k18's and
-    # k25's collectives on 2 ranks, then check the rest by arithmetic.
+    # pipeline is a ValueError. The tests record k19's, fully_shard's (fp32 and bf16), k18's, k25's
+    # and k21's collectives and sends on 2 ranks, then check the rest by arithmetic.
     raise KataTodo("k38", 3, "the bytes of each group's collectives")
 
 

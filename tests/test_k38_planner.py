@@ -34,6 +34,7 @@ from dojo.toy_models import (
 
 KATA = "k38_planner"
 SEED, WORLD, PER_RANK = 3, 2, 2  # the measured world: 2 ranks, 2 sequences each
+PIPELINED = 4  # micro-batches through k21's 1F1B pipeline of 2 stages
 # k36 (HSDP / ZeRO-2) joins as one more row of MEASURED_MEMORY and MEASURED_TRAFFIC below.
 
 
@@ -59,9 +60,11 @@ def _payloads(calls) -> dict[str, int]:
     all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor)."""
     kinds = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-             "all_reduce": "all_reduce", "broadcast": "all_gather"}  # fmt: skip
+             "all_reduce": "all_reduce", "broadcast": "all_gather", "isend": "send"}  # fmt: skip
     found: dict[str, int] = {}
     for call in calls:
+        if call.name in ("recv", "irecv"):  # what a rank sends is counted once, by its sender
+            continue
         size = getattr(torch, call.dtypes[0]).itemsize
         whole = max(math.prod(shape) for shape in call.shapes) * size
         kind = kinds.get(call.name, call.name)
@@ -154,6 +157,12 @@ def _measure(rank: int, world_size: int) -> dict:
     k21 = _reference("k21_pipeline")  # pp: 3 blocks over 2 stages
     stage = k21.split_stages(make_transformer(SEED, blocks=3), world_size, rank)
     found["stage"] = sum(p.numel() for p in stage.parameters())
+    stage = k21.split_stages(make_transformer(SEED), world_size, rank)  # 1F1B, 4 micro-batches
+    tokens, targets = make_tokens(PER_RANK * PIPELINED, SEED)
+    batches = list(zip(tokens.chunk(PIPELINED), targets.chunk(PIPELINED)))
+    with recording() as calls:
+        run = k21.run_schedule(stage, k21.one_f_one_b_actions(world_size, PIPELINED, rank), batches)
+    found["pp"] = {"traffic": _payloads(calls), "in flight": run.peak_activations}
 
     block = make_transformer(SEED).blocks[0]  # activations: one block, plain and checkpointed
     x = torch.randn(PER_RANK, SEQUENCE, MODEL_DIM, generator=torch.Generator().manual_seed(SEED))
@@ -330,6 +339,21 @@ def test_activations_are_what_autograd_saves(kata):
         assert failure is None, failure
 
 
+@pytest.mark.step(2)
+def test_a_pipeline_stage_keeps_what_k21_holds_in_flight(kata):
+    one = kata.memory_per_rank(_model(kata, layers=1, batch=PER_RANK), kata.Layout())
+    piped = _model(kata, batch=PER_RANK * PIPELINED)
+    got = kata.memory_per_rank(piped, kata.Layout(pp=2))
+    held = _measurements()[0]["pp"]["in flight"]
+    expected = held * one.activations  # stage 0: its one layer, `held` micro-batches at once
+    assert got.activations == expected, (
+        f"k21's 1F1B pipeline of 2 stages, {PIPELINED} micro-batches, held {held} of them at once "
+        f"on stage 0 (its forward run, its backward not yet), {held} x {one.activations} bytes of "
+        f"its layer's activations; memory_per_rank(2 layers, {PIPELINED} micro-batches, pp=2) "
+        f"keeps {got.activations}. A 1F1B stage i keeps min(pp - i, m) micro-batches"
+    )
+
+
 def _memory(kata, layout, **model):
     got = kata.memory_per_rank(_model(kata, **model), layout)
     changed = "".join(f", {k}={v}" for k, v in model.items())
@@ -449,6 +473,7 @@ MEASURED_TRAFFIC = [
     ),
     ("zero1", dict(dp=2, zero=1), {}, "dp", "k18's ShardedOptimizer's step (its all-gather half)"),
     ("tp", dict(tp=2), {"layers": 1, "batch": PER_RANK}, "tp", "k25's block, both ways, synced"),
+    ("pp", dict(pp=2), {"batch": PER_RANK * PIPELINED}, "pp", "k21's 1F1B step, 4 micro-batches"),
 ]
 
 
@@ -457,19 +482,26 @@ MEASURED_TRAFFIC = [
     "name, layout, model, group, what", MEASURED_TRAFFIC, ids=[m[0] for m in MEASURED_TRAFFIC]
 )
 def test_traffic_is_what_the_references_send(kata, name, layout, model, group, what):
-    planned = kata.step_traffic(_model(kata, **model), kata.Layout(**layout)).get(group, {})
+    stages = kata.Layout(**layout).pp  # rank r of a pipeline is stage r
+    planned = [
+        kata.step_traffic(_model(kata, **model), kata.Layout(**layout), r % stages).get(group, {})
+        for r in range(WORLD)
+    ]
     for rank, found in enumerate(_measurements()):
-        recorded = found[name]["traffic"]
+        recorded, says = found[name]["traffic"], planned[rank]
         if name == "zero1":  # k18 broadcasts what ZeRO-1 all-gathers; its gradients were summed
-            planned = {k: v for k, v in planned.items() if k == "all_gather"}
-        assert planned == recorded, (
+            says = {k: v for k, v in says.items() if k == "all_gather"}
+        stage = f", stage={rank}" if stages > 1 else ""
+        assert says == recorded, (
             f"rank {rank} recorded {what} putting {recorded} bytes into its collectives; "
-            f"step_traffic(.., {kata.Layout(**layout)})[{group!r}] says {planned}"
+            f"step_traffic(.., {kata.Layout(**layout)}{stage})[{group!r}] says {says}"
             + (". The blocks are gathered forward and again backward, the root once"
                if name.startswith(("zero3", "fully_shard")) else "")
             + (". In bf16 every element that travels is 2 bytes" if "bf16" in name else "")
             + (". k25's block: 6 all-gathers and 4 reduce-scatters of b s h, the 6 h whole "
                "parameters' gradients all-reduced" if name == "tp" else "")
+            + (". Each micro-batch's activations go forward from every stage but the last, "
+               "their gradients back from every stage but the first" if name == "pp" else "")
         )  # fmt: skip
 
 

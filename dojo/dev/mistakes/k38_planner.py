@@ -101,12 +101,14 @@ def parameters_module_by_module(model, tp=1, pp=1):
 
 
 def _memory(model, layout, *, grads_from=2, params_from=3, state_bytes=None, round_up=True,
-            recompute_keeps=True, mask_split=False, in_flight=None, busiest=True):  # fmt: skip
+            recompute_keeps=True, mask_split=False, in_flight=None, busiest=True,
+            activation_bytes=None):  # fmt: skip
     """memory_per_rank with the knobs a mistake turns."""
     _memory_per_rank(model, layout)  # the reference's refusals
     k38 = _k38()
     weight, gradient, state, element = BYTES[layout.precision]
     state = state_bytes.get(layout.precision, state) if state_bytes else state
+    element = activation_bytes or element
     dp, tp, pp, zero = layout.dp, layout.tp, layout.pp, layout.zero
     m = k38.micro_batches(model, dp)
 
@@ -161,6 +163,10 @@ def recomputation_keeps_nothing(model, layout):
 
 def mask_divided_by_tp(model, layout):
     return _memory(model, layout, mask_split=True)
+
+
+def bf16_activations_kept_in_fp32(model, layout):
+    return _memory(model, layout, activation_bytes=4)
 
 
 def one_micro_batch_in_flight(model, layout):
@@ -404,6 +410,7 @@ def plan_by_stable_sort(model, world, hardware, budget=None, layouts=None):
 _REFERENCES = "test_parameters_are_what_the_references_hold"
 _BY_HAND = "test_parameters_by_layer_and_stage"
 _ACTIVATIONS = "test_activations_are_what_autograd_saves"
+_IN_FLIGHT = "test_a_pipeline_stage_keeps_what_k21_holds_in_flight"
 _PRECISION = "test_memory_by_precision_and_zero_stage"
 _BY_LAYOUT = "test_activations_by_layout"
 _TRAFFIC = "test_traffic_is_what_the_references_send"
@@ -440,10 +447,12 @@ MISTAKES = [
             says=["a checkpointed Block keeps", "recomputed, the input only"]),
     Mistake("mask_divided_by_tp", replaces="memory_per_rank", fails=[_ACTIVATIONS],
             says=["k25's sequence-parallel Block keeps", "+ s^2 (the mask, whole)"]),
-    Mistake("one_micro_batch_in_flight", replaces="memory_per_rank", fails=[_BY_LAYOUT],
-            says=["keeps min(pp - 0, m) = 2 micro-batches"]),
-    Mistake("every_micro_batch_in_flight", replaces="memory_per_rank", fails=[_BY_LAYOUT],
-            says=["the 4 micro-batches run one after another: one in flight"]),
+    Mistake("bf16_activations_kept_in_fp32", replaces="memory_per_rank", fails=[_BY_LAYOUT],
+            says=["bf16 activations are 2 bytes a float"]),
+    Mistake("one_micro_batch_in_flight", replaces="memory_per_rank", fails=[_IN_FLIGHT],
+            says=["held 2 of them at once", "keeps min(pp - i, m) micro-batches"]),
+    Mistake("every_micro_batch_in_flight", replaces="memory_per_rank", fails=[_IN_FLIGHT],
+            says=["held 2 of them at once", "keeps min(pp - i, m) micro-batches"]),
     Mistake("first_stage_only", replaces="memory_per_rank",
             fails=["test_memory_is_the_busiest_stage"],
             says=["report the stage whose total is largest"]),
@@ -457,8 +466,9 @@ MISTAKES = [
             says=["k19's FullyShardedModule", "the root once"]),
     Mistake("tp_all_reduces_like_k20", replaces="step_traffic", fails=[f"{_TRAFFIC}[tp]"],
             says=["k25's block", "6 all-gathers and 4 reduce-scatters"]),
-    Mistake("pp_sends_both_ways_on_every_stage", replaces="step_traffic", fails=[_ARITHMETIC],
-            says=["the last stage of 2 sends each micro-batch's gradient back"]),
+    Mistake("pp_sends_both_ways_on_every_stage", replaces="step_traffic",
+            fails=[f"{_TRAFFIC}[pp]"],
+            says=["k21's 1F1B step", "their gradients back from every stage but the first"]),
     Mistake("ddp_all_reduces_every_micro_batch", replaces="step_traffic", fails=[_ARITHMETIC],
             says=["DDP all-reduces every gradient once a step"]),
     Mistake("traffic_always_fp32", replaces="step_traffic", fails=[f"{_TRAFFIC}[fully_shard_bf16]"],
