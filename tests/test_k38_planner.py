@@ -489,7 +489,7 @@ def test_traffic_is_what_the_references_send(kata, name, layout, model, group, w
     ]
     for rank, found in enumerate(_measurements()):
         recorded, says = found[name]["traffic"], planned[rank]
-        if name == "zero1":  # k18 broadcasts what ZeRO-1 all-gathers; its gradients were summed
+        if name == "zero1":  # k18 broadcasts what ZeRO-1 all-gathers; the loop sums the gradients
             says = {k: v for k, v in says.items() if k == "all_gather"}
         stage = f", stage={rank}" if stages > 1 else ""
         assert says == recorded, (
@@ -645,7 +645,7 @@ def test_plan_keeps_every_layout_that_fits_fastest_first(kata):
     keys = [(p.timing.step, p.memory.total) for p in plans]
     for i, (before, after) in enumerate(zip(keys, keys[1:])):
         assert before <= after, (
-            f"plan's {i + 1}th and {i + 2}th layouts, {got[i]} then {got[i + 1]}, take "
+            f"plan's layouts {i} and {i + 1} (from 0), {got[i]} then {got[i + 1]}, take "
             f"{before[0]:.6g} s and {after[0]:.6g} s ({before[1]} and {after[1]} bytes): fastest "
             "first, and of equal times the one with less memory"
         )
