@@ -21,7 +21,7 @@ THE IDEA
               |
             plan(model, world, hardware): every layout that fits, fastest first
 
-    The parameters of a GPT of TinyTransformer's shape (the tied-free, biased one Part IV cuts):
+    The parameters of a GPT of TinyTransformer's shape (Part IV's: untied, biases everywhere):
     a block holds 12 h^2 + 13 h (q, k, v, out: 4 h^2 + 4 h; up, down: 8 h^2 + 5 h; two
     LayerNorms: 4 h); the model adds the embedding (V h) and the norm and output (2 h + h V + V).
     Tensor parallelism splits 12 h^2 + 7 h of a block over tp ranks and keeps 6 h whole on each
@@ -29,7 +29,8 @@ THE IDEA
     one block more where the blocks do not divide (k21), the embedding to the first stage, the
     norm and output to the last.
 
-    Bytes per parameter (the Playbook's "2 + 2 + 12" in mixed precision; Adam's two moments):
+    Bytes per parameter (the Ultra-Scale Playbook's "2 + 2 + 12" in mixed precision, Hugging
+    Face, 2025; Adam's two moments):
 
         precision   parameter   gradient   optimizer state           collectives, activations
         fp32        4           4          8 (exp_avg, exp_avg_sq)   4
@@ -71,6 +72,11 @@ THE IDEA
     its all-gather; a stage for its input):
 
         step = max(compute, dp) + tp + pp          MFU = 6 N tokens / (step x world x peak)
+
+    What it leaves out, on purpose: context and expert parallelism (k26, k22), the vocabulary
+    split (k34), the activations of the logits and the loss, what a step holds for a moment (a
+    ZeRO-3 unit's gathered weights, the block recomputed in backward) and the allocator's
+    fragmentation: plan with a margin under the GPU's memory.
 
     What torch offers, and when a practitioner picks it (per rank, N parameters, fp32):
 
