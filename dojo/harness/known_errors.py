@@ -26,6 +26,9 @@ class Known:
     means: str  # English (a msgid: translated as it is said), filled with the pattern's groups
     evidence: Callable[[Culprit | None], bool] = lambda culprit: True
     likely: bool = False  # inferred from the learner's line, not certain: said as "Likely:"
+    # raised by torch on behalf of the learner's code when the spec's call reaches it (autograd
+    # checks what a learner's Function's backward returned only after it returned)
+    learners_through_spec: bool = False
 
 
 def _line_has(*words: str) -> Callable[[Culprit | None], bool]:
@@ -36,11 +39,14 @@ def _line_has(*words: str) -> Callable[[Culprit | None], bool]:
     return holds
 
 
-def _k(name, types, pattern, means, evidence=None) -> Known:
+def _k(name, types, pattern, means, evidence=None, learners_through_spec=False) -> Known:
     """An entry; one with ``evidence`` reads the learner's line, so it says "Likely". (``means``
     is marked for translation as ``_k``'s fourth argument: ``dojo.dev.messages.KEYWORDS``.)"""
     holds = evidence or (lambda culprit: True)
-    return Known(name, types, re.compile(pattern, re.I | re.S), means, holds, evidence is not None)
+    return Known(
+        name, types, re.compile(pattern, re.I | re.S), means, holds, evidence is not None,
+        learners_through_spec,
+    )  # fmt: skip
 
 
 KNOWN = (
@@ -148,6 +154,15 @@ KNOWN = (
         "destroy_process_group.",
     ),
     _k(
+        "backward_gradient_count",
+        ("RuntimeError",),
+        r"returned an incorrect number of gradients \(expected (?P<want>\d+), got (?P<got>\d+)\)",
+        "an autograd.Function's backward returned {got} of the {want} gradients its forward's "
+        "inputs need (one per input after ctx): backward returns one per input of forward, in the "
+        "same order, and None for each input that needs none (a group, a flag, a size).",
+        learners_through_spec=True,
+    ),
+    _k(
         "in_place_on_leaf",
         ("RuntimeError",),
         r"a leaf Variable that requires grad is being used in an in-place operation",
@@ -172,15 +187,22 @@ KNOWN = (
 )
 
 
-def explain(type_name: str, message: str, culprit: Culprit | None = None) -> str | None:
-    """What the error means in a kata's words ("Likely: ..." where it is inferred from the
-    learner's line), where an entry knows it and its evidence holds; else None."""
+def _found(type_name: str, message: str, culprit: Culprit | None):
+    """The entry that knows this error, with its match, where its evidence holds."""
     for known in KNOWN:
         if known.types and type_name not in known.types:
             continue
         match = known.pattern.search(message)
-        if match is None or not known.evidence(culprit):
-            continue
+        if match is not None and known.evidence(culprit):
+            return known, match
+    return None, None
+
+
+def explain(type_name: str, message: str, culprit: Culprit | None = None) -> str | None:
+    """What the error means in a kata's words ("Likely: ..." where it is inferred from the
+    learner's line), where an entry knows it and its evidence holds; else None."""
+    known, match = _found(type_name, message, culprit)
+    if known is not None:
         values = {k: v for k, v in match.groupdict().items() if v is not None}
         if "high" in values:
             values["high_plus_one"] = str(int(values["high"]) + 1)
@@ -242,12 +264,21 @@ def said(type_name: str, message: str, culprit: Culprit | None) -> str:
             return f"{head}\n" + t("raised {raw}", raw=raw)
         failed = t("failed: {meaning}", meaning=meaning)
         return f"{head}\n{failed}\n  " + t("{whose} said: {raw}", whose=whose, raw=raw)
+    if meaning is not None and _learners_through_spec(type_name, message, culprit):
+        head = t("the test's call at {where} reached your code, and torch refused it:", where=where)
+        failed = t("failed: {meaning}", meaning=meaning)
+        return f"{head}{source}\n{failed}\n  " + t("{whose} said: {raw}", whose="torch", raw=raw)
     said = t(
         "the test's own code failed on what your code gave it, at {where} (a fault of the "
         "test: please report it, with your code):",
         where=where,
     )
     return f"{said}{source}\n  {raw}"
+
+
+def _learners_through_spec(type_name: str, message: str, culprit: Culprit | None) -> bool:
+    known, _ = _found(type_name, message, culprit)
+    return known is not None and known.learners_through_spec
 
 
 def is_assertion(type_name: str) -> bool:
@@ -275,6 +306,7 @@ def is_raw(type_name: str, message: str, culprit: Culprit | None) -> bool:
         return False
     if culprit is not None and culprit.origin == "kata":
         return False
-    return explain(type_name, message, culprit) is None or (
-        culprit is not None and culprit.origin == "spec"
-    )
+    if explain(type_name, message, culprit) is None:
+        return True
+    spec = culprit is not None and culprit.origin == "spec"
+    return spec and not _learners_through_spec(type_name, message, culprit)

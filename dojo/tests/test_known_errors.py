@@ -154,3 +154,32 @@ def test_a_spec_that_fails_with_pytest_fail_speaks_its_own_words():
     message = "rank 0 received [2, 4, 6], expected [1, 3, 5]: it noted the counter after adding 1"
     assert not known_errors.is_raw("Failed", message, spec)
     assert known_errors.said("Failed", message, spec) == message
+
+
+class _ReturnsTooFew(torch.autograd.Function):
+    """A learner's Function whose backward forgets the None for its second input."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_functions_wrong_gradient_count_met_in_the_specs_backward_is_the_learners():
+    """autograd checks a Function's backward only after it returned, so the error surfaces at
+    the spec's .backward(): the learner's, said so, not the spec's crash."""
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError) as caught:
+        _ReturnsTooFew.apply(x, 2.0).sum().backward()
+    spec = culprit.Culprit(
+        "spec", "", "tests/test_k26_ring_attention.py", 506, "t", "y.backward()", ""
+    )
+    message = str(caught.value)
+    assert not known_errors.is_raw("RuntimeError", message, spec), message
+    said = known_errors.said("RuntimeError", message, spec)
+    assert said.startswith("the test's call at tests/test_k26_ring_attention.py:506"), said
+    assert "backward returned 1 of the 2 gradients" in said, said
+    assert "None for each input that needs none" in said, said

@@ -653,8 +653,7 @@ MISTAKES = [
         replaces="full_state",
         fails=[_STATE],
         says=[
-            "deadlock: rank(s) 0, 2",
-            "no progress for 3 s",
+            "deadlock: rank(s) 0, 2",  # stalled or straggling: which one depends on the load
             "wait in all_gather",
             "1, 3 returned",
         ],
