@@ -4,19 +4,22 @@ THE IDEA
     Parts III-VII cut a model up in many ways: ZeRO shards the optimizer state (k18), the
     gradients and the parameters (k19); tensor parallelism splits each layer (k20, with the
     sequence along the activations: k25); a pipeline gives each rank some layers (k21);
-    checkpointing keeps only a block's input (k32); mixed precision halves what travels (k31).
+    checkpointing keeps only a block's input (k32); mixed precision halves what travels (k31);
+    context parallelism splits the sequence (k26's ring, k35's Ulysses); expert parallelism
+    shares out a mixture's experts (k22).
     A real run combines them, and before renting 8 GPUs for a week you want to know which
     combination fits in a GPU's memory and which is fastest. Everything that decides it is
     arithmetic on the model's shape: no GPU needed, and no guess either, because every number
     below is what the earlier katas' references hold and send (the tests measure them).
 
-        a layout: dp x tp x pp = the world's GPUs, a ZeRO stage, recomputation, a precision
+        a layout: dp x tp x pp x cp = the world's GPUs (ep of the dp x cp ranks share out
+                  the experts), a ZeRO stage, recomputation, a precision
 
             model (layers, dim h, heads a, vocab V, sequence s; a step's batch of B
                    sequences, micro-batches of b: m = B / (dp b) per data-parallel rank)
               |
               +-- memory per rank = parameters + gradients + optimizer state + activations
-              +-- bytes per step, per group (dp, tp, pp): what each collective carries
+              +-- bytes per step, per group (dp, tp, pp, cp, ep): what each collective carries
               +-- time = compute (6 N per token, at an MFU) and communication (at a bandwidth)
               |
             plan(model, world, hardware): every layout that fits, fastest first
@@ -61,8 +64,26 @@ THE IDEA
     backward), and once a step the 6 h whole parameters' gradients all-reduced; under pp, each
     micro-batch's activation forward and its gradient backward, b s h elements each.
 
+    Context parallelism (cp ranks, each s / cp of every sequence): every block keeps 1 / cp of
+    its activations (the mask's rows too) and every group's activations are this rank's tokens;
+    the cp ranks hold the same parameters, so dp's group (its gradients, ZeRO's shards) is the
+    dp x cp ranks (Megatron's). Per layer and micro-batch, with t = b s h / (cp tp) elements of
+    one of q, k, v, out on a rank: k26's ring sends k and v (2 t) cp - 1 hops forward and again
+    backward, and their gradients cp hops home, which k26 sums and sends in fp32; k35's Ulysses
+    runs 8 all-to-alls of t (q, k, v, out forward, their gradients backward), and needs whole
+    heads on each of the tp x cp ranks.
+
+    Experts (k22's top-1 mixture of E experts in every block, each an MLP, and a router of
+    h E + E kept whole): ep ranks of the dp x cp share them out, E / ep experts a rank (ep needs
+    tp = 1 here: the tokens travel whole). Per layer and micro-batch the ep group runs k22's
+    all-to-alls: the counts (ep int64s), then the rank's tokens (b s h / cp) out to their
+    experts and back, forward and again backward: 4 all-to-alls whose payload is the rank's own
+    tokens. A token goes through one expert: 6 N per token counts the active parameters.
+
     What a collective costs each rank in bytes sent, for a payload of B bytes over n ranks
-    (a ring): all-reduce 2 (n - 1) / n B, all-gather and reduce-scatter (n - 1) / n B, a send B.
+    (a ring): all-reduce 2 (n - 1) / n B, all-gather, reduce-scatter and all-to-all (a rank keeps
+    its own piece) (n - 1) / n B, a send B. The experts' all-to-alls send (n - 1) / n of the
+    tokens where the routing balances them; how many leave a rank is the router's choice.
 
     Time. A step's compute is 6 N FLOPs per token (forward 2 N, backward 4 N; 8 N when the
     blocks are recomputed), spread over the world at a fraction of the peak (the MFU the kernels
@@ -71,12 +92,18 @@ THE IDEA
     FSDP's prefetch: k12, k19) and tp's and pp's as on the critical path (a layer waits for
     its all-gather; a stage for its input):
 
-        step = max(compute, dp) + tp + pp          MFU = 6 N tokens / (step x world x peak)
+        step = max(compute, dp) + tp + pp + cp + ep
+        MFU = 6 N tokens / (step x world x peak)
 
-    What it leaves out, on purpose: context and expert parallelism (k26, k22), the vocabulary
-    split (k34), the activations of the logits and the loss, what a step holds for a moment (a
-    ZeRO-3 unit's gathered weights, the block recomputed in backward) and the allocator's
-    fragmentation: plan with a margin under the GPU's memory.
+    cp and ep wait on the critical path too (the ring can hide its hops under a long block's
+    compute, k26: the planner counts the worst case).
+
+    What it leaves out, on purpose: the vocabulary split (k34), the activations of the logits
+    and the loss (and a mixture's router and routing: its block counts as a dense one), what a
+    step holds for a moment (a ZeRO-3 unit's gathered weights, the block recomputed in backward)
+    and the allocator's fragmentation: plan with a margin under the GPU's memory. The experts'
+    gradients are counted in dp's buffer over dp x cp ranks (a real run reduces them over the
+    dp x cp / ep ranks that hold the same experts), ep with tp, and uneven routing.
 
     What torch offers, and when a practitioner picks it (per rank, N parameters, fp32):
 
@@ -95,40 +122,47 @@ THE IDEA
                                                       FLOPs)                  fit
 
 STEPS
-    1. ``parameters_per_rank``: the parameters each pipeline stage's rank holds under tp and
-       pp (a list, stage 0 first).
+    1. ``parameters_per_rank``: the parameters each pipeline stage's rank holds under tp, pp
+       and ep (a list, stage 0 first).
     2. ``memory_per_rank``: the busiest rank's parameters, gradients, optimizer state and
-       activations under a layout (ZeRO stage, recomputation, precision).
+       activations under a layout (ZeRO stage over dp x cp, cp, recomputation, precision).
     3. ``wire_bytes`` and ``step_traffic``: what one step puts into each group's collectives,
-       and what each rank sends for it.
+       and what each rank sends for it (cp's ring or Ulysses, ep's all-to-alls among them).
     4. ``step_time``: compute at an MFU and communication at a bandwidth, the bubble, the step's
        time and its MFU.
     5. ``plan``: every layout that fits a budget, fastest first (equal times: less memory
-       first, then the order of the layouts given; ``every_layout``'s: tp, pp, ZeRO stage,
-       recomputation, precision, each ascending), and bad layouts or budgets refused.
+       first, then the order of the layouts given; ``every_layout``'s: tp, pp, cp, context, ep,
+       ZeRO stage, recomputation, precision, each ascending), and bad layouts or budgets refused.
     The plumbing around them is yours to use: ``micro_batches`` (a data-parallel rank's
     micro-batches a step), ``_layers_of_stages`` (k21's cut), ``_check_layout`` (a layout's
-    fields refused with a ValueError) and ``every_layout``.
+    fields, and its cp and ep against the model, refused with a ValueError),
+    ``active_parameters`` (what a token goes through) and ``every_layout``.
 
 WHAT THE TESTS CHECK
     Against the references, on TinyTransformer, measured on 2 ranks (numels and bytes counted,
-    not trusted): the parameters k21's stages and k25's tensor-parallel block hold, and the
+    not trusted): the parameters k21's stages, k25's tensor-parallel block and a block of k22's
+    experts hold, and the
     micro-batches k21's 1F1B pipeline keeps in flight; what k19's FSDP (every block and the root
     a unit) and torch's ``fully_shard`` (the same units) hold of parameters, gradients and
-    AdamW's moments, and what k18's ZeRO-1 holds of AdamW's moments; the bytes autograd saves in
+    AdamW's moments, what k18's ZeRO-1 holds of AdamW's moments and k36's ZeRO-2 of gradients
+    and moments; the bytes autograd saves in
     a block, plain, checkpointed (torch's checkpoint) and in k25's sequence-parallel block; the
     payloads of k19's and ``fully_shard``'s all-gathers and reduce-scatters (also gathering and
-    reducing in bf16, ``MixedPrecisionPolicy``), k18's broadcasts, k25's collectives and k21's
-    sends, recorded; each equal to the planner to the byte. By arithmetic: precisions, ZeRO
+    reducing in bf16, ``MixedPrecisionPolicy``), k18's broadcasts, k36's reduce-scatter and
+    all-gather, k25's collectives, k21's sends, k26's ring's sends, k35's all-to-alls and k22's,
+    recorded; each equal to the planner to the byte. By arithmetic: precisions, ZeRO
     stages, micro-batches in a pipeline, rounding up, the ring's factors, the bubble,
-    recomputation's FLOPs, overlap, MFU, the plan's order and its budget; bad input (a tp that
-    does not divide the heads, a layout whose product is not the world, a budget nothing fits)
+    recomputation's FLOPs, overlap, MFU, cp's and ep's bytes, memory and time, the plan's order,
+    its budget and its search over cp and ep; bad input (a tp that does not divide the heads, an
+    ep the experts or dp x cp do not divide, a layout whose product is not the world, a budget
+    nothing fits)
     refused with a ValueError that says what to do; the program; on GPUs, ``fully_shard``'s bf16
     traffic over NCCL.
 
 RUN IT
     .venv/bin/python -m katas.k38_planner
     .venv/bin/python -m katas.k38_planner --gpus 8 --memory-gib 40 --top 12
+    .venv/bin/python -m katas.k38_planner --experts 8        # a mixture: ep joins the search
 """
 
 from __future__ import annotations
@@ -136,7 +170,7 @@ from __future__ import annotations
 import argparse
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -160,14 +194,16 @@ PRECISIONS = ("fp32", "bf16")
 # or is kept for backward (an activation)
 BYTES = {"fp32": (4, 4, 8, 4), "bf16": (2, 2, 12, 2)}
 ZERO_STAGES = (0, 1, 2, 3)
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-GROUPS = ("dp", "tp", "pp")
+CONTEXTS = ("ring", "ulysses")  # how cp's ranks bring the keys to the queries: k26's, k35's
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+GROUPS = ("dp", "tp", "pp", "cp", "ep")
 
 
 @dataclass(frozen=True)
 class Model:
     """A GPT of TinyTransformer's shape, and how it is fed: ``batch`` sequences of
-    ``sequence`` tokens a step (the whole world's), in micro-batches of ``micro_batch``."""
+    ``sequence`` tokens a step (the whole world's), in micro-batches of ``micro_batch``; with
+    ``experts`` above 1 every block's MLP is k22's top-1 mixture of that many experts."""
 
     layers: int
     dim: int
@@ -176,11 +212,13 @@ class Model:
     sequence: int
     batch: int = 1
     micro_batch: int = 1
+    experts: int = 1
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a world of ``dp * tp * pp`` GPUs runs the model."""
+    """How a world of ``dp * tp * pp * cp`` GPUs runs the model; ``ep`` of the dp x cp ranks
+    share out the experts."""
 
     dp: int = 1
     tp: int = 1
@@ -188,12 +226,16 @@ class Layout:
     zero: int = 0  # ZeRO stage: 0 (DDP) to 3 (FSDP)
     recompute: bool = False  # every block checkpointed: only its input kept
     precision: str = "fp32"  # or "bf16": bf16 weights, gradients and traffic, fp32 master
+    cp: int = 1  # context parallel: the sequence split over cp ranks
+    context: str = "ring"  # how cp's attention meets the keys: "ring" (k26) or "ulysses" (k35)
+    ep: int = 1  # expert parallel: the experts split over ep ranks (k22)
 
     def __str__(self) -> str:
         extras = ["recompute"] if self.recompute else []
+        context = f"cp{self.cp}" + (f" {self.context}" if self.cp > 1 else "")
         return " ".join(
-            [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"zero{self.zero}", *extras,
-             self.precision]
+            [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", context, f"ep{self.ep}",
+             f"zero{self.zero}", *extras, self.precision]
         )  # fmt: skip
 
 
@@ -245,27 +287,59 @@ def _positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def parameters_per_rank(model: Model, tp: int = 1, pp: int = 1) -> list[int]:
+def parameters_per_rank(model: Model, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
     """The parameters (elements) each rank of pipeline stage 0, 1, ... holds, ``model`` split
-    over ``tp`` tensor-parallel ranks and ``pp`` stages."""
+    over ``tp`` tensor-parallel ranks, ``pp`` stages and its experts over ``ep`` ranks."""
     # TODO: one int per pipeline stage, stage 0 first: the elements of the parameters a rank of
     # that stage holds, exactly as k25's tensor-parallel block (tp ranks) and k21's stages (pp)
     # hold them: blocks spread as k21 spreads them, the embedding on the first stage, the final
     # norm and output on the last, the vocabulary never split. A tp that does not divide the heads
     # or a pp above the layers (or anything not a positive int) is a ValueError saying what fits.
-    # The tests count k21's and k25's parameters on 2 ranks and try 1 to 5 stages and tp up to 8.
+    # With experts, each block's MLP is model.experts of k22's experts and its router (dim ->
+    # experts, whole on every rank); a rank holds experts / ep of them (an ep that does not divide
+    # the experts is a ValueError), each split by tp as the MLP is. The tests count k21's, k25's
+    # and k22's parameters on 2 ranks and try 1 to 5 stages, tp up to 8 and ep up to 4.
     raise KataTodo("k38", 1, "the parameters each rank holds")
 
 
-def _check_layout(layout: Layout) -> None:
-    for name in ("dp", "tp", "pp"):
+def _check_layout(layout: Layout, model: Model | None = None) -> None:
+    """A layout's fields, and (given the model) whether its cp and ep fit it, refused with a
+    ValueError that says what to choose."""
+    for name in ("dp", "tp", "pp", "cp", "ep"):
         _positive(f"layout.{name}", getattr(layout, name))
+    if layout.context not in CONTEXTS:
+        raise ValueError(
+            f"layout.context={layout.context!r}: choose 'ring' (k26) or 'ulysses' (k35)"
+        )
+    if (layout.dp * layout.cp) % layout.ep:
+        raise ValueError(
+            f"layout.ep={layout.ep}: the experts are shared out among the dp x cp = "
+            f"{layout.dp * layout.cp} ranks that hold the same block, so choose an ep dividing it"
+        )
+    if layout.ep > 1 and layout.tp > 1:
+        raise ValueError(
+            f"layout.ep={layout.ep} with tp={layout.tp}: the planner sends whole tokens to the "
+            "experts (k22), so expert parallelism needs tp=1"
+        )
     if layout.zero not in ZERO_STAGES or isinstance(layout.zero, bool):
         raise ValueError(f"layout.zero={layout.zero!r}: a ZeRO stage is 0, 1, 2 or 3")
     if layout.precision not in PRECISIONS:
         raise ValueError(f"layout.precision={layout.precision!r}: choose 'fp32' or 'bf16'")
     if not isinstance(layout.recompute, bool):
         raise ValueError(f"layout.recompute={layout.recompute!r}: say True or False")
+    if model is None:
+        return
+    if model.sequence % layout.cp:
+        raise ValueError(
+            f"layout.cp={layout.cp}: a sequence of {model.sequence} tokens does not split over "
+            f"{layout.cp} ranks, so choose a cp that divides it"
+        )
+    if layout.cp > 1 and layout.context == "ulysses" and model.heads % (layout.tp * layout.cp):
+        raise ValueError(
+            f"layout.cp={layout.cp} ulysses with tp={layout.tp}: each of the tp x cp ranks "
+            f"attends with whole heads, and {model.heads} do not divide by "
+            f"{layout.tp * layout.cp}: choose a cp (or the ring) that fits"
+        )
 
 
 def micro_batches(model: Model, dp: int) -> int:
@@ -296,10 +370,11 @@ def memory_per_rank(model: Model, layout: Layout) -> Memory:
     # whose total is largest (ties: the earliest), from parameters_per_rank and the lesson's
     # tables: bytes per parameter by precision, what each ZeRO stage divides by dp (rounded up),
     # each block's activations per micro-batch (recomputed: the input only; tp divides the floats,
-    # not the mask), stage i keeping min(pp - i, m) micro-batches. A ZeRO stage, precision or
-    # recompute that is not one of the lesson's is a ValueError. The tests measure k19's FSDP,
-    # torch's fully_shard, k18's ZeRO-1, a block's saved tensors and k21's micro-batches in flight
-    # on 2 ranks, then check every term by arithmetic.
+    # not the mask; cp divides both), stage i keeping min(pp - i, m) micro-batches; ZeRO shards
+    # over the dp x cp ranks that hold the same parameters. A layout that is not one of the
+    # lesson's (_check_layout) is a ValueError. The tests measure k19's FSDP, torch's fully_shard,
+    # k18's ZeRO-1, k36's ZeRO-2, a block's saved tensors and k21's micro-batches in flight on 2
+    # ranks, then check every term by arithmetic.
     raise KataTodo("k38", 2, "memory per rank under a layout")
 
 
@@ -308,53 +383,77 @@ def wire_bytes(collective: str, payload: int, ranks: int) -> int:
     buffer: an all-reduce's tensor, an all-gather's output, a reduce-scatter's input) is
     ``payload`` bytes, in a ring; a ``send`` is its payload."""
     # TODO: what each rank sends for one collective of payload bytes over ranks ranks, in a ring,
-    # as an int (rounded down): the lesson's factors for all_reduce, all_gather, reduce_scatter and
-    # send. Another collective, a negative payload or fewer than 1 rank is a ValueError. The tests
-    # hold it to the factors on 1 to 8 ranks.
+    # as an int (rounded down): the lesson's factors for all_reduce, all_gather, reduce_scatter,
+    # all_to_all and send. Another collective, a negative payload or fewer than 1 rank is a
+    # ValueError. The tests hold it to the factors on 1 to 8 ranks.
     raise KataTodo("k38", 3, "the bytes of each group's collectives")
 
 
 def step_traffic(model: Model, layout: Layout, stage: int = 0) -> dict[str, dict[str, int]]:
-    """The payload bytes one step puts into each collective, per group ("dp", "tp", "pp"), on
-    a rank of pipeline stage ``stage``: ``{"dp": {"all_reduce": 30592}, ...}``; a group of one
-    rank moves nothing and is left out."""
-    # TODO: for each group of more than one rank ("dp", "tp", "pp"), the payload bytes (whole
-    # buffers) a rank of that pipeline stage puts into each kind of collective (COLLECTIVES) in one
-    # step: dp's by ZeRO stage (ZeRO-3: per micro-batch, blocks gathered twice, the rest once), tp's
-    # per layer and micro-batch as k25's block makes them plus its whole parameters' gradients once,
-    # pp's sends (forward, backward), each in the precision's element size. A stage outside the
-    # pipeline is a ValueError. The tests record k19's, fully_shard's (fp32 and bf16), k18's, k25's
-    # and k21's collectives and sends on 2 ranks, then check the rest by arithmetic.
+    """The payload bytes one step puts into each collective, per group ("dp", "tp", "pp", "cp",
+    "ep"), on a rank of pipeline stage ``stage``: ``{"dp": {"all_reduce": 30592}, ...}``; a group
+    of one rank moves nothing and is left out."""
+    # TODO: for each group of more than one rank ("dp": the dp x cp ranks of the same parameters,
+    # "tp", "pp", "cp", "ep"), the payload bytes (whole buffers) a rank of that pipeline stage puts
+    # into each kind of collective (COLLECTIVES) in one step: dp's by ZeRO stage (ZeRO-3: per
+    # micro-batch, blocks gathered twice, the rest once), tp's per layer and micro-batch as k25's
+    # block makes them plus its whole parameters' gradients once, pp's sends (forward, backward),
+    # cp's per layer and micro-batch as k26's ring or k35's Ulysses sends them, ep's all-to-alls as
+    # k22's layer makes them; activations are this rank's tokens (s / cp), in the precision's
+    # element size. A stage outside the pipeline is a ValueError. The tests record k19's,
+    # fully_shard's (fp32 and bf16), k18's, k36's, k25's, k21's, k26's, k35's and k22's collectives
+    # and sends on 2 ranks, then check the rest by arithmetic.
     raise KataTodo("k38", 3, "the bytes of each group's collectives")
+
+
+def active_parameters(model: Model) -> int:
+    """The parameters one token goes through: every one of a dense model; with top-1 experts,
+    one expert of each block's (and its router)."""
+    dense = sum(parameters_per_rank(Model(model.layers, model.dim, model.heads, model.vocab,
+                                          model.sequence)))  # fmt: skip
+    return dense + (model.layers * (model.dim + 1) * model.experts if model.experts > 1 else 0)
 
 
 def step_time(model: Model, layout: Layout, hardware: Hardware) -> Timing:
     """The seconds of one step under ``layout`` on ``hardware``, and the MFU it achieves."""
-    # TODO: a Timing: compute = the step's FLOPs (6 N per token, 8 N recomputing; N every parameter
-    # of the model, the tokens of every data-parallel rank's m micro-batches) over the world's GPUs
-    # at hardware.flops x hardware.mfu, times the bubble (1 + (pp - 1) / m); communication per group
-    # = the slowest stage's wire bytes over hardware.bandwidth[group]; step = max(compute, dp) + tp
-    # + pp; mfu = 6 N tokens / (step x world x peak). A group without a bandwidth is a ValueError
-    # naming it. The tests check each term by arithmetic.
+    # TODO: a Timing: compute = the step's FLOPs (6 N per token, 8 N recomputing; N the parameters
+    # a token goes through, active_parameters; the tokens of every data-parallel rank's m
+    # micro-batches) over the world's dp x tp x pp x cp GPUs at hardware.flops x hardware.mfu,
+    # times the bubble (1 + (pp - 1) / m); communication per group = the slowest stage's wire
+    # bytes over hardware.bandwidth[group] (dp's group: dp x cp ranks); step = max(compute, dp) +
+    # tp + pp + cp + ep; mfu = 6 N tokens / (step x world x peak). A group without a bandwidth is a
+    # ValueError naming it. The tests check each term by arithmetic.
     raise KataTodo("k38", 4, "time at a FLOP rate and a bandwidth")
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def every_layout(model: Model, world: int) -> list[Layout]:
-    """Every layout of ``world`` GPUs the model allows: tp dividing the heads, pp at most the
-    layers, ZeRO only with dp > 1; in order of tp, pp, ZeRO stage, recomputation, precision."""
+    """Every layout of ``world`` GPUs the model allows (``_check_layout``'s rules, the batch
+    split over dp, ZeRO only with dp x cp > 1, ep only with experts); in order of tp, pp, cp,
+    context, ep, ZeRO stage, recomputation, precision."""
     _positive("world", world)
     layouts = []
-    for tp in range(1, world + 1):
-        for pp in range(1, world // tp + 1):
-            if world % (tp * pp) or model.heads % tp or pp > model.layers:
-                continue
-            dp = world // (tp * pp)
-            if model.batch % (dp * model.micro_batch):
-                continue
-            for zero in ZERO_STAGES if dp > 1 else (0,):
-                for recompute in (False, True):
-                    for precision in PRECISIONS:
-                        layouts.append(Layout(dp, tp, pp, zero, recompute, precision))
+    for tp, pp, cp in ((t, p, c) for t in _divisors(world) for p in _divisors(world // t)
+                       for c in _divisors(world // (t * p))):  # fmt: skip
+        dp = world // (tp * pp * cp)
+        if model.heads % tp or pp > model.layers or model.batch % (dp * model.micro_batch):
+            continue
+        for context in CONTEXTS if cp > 1 else CONTEXTS[:1]:
+            for ep in _divisors(dp * cp):
+                base = Layout(dp, tp, pp, cp=cp, context=context, ep=ep)
+                try:
+                    _check_layout(base, model)
+                    parameters_per_rank(model, tp, pp, ep)
+                except ValueError:
+                    continue
+                for zero in ZERO_STAGES if dp * cp > 1 else (0,):
+                    for recompute in (False, True):
+                        for precision in PRECISIONS:
+                            layouts.append(Layout(dp, tp, pp, zero, recompute, precision, cp,
+                                                  context, ep))  # fmt: skip
     return layouts
 
 
@@ -370,9 +469,9 @@ def plan(
     # TODO: a Plan (layout, memory_per_rank, step_time) for each layout (None: every_layout(model,
     # world)) whose memory total is at most budget (None: hardware.memory), fastest step first;
     # equal steps: less memory first, then the order the layouts came in. A layout whose dp x tp x
-    # pp is not world, or a budget that no layout fits, is a ValueError saying what to do (the
+    # pp x cp is not world, or a budget that no layout fits, is a ValueError saying what to do (the
     # second naming the least memory a layout needs). The tests hold the order, the ties, the
-    # budget's edge and the refusals.
+    # budget's edge and the refusals, with cp and ep among the layouts.
     raise KataTodo("k38", 5, "the planner: what fits, fastest first")
 
 
@@ -384,7 +483,7 @@ SMALL_GPT = Model(layers=24, dim=2048, heads=16, vocab=50304, sequence=2048, bat
                   micro_batch=2)  # fmt: skip
 # One node of H100s: bf16 dense peak, an MFU a tuned run reaches, NVLink for every group
 H100_NODE = Hardware(flops=989e12, mfu=0.5, memory=80 * GIB,
-                     bandwidth={"dp": 200e9, "tp": 200e9, "pp": 200e9})  # fmt: skip
+                     bandwidth={group: 200e9 for group in GROUPS})  # fmt: skip
 
 
 def measure_fsdp(rank: int, world_size: int, seed: int) -> dict:
@@ -423,22 +522,26 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", type=int, default=8, help="GPUs to plan for (default 8)")
     parser.add_argument("--memory-gib", type=float, default=80.0, help="memory per GPU, GiB")
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    parser.add_argument(
+        "--experts", type=int, default=1, help="top-1 experts per block (default 1: dense)"
+    )
     args = parser.parse_args(argv)
-    if args.gpus < 1 or args.memory_gib <= 0 or args.top < 1:
-        parser.error("--gpus and --top must be at least 1 and --memory-gib above 0")
+    if args.gpus < 1 or args.memory_gib <= 0 or args.top < 1 or args.experts < 1:
+        parser.error("--gpus, --top and --experts must be at least 1 and --memory-gib above 0")
     if args.world_size < 1 or MODEL_DIM % args.world_size:
         parser.error(
             f"--world-size must divide {MODEL_DIM}, TinyTransformer's width, so that fully_shard "
             "splits every parameter evenly (1, 2, 4, 8 or 16)"
         )
-    model = SMALL_GPT
+    model = SMALL_GPT if args.experts == 1 else replace(SMALL_GPT, experts=args.experts)
     hardware = Hardware(H100_NODE.flops, H100_NODE.mfu, int(args.memory_gib * GIB),
                         H100_NODE.bandwidth)  # fmt: skip
     whole = sum(parameters_per_rank(model))
     say(
         None,
         f"a GPT of {whole / 1e9:.2f} B parameters ({model.layers} layers, dim {model.dim}, "
-        f"{model.heads} heads, vocab {model.vocab}), {model.batch} sequences of {model.sequence} "
+        + (f"{model.experts} experts a block, " if model.experts > 1 else "")
+        + f"{model.heads} heads, vocab {model.vocab}), {model.batch} sequences of {model.sequence} "
         f"tokens a step in micro-batches of {model.micro_batch}, on {args.gpus} "
         f"GPUs of {args.memory_gib:g} GiB, {hardware.flops / 1e12:.0f} TFLOP/s at MFU "
         f"{hardware.mfu:.0%}, {hardware.bandwidth['dp'] / 1e9:.0f} GB/s",
@@ -450,13 +553,13 @@ def main(argv=None) -> int:
         return 1
     total = len(every_layout(model, args.gpus))
     say(None, f"{len(plans)} of {total} layouts fit; the fastest {min(args.top, len(plans))}:")
-    say(None, f"  {'layout':<34}{'GiB':>7}{'params':>8}{'optim':>7}{'activ':>7}"
+    say(None, f"  {'layout':<44}{'GiB':>7}{'params':>8}{'optim':>7}{'activ':>7}"
         f"{'step s':>8}{'comm s':>8}{'MFU':>6}")  # fmt: skip
     for p in plans[: args.top]:
         m = p.memory
         say(
             None,
-            f"  {str(p.layout):<34}{m.total / GIB:>7.1f}{m.parameters / GIB:>8.1f}"
+            f"  {str(p.layout):<44}{m.total / GIB:>7.1f}{m.parameters / GIB:>8.1f}"
             f"{m.optimizer / GIB:>7.1f}{m.activations / GIB:>7.1f}{p.timing.step:>8.3f}"
             f"{sum(p.timing.communication.values()):>8.3f}{p.timing.mfu:>6.0%}",
         )

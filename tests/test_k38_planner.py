@@ -1,7 +1,8 @@
 """k38 the planner: the memory, bytes and time of every layout from the model's shape, held to
-the byte against what the references of k18 (ZeRO-1), k19 (FSDP), k21 (pipeline stages) and
-k25 (tensor and sequence parallelism), and torch's fully_shard, hold and send on TinyTransformer,
-measured on 2 ranks; the rest by arithmetic; the plan's order, its budget and its refusals."""
+the byte against what the references of k18 (ZeRO-1), k19 (FSDP), k21 (pipeline stages), k22
+(experts), k25 (tensor and sequence parallelism), k26 (ring attention), k35 (Ulysses) and k36
+(ZeRO-2), and torch's fully_shard, hold and send on TinyTransformer, measured on 2 ranks; the
+rest by arithmetic; the plan's order, its budget and its refusals."""
 
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from dojo.toy_models import (
 KATA = "k38_planner"
 SEED, WORLD, PER_RANK = 3, 2, 2  # the measured world: 2 ranks, 2 sequences each
 PIPELINED = 4  # micro-batches through k21's 1F1B pipeline of 2 stages
-# k36 (HSDP / ZeRO-2) joins as one more row of MEASURED_MEMORY and MEASURED_TRAFFIC below.
 
 
 def _model(kata, layers: int = BLOCKS, **changes):
@@ -60,7 +60,8 @@ def _payloads(calls) -> dict[str, int]:
     all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor)."""
     kinds = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-             "all_reduce": "all_reduce", "broadcast": "all_gather", "isend": "send"}  # fmt: skip
+             "all_reduce": "all_reduce", "broadcast": "all_gather", "isend": "send",
+             "all_to_all_single": "all_to_all"}  # fmt: skip
     found: dict[str, int] = {}
     for call in calls:
         if call.name in ("recv", "irecv"):  # what a rank sends is counted once, by its sender
@@ -70,6 +71,18 @@ def _payloads(calls) -> dict[str, int]:
         kind = kinds.get(call.name, call.name)
         found[kind] = found.get(kind, 0) + whole
     return found
+
+
+def _routed(calls, rows: int) -> dict[str, int]:
+    """k22's all-to-alls as the planner counts them: the counts' whole buffer, and of each
+    token all-to-all the side that holds this rank's own ``rows`` tokens (the dispatch's input,
+    the combine's output; the other side is what the routing sent, uneven)."""
+    found = 0
+    for call in calls:
+        size = getattr(torch, call.dtypes[0]).itemsize
+        own = [shape for shape in call.shapes if shape and shape[0] == rows]
+        found += math.prod((own or call.shapes)[0]) * size
+    return {"all_to_all": found}
 
 
 def _bytes(tensors) -> int:
@@ -154,6 +167,16 @@ def _measure(rank: int, world_size: int) -> dict:
         zero1.step()
     found["zero1"] = {"optimizer": _moments(zero1.inner), "traffic": _payloads(calls)}
 
+    k36 = _reference("k36_hsdp_zero2")  # zero 2: the gradients and AdamW's state sharded
+    model = make_transformer(SEED)
+    zero2 = k36.Zero2Optimizer(model.parameters(), torch.optim.AdamW)
+    transformer_loss(model(tokens), targets).backward()
+    with recording() as calls:
+        zero2.step()
+    held = zero2.held_bytes()
+    found["zero2"] = {"parameters": held["params"], "gradients": held["grads"],
+                      "optimizer": held["optimizer"], "traffic": _payloads(calls)}  # fmt: skip
+
     k21 = _reference("k21_pipeline")  # pp: 3 blocks over 2 stages
     stage = k21.split_stages(make_transformer(SEED, blocks=3), world_size, rank)
     found["stage"] = sum(p.numel() for p in stage.parameters())
@@ -181,6 +204,30 @@ def _measure(rank: int, world_size: int) -> dict:
         k25.sync_sequence_parallel_grads(split, None)
     found["tp"] = {"parameters": sum(p.numel() for p in split.parameters()),
                    "traffic": _payloads(calls)}  # fmt: skip
+
+    # cp = 2: this rank's half of the sequence, q, k and v of every head, both ways
+    shape = (PER_RANK, HEADS, SEQUENCE // world_size, MODEL_DIM // HEADS)
+    draw = torch.Generator().manual_seed(SEED + rank)
+    q, k, v = (torch.randn(shape, generator=draw).requires_grad_() for _ in range(3))
+    k26 = _reference("k26_ring_attention")
+    with recording() as calls:
+        k26.ring_attention(q, k, v, k26.chunk_layout(world_size, False)).square().sum().backward()
+    found["ring"] = {"traffic": _payloads(calls)}
+    k35 = _reference("k35_ulysses")
+    with recording() as calls:
+        k35.ulysses_attention(q, k, v).square().sum().backward()
+    found["ulysses"] = {"traffic": _payloads(calls)}
+
+    k22 = _reference("k22_experts")  # ep = 2: one expert a rank, this rank's tokens routed
+    moe = k22.ExpertParallelMoE(k22.make_router(SEED, world_size), k22.make_expert(SEED, rank))
+    x = torch.randn(PER_RANK, SEQUENCE, MODEL_DIM, generator=draw).requires_grad_()
+    with recording() as calls:
+        moe(x).square().sum().backward()
+    attention = sum(p.numel() for p in block.parameters()) - sum(
+        p.numel() for p in block.mlp.parameters()
+    )
+    found["experts"] = {"parameters": attention + sum(p.numel() for p in moe.parameters()),
+                        "traffic": _routed(calls, PER_RANK * SEQUENCE)}  # fmt: skip
     return found
 
 
@@ -234,6 +281,16 @@ def test_parameters_are_what_the_references_hold(kata):
         f"planner's layer at tp=2 (2 layers' {two_tp} minus 1 layer's {one_tp}) is {one_layer}. "
         "The norms and the row-parallel layers' biases (6 h) stay whole on every rank"
     )
+    moe = [r["experts"]["parameters"] for r in measured]
+    one_ep = kata.parameters_per_rank(_model(kata, layers=1, experts=2), 1, 1, 2)
+    two_ep = kata.parameters_per_rank(_model(kata, layers=2, experts=2), 1, 1, 2)
+    moe_layer = two_ep[0] - one_ep[0] if len(two_ep) == len(one_ep) == 1 else None
+    assert moe_layer == moe[0], (
+        f"a block whose MLP is k22's ExpertParallelMoE of 2 experts on 2 ranks holds {moe[0]} "
+        f"parameters on each rank; the planner's layer at ep=2 (2 layers' {two_ep} minus 1 "
+        f"layer's {one_ep}) is {moe_layer}. A rank holds experts / ep whole experts, and the "
+        "router (dim x experts and a bias) whole"
+    )
 
 
 def _split_by_hand(layers: int, dim: int, heads: int, vocab: int, tp: int, pp: int) -> list[int]:
@@ -285,6 +342,16 @@ def test_parameters_refuse_what_does_not_fit(kata):
             why,
             lambda got, why=why: f"returned {got!r}: {why}, so raise ValueError saying so",
         )
+    experts = _model(kata, layers=4, experts=4)
+    for ep, wrong, why in ((3, "3", "3 ranks cannot share 4 experts whole"),
+                           (0, "0", "ep must be a positive int")):  # fmt: skip
+        check_refuses_naming(
+            lambda ep=ep: kata.parameters_per_rank(experts, 1, 1, ep),
+            f"parameters_per_rank(4 layers, 4 experts, ep={ep})",
+            wrong,
+            why,
+            lambda got, why=why: f"returned {got!r}: {why}, so raise ValueError saying so",
+        )
 
 
 # --------------------------------------------------------------------------- step 2: memory
@@ -294,6 +361,7 @@ def test_parameters_refuse_what_does_not_fit(kata):
 MEASURED_MEMORY = [
     ("zero0", dict(dp=2, zero=0), "plain AdamW: everything whole on every rank"),
     ("zero1", dict(dp=2, zero=1), "k18's ShardedOptimizer: AdamW's moments on the owner only"),
+    ("zero2", dict(dp=2, zero=2), "k36's Zero2Optimizer: gradients and AdamW's moments sharded"),
     ("zero3", dict(dp=2, zero=3), "k19's FullyShardedModule: every block and the root sharded"),
     ("fully_shard", dict(dp=2, zero=3), "torch's fully_shard on every block and the root"),
 ]
@@ -407,6 +475,34 @@ def test_activations_by_layout(kata):
 
 
 @pytest.mark.step(2)
+def test_context_and_experts_by_arithmetic(kata):
+    b, s, h, a = PER_RANK, SEQUENCE, MODEL_DIM, HEADS
+    floats = 12 * b * s * h + a * b * s * s + 4 * b * s
+    got, call = _memory(kata, kata.Layout(cp=2), layers=1, batch=b)
+    expected = 4 * floats // 2 + s * s // 2
+    assert got.activations == expected, (
+        f"{call} keeps {got.activations} bytes of activations; expected {expected}: cp splits "
+        "the sequence, so every rank keeps half of what a block keeps, the mask's rows too"
+    )
+    n = kata.parameters_per_rank(_model(kata, vocab=33))[0]
+    got, call = _memory(kata, kata.Layout(cp=2, zero=2), vocab=33)
+    expected = (4 * n, 4 * -(-n // 2), 8 * -(-n // 2))
+    held = (got.parameters, got.gradients, got.optimizer)
+    assert held == expected, (
+        f"{call} holds (parameters, gradients, optimizer) = {held} bytes; expected {expected}: "
+        "the 2 cp ranks hold the same parameters, so ZeRO shards over dp x cp"
+    )
+    experts = _model(kata, layers=1, experts=4, batch=4 * PER_RANK)
+    for ep in (1, 2, 4):
+        got, call = _memory(kata, kata.Layout(dp=4, ep=ep), layers=1, experts=4, batch=4 * b)
+        params = kata.parameters_per_rank(experts, 1, 1, ep)[0]
+        assert got.parameters == 4 * params, (
+            f"{call} holds {got.parameters} bytes of parameters; its rank holds {params} "
+            f"parameters (4 / ep = {4 // ep} experts): 4 bytes each"
+        )
+
+
+@pytest.mark.step(2)
 def test_memory_is_the_busiest_stage(kata):
     model = _model(kata, layers=2, vocab=4096, batch=8 * PER_RANK)  # the output dwarfs a block
     got = kata.memory_per_rank(model, kata.Layout(pp=2))
@@ -445,6 +541,7 @@ def test_wire_bytes_follow_the_ring(kata):
     for ranks in range(1, 9):
         for collective, factor in (("all_reduce", 2 * (ranks - 1) / ranks),
                                    ("all_gather", (ranks - 1) / ranks),
+                                   ("all_to_all", (ranks - 1) / ranks),
                                    ("reduce_scatter", (ranks - 1) / ranks), ("send", 1)):  # fmt: skip
             got = kata.wire_bytes(collective, payload, ranks)
             assert got == round(factor * payload), (
@@ -472,9 +569,16 @@ MEASURED_TRAFFIC = [
         "torch's fully_shard gathering and reducing in bf16 (MixedPrecisionPolicy)",
     ),
     ("zero1", dict(dp=2, zero=1), {}, "dp", "k18's ShardedOptimizer's step (its all-gather half)"),
+    ("zero2", dict(dp=2, zero=2), {}, "dp", "k36's Zero2Optimizer's step"),
     ("tp", dict(tp=2), {"layers": 1, "batch": PER_RANK}, "tp", "k25's block, both ways, synced"),
     ("pp", dict(pp=2), {"batch": PER_RANK * PIPELINED}, "pp", "k21's 1F1B step, 4 micro-batches"),
-]
+    ("ring", dict(cp=2), {"layers": 1, "batch": PER_RANK}, "cp",
+     "k26's ring_attention on half the sequence each, both ways"),
+    ("ulysses", dict(cp=2, context="ulysses"), {"layers": 1, "batch": PER_RANK}, "cp",
+     "k35's ulysses_attention on half the sequence each, both ways"),
+    ("experts", dict(dp=2, ep=2), {"layers": 1, "experts": 2}, "ep",
+     "k22's ExpertParallelMoE of 2 experts, both ways"),
+]  # fmt: skip
 
 
 @pytest.mark.step(3)
@@ -502,6 +606,12 @@ def test_traffic_is_what_the_references_send(kata, name, layout, model, group, w
                "parameters' gradients all-reduced" if name == "tp" else "")
             + (". Each micro-batch's activations go forward from every stage but the last, "
                "their gradients back from every stage but the first" if name == "pp" else "")
+            + (". The ring: k and v cp - 1 hops forward and again backward, their gradients cp "
+               "hops home (in fp32)" if name == "ring" else "")
+            + (". Ulysses: 4 all-to-alls forward (q, k, v, out), 4 backward, each of this rank's "
+               "tensor" if name == "ulysses" else "")
+            + (". k22: the counts (ep int64s), then the tokens out and back, forward and "
+               "backward: 4 all-to-alls of this rank's tokens" if name == "experts" else "")
         )  # fmt: skip
 
 
@@ -538,6 +648,34 @@ def test_traffic_by_arithmetic(kata):
         assert got == expected, (
             f"step_traffic(4 layers, {model.batch} sequences in micro-batches of {PER_RANK}, "
             f"{layout}, stage={stage}) = {got}; expected {expected}: {rule}"
+        )
+
+
+@pytest.mark.step(3)
+def test_context_and_expert_traffic_by_arithmetic(kata):
+    model = _model(kata, layers=4, batch=4 * PER_RANK, experts=4)  # dp=2: 2 micro-batches
+    tokens = PER_RANK * SEQUENCE // 4  # a rank's tokens of a micro-batch at cp=4
+    for layout, group, expected, rule in (
+        (kata.Layout(cp=4), "cp", {"send": 4 * 4 * (2 * 3 * 2 + 4 * 2) * tokens * MODEL_DIM * 4},
+         "the ring, 4 layers, 4 micro-batches: k and v 3 hops each way, their gradients 4 hops"),
+        (kata.Layout(cp=4, precision="bf16"), "cp",
+         {"send": 4 * 4 * (2 * 3 * 2 * 2 + 4 * 2 * 4) * tokens * MODEL_DIM},
+         "the ring in bf16: k and v 2 bytes, their gradients summed and sent in fp32 (k26)"),
+        (kata.Layout(cp=4, context="ulysses"), "cp",
+         {"all_to_all": 8 * 4 * 4 * tokens * MODEL_DIM * 4},
+         "Ulysses: 8 all-to-alls a layer and micro-batch, each of this rank's q, k, v or out"),
+        (kata.Layout(dp=2, cp=2, ep=4), "ep",
+         {"all_to_all": 4 * 2 * (8 * 4 + 4 * 2 * tokens * MODEL_DIM * 4)},
+         "ep=4: per layer and micro-batch the counts (4 int64s) and 4 all-to-alls of this rank's "
+         "tokens (s / cp of them)"),
+        (kata.Layout(dp=2, cp=2), "dp",
+         {"all_reduce": 4 * kata.parameters_per_rank(model)[0]},
+         "dp x cp = 4 ranks hold the same parameters and all-reduce their gradients"),
+    ):  # fmt: skip
+        got = kata.step_traffic(model, layout).get(group)
+        assert got == expected, (
+            f"step_traffic(4 layers, 4 experts, {model.batch} sequences in micro-batches of "
+            f"{PER_RANK}, {layout})[{group!r}] = {got}; expected {expected}: {rule}"
         )
 
 
@@ -610,6 +748,30 @@ def test_step_time_overlaps_dp_and_waits_for_tp_and_pp(kata):
 
 
 @pytest.mark.step(4)
+def test_experts_and_context_in_the_step(kata):
+    model = _model(kata, layers=4, batch=4 * PER_RANK, experts=4)
+    dense = kata.parameters_per_rank(_model(kata, layers=4))[0]
+    active = dense + 4 * (MODEL_DIM + 1) * 4  # one expert a token, and each block's router
+    tokens = 4 * PER_RANK * SEQUENCE
+    layout = kata.Layout(dp=2, cp=2, ep=2)
+    hardware = _hardware(kata, dp=1e30, cp=1e6, ep=1e7)
+    got = kata.step_time(model, layout, hardware)
+    compute = 6 * active * tokens / (4 * 1e12 * 0.5)
+    assert got.compute == pytest.approx(compute, rel=1e-9), (
+        f"step_time(4 layers of 4 top-1 experts, {layout}) computes for {got.compute:.6g} s; "
+        f"expected {compute:.6g} s: 6 N per token where N is what a token goes through (one "
+        "expert of 4, and the router), over dp x cp = 4 GPUs"
+    )
+    waits = got.communication.get("cp", 0.0) + got.communication.get("ep", 0.0)
+    step = max(got.compute, got.communication.get("dp", 0.0)) + waits
+    assert set(got.communication) == {"dp", "cp", "ep"} and got.step == pytest.approx(step), (
+        f"step_time({layout}) has communication {got.communication} and step {got.step:.6g} s; "
+        "expected dp's, cp's and ep's times and step = max(compute, dp) + cp + ep (cp's and "
+        "ep's traffic waits on the critical path)"
+    )
+
+
+@pytest.mark.step(4)
 def test_step_time_refuses_a_group_without_bandwidth(kata):
     check_refuses_naming(
         lambda: kata.step_time(_model(kata), kata.Layout(dp=2), _hardware(kata, tp=1e9)),
@@ -629,7 +791,7 @@ def _gpt(kata):
 
 @pytest.mark.step(5)
 def test_plan_keeps_every_layout_that_fits_fastest_first(kata):
-    model, hardware = _gpt(kata), _hardware(kata, dp=2e9, tp=2e10, pp=2e10)
+    model, hardware = _gpt(kata), _hardware(kata, dp=2e9, tp=2e10, pp=2e10, cp=2e10, ep=2e10)
     layouts = kata.every_layout(model, 8)
     needs = {layout: kata.memory_per_rank(model, layout).total for layout in layouts}
     budget = sorted(needs.values())[len(needs) // 2]  # half of them fit
@@ -669,13 +831,27 @@ def test_plan_breaks_ties_by_the_order_given_and_keeps_the_budgets_edge(kata):
 
 @pytest.mark.step(5)
 def test_plan_refuses_a_layout_of_another_world_and_a_budget_nothing_fits(kata):
-    model, hardware = _gpt(kata), _hardware(kata, dp=1e9, tp=1e9, pp=1e9)
+    model, hardware = _gpt(kata), _hardware(kata, dp=1e9, tp=1e9, pp=1e9, cp=1e9, ep=1e9)
     check_refuses_naming(
         lambda: kata.plan(model, 8, hardware, layouts=[kata.Layout(dp=2, tp=2)]),
         "plan(.., world=8, layouts=[Layout(dp=2, tp=2)])",
         "4",
-        "dp x tp x pp = 4 is not the world's 8 GPUs",
+        "dp x tp x pp x cp = 4 is not the world's 8 GPUs",
         lambda got: f"returned {got!r}: a layout of 4 GPUs does not run on 8; refuse it",
+    )
+    check_refuses_naming(
+        lambda: kata.plan(model, 4, hardware, layouts=[kata.Layout(dp=2, cp=4)]),
+        "plan(.., world=4, layouts=[Layout(dp=2, cp=4)])",
+        "8",
+        "dp x tp x pp x cp = 8 is not the world's 4 GPUs (cp's ranks count)",
+        lambda got: f"returned {got!r}: a layout of 8 GPUs does not run on 4; refuse it",
+    )
+    check_refuses_naming(
+        lambda: kata.plan(model, 4, hardware, layouts=[kata.Layout(dp=2, cp=2, ep=3)]),
+        "plan(.., world=4, layouts=[Layout(dp=2, cp=2, ep=3)])",
+        "3",
+        "ep shares the experts among the dp x cp = 4 ranks, and 3 does not divide 4",
+        lambda got: f"returned {got!r}: ep=3 does not divide dp x cp = 4; refuse it",
     )
     least = min(kata.memory_per_rank(model, lay).total for lay in kata.every_layout(model, 8))
     check_refuses_naming(
@@ -685,6 +861,25 @@ def test_plan_refuses_a_layout_of_another_world_and_a_budget_nothing_fits(kata):
         f"no layout fits, and the least any needs is {least} bytes",
         lambda got: f"returned {got!r}: nothing fits, so say so and what the least need is",
     )
+
+
+@pytest.mark.step(5)
+def test_plan_searches_context_and_expert_parallelism(kata):
+    model = kata.Model(layers=4, dim=256, heads=8, vocab=1024, sequence=256, batch=16,
+                       micro_batch=2, experts=4)  # fmt: skip
+    hardware = _hardware(kata, dp=1e9, tp=1e9, pp=1e9, cp=1e9, ep=1e9)
+    layouts = [p.layout for p in kata.plan(model, 8, hardware, budget=2**40)]
+    for what, found in (
+        ("a ring over cp > 1", any(x.cp > 1 and x.context == "ring" for x in layouts)),
+        ("Ulysses over cp > 1", any(x.cp > 1 and x.context == "ulysses" for x in layouts)),
+        ("ep > 1", any(x.ep > 1 for x in layouts)),
+    ):
+        assert found, (
+            f"plan(4 experts a block, world=8, a budget everything fits) returned no layout with "
+            f"{what}: every_layout searches cp (ring and Ulysses) and ep too"
+        )
+    wrong = [str(x) for x in layouts if x.dp * x.tp * x.pp * x.cp != 8 or (x.dp * x.cp) % x.ep]
+    assert not wrong, f"plan kept layouts that do not fit the world of 8: {wrong[:3]}"
 
 
 @pytest.mark.step(5)

@@ -1,6 +1,7 @@
 """k38's mistakes catalogue: real mistakes in planning a layout (the parameters a rank holds, what
-ZeRO, precision, recomputation and a pipeline do to memory, the bytes of each group, time and
-overlap, the plan's order and its refusals), and right answers written another way. See
+ZeRO, precision, recomputation, a pipeline and context parallelism do to memory, the bytes of
+each group, the ring's, Ulysses' and the experts' traffic, time and overlap, the plan's order and
+its refusals), and right answers written another way. See
 ``dojo/dev/mistakes/__init__.py`` for what each list promises."""
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ def _k38():
 # --------------------------------------------------------------------------- parameters_per_rank
 
 
-def _parameters(model, tp, pp, *, split=7, whole=6, extra_first=True, output_bias=True,
-                embedding_everywhere=False, vocab_split=False, check=True):  # fmt: skip
+def _parameters(model, tp, pp, ep=1, *, split_all=False, extra_first=True, output_bias=True,
+                embedding_everywhere=False, vocab_split=False, check=True,
+                experts_everywhere=False, router=True):  # fmt: skip
     """parameters_per_rank with the knobs a mistake turns."""
     if check:
-        _parameters_per_rank(model, tp, pp)  # the reference's refusals
-    h, vocab = model.dim, model.vocab
-    layer = (12 * h * h + split * h) // tp + whole * h
+        _parameters_per_rank(model, tp, pp, ep)  # the reference's refusals
+    h, vocab, experts = model.dim, model.vocab, model.experts
+    mine = experts if experts_everywhere else experts // ep
+    routing = h * experts + experts if experts > 1 and router else 0
+    split = 4 * h * h + 3 * h + mine * (8 * h * h + 4 * h)
+    whole = 5 * h + mine * h + routing
+    layer = (split + whole) // tp if split_all else split // tp + whole
     size, extra = divmod(model.layers, pp)
     stages = []
     for stage in range(pp):
@@ -53,41 +59,52 @@ def _parameters(model, tp, pp, *, split=7, whole=6, extra_first=True, output_bia
     return stages
 
 
-def tp_splits_every_parameter(model, tp=1, pp=1):
+def tp_splits_every_parameter(model, tp=1, pp=1, ep=1):
     # the norms and the row-parallel biases divided too
-    return _parameters(model, tp, pp, split=13, whole=0)
+    return _parameters(model, tp, pp, ep, split_all=True)
 
 
-def extra_layers_on_the_last_stages(model, tp=1, pp=1):
-    return _parameters(model, tp, pp, extra_first=False)
+def extra_layers_on_the_last_stages(model, tp=1, pp=1, ep=1):
+    return _parameters(model, tp, pp, ep, extra_first=False)
 
 
-def output_without_its_bias(model, tp=1, pp=1):
-    return _parameters(model, tp, pp, output_bias=False)
+def output_without_its_bias(model, tp=1, pp=1, ep=1):
+    return _parameters(model, tp, pp, ep, output_bias=False)
 
 
-def embedding_on_every_stage(model, tp=1, pp=1):
-    return _parameters(model, tp, pp, embedding_everywhere=True)
+def embedding_on_every_stage(model, tp=1, pp=1, ep=1):
+    return _parameters(model, tp, pp, ep, embedding_everywhere=True)
 
 
-def vocabulary_split_by_tp(model, tp=1, pp=1):
+def vocabulary_split_by_tp(model, tp=1, pp=1, ep=1):
     # k34's vocabulary split, which k20's and k25's blocks do not do
-    return _parameters(model, tp, pp, vocab_split=True)
+    return _parameters(model, tp, pp, ep, vocab_split=True)
 
 
-def tp_unchecked(model, tp=1, pp=1):
+def tp_unchecked(model, tp=1, pp=1, ep=1):
     if tp < 1 or pp > model.layers:
         raise ValueError(f"tp={tp}, pp={pp} do not fit")
-    return _parameters(model, tp, pp, check=False)
+    return _parameters(model, tp, pp, ep, check=False)
 
 
-def parameters_module_by_module(model, tp=1, pp=1):
+def every_expert_on_every_rank(model, tp=1, pp=1, ep=1):
+    # ep forgotten: each rank still holds all the experts
+    return _parameters(model, tp, pp, ep, experts_everywhere=True)
+
+
+def router_forgotten(model, tp=1, pp=1, ep=1):
+    return _parameters(model, tp, pp, ep, router=False)
+
+
+def parameters_module_by_module(model, tp=1, pp=1, ep=1):
     # right: every module's parameters listed, then added up
-    _parameters_per_rank(model, tp, pp)
-    h, vocab = model.dim, model.vocab
+    _parameters_per_rank(model, tp, pp, ep)
+    h, vocab, mine = model.dim, model.vocab, model.experts // ep
     split = {"query": h * h + h, "key": h * h + h, "value": h * h + h, "out": h * h,
-             "up": 4 * h * h + 4 * h, "down": 4 * h * h}  # fmt: skip
-    whole = {"attention_norm": 2 * h, "mlp_norm": 2 * h, "out.bias": h, "down.bias": h}
+             "up": mine * (4 * h * h + 4 * h), "down": mine * 4 * h * h}  # fmt: skip
+    whole = {"attention_norm": 2 * h, "mlp_norm": 2 * h, "out.bias": h, "down.bias": mine * h}
+    if model.experts > 1:
+        whole["router"] = (h + 1) * model.experts
     layer = sum(split.values()) // tp + sum(whole.values())
     counts = [len(range(stage, model.layers, pp)) for stage in range(pp)]  # the same counts
     counts.sort(reverse=True)
@@ -102,15 +119,17 @@ def parameters_module_by_module(model, tp=1, pp=1):
 
 def _memory(model, layout, *, grads_from=2, params_from=3, state_bytes=None, round_up=True,
             recompute_keeps=True, mask_split=False, in_flight=None, busiest=True,
-            activation_bytes=None):  # fmt: skip
+            activation_bytes=None, shard_over_cp=True, cp_splits=True):  # fmt: skip
     """memory_per_rank with the knobs a mistake turns."""
     _memory_per_rank(model, layout)  # the reference's refusals
     k38 = _k38()
     weight, gradient, state, element = BYTES[layout.precision]
     state = state_bytes.get(layout.precision, state) if state_bytes else state
     element = activation_bytes or element
-    dp, tp, pp, zero = layout.dp, layout.tp, layout.pp, layout.zero
-    m = k38.micro_batches(model, dp)
+    tp, pp, zero = layout.tp, layout.pp, layout.zero
+    m = k38.micro_batches(model, layout.dp)
+    dp = layout.dp * (layout.cp if shard_over_cp else 1)
+    cp = layout.cp if cp_splits else 1
 
     def sharded(n, from_stage):
         if zero < from_stage:
@@ -119,15 +138,17 @@ def _memory(model, layout, *, grads_from=2, params_from=3, state_bytes=None, rou
 
     b, s, h, a = model.micro_batch, model.sequence, model.dim, model.heads
     if layout.recompute:
-        per_layer = element * b * s * h // tp if recompute_keeps else 0
+        per_layer = element * b * s * h // (tp * cp) if recompute_keeps else 0
     else:
         floats = 12 * b * s * h + a * b * s * s + 4 * b * s
         per_layer = (
-            (element * floats + s * s) // tp if mask_split else element * floats // tp + s * s
+            (element * floats + s * s) // (tp * cp)
+            if mask_split
+            else element * floats // (tp * cp) + s * s // cp
         )
     memories = []
     for stage, (params, layers) in enumerate(
-        zip(k38.parameters_per_rank(model, tp, pp), k38._layers_of_stages(model, pp))
+        zip(k38.parameters_per_rank(model, tp, pp, layout.ep), k38._layers_of_stages(model, pp))
     ):
         flight = min(pp - stage, m) if in_flight is None else in_flight(pp, stage, m)
         memories.append(
@@ -182,16 +203,26 @@ def first_stage_only(model, layout):
     return _memory(model, layout, busiest=False)
 
 
+def zero_shards_over_dp_only(model, layout):
+    # cp's ranks hold the same parameters, and ZeRO could shard over them too
+    return _memory(model, layout, shard_over_cp=False)
+
+
+def cp_keeps_whole_activations(model, layout):
+    return _memory(model, layout, cp_splits=False)
+
+
 def memory_with_ceil(model, layout):
     # right: math.ceil of a true division (exact for any size a GPU holds)
     _memory_per_rank(model, layout)
     k38 = _k38()
     weight, gradient, state, element = BYTES[layout.precision]
-    dp, m = layout.dp, k38.micro_batches(model, layout.dp)
+    dp, m = layout.dp * layout.cp, k38.micro_batches(model, layout.dp)
     b, s, h, a = model.micro_batch, model.sequence, model.dim, model.heads
-    keep = [b * s * h * element // layout.tp, 0]
+    split = layout.tp * layout.cp
+    keep = [b * s * h * element // split, 0]
     if not layout.recompute:
-        keep = [element * (12 * b * s * h + a * b * s * s + 4 * b * s) // layout.tp, s * s]
+        keep = [element * (12 * b * s * h + a * b * s * s + 4 * b * s) // split, s * s // layout.cp]
     stages = [
         Memory(
             weight * (math.ceil(n / dp) if layout.zero == 3 else n),
@@ -201,7 +232,7 @@ def memory_with_ceil(model, layout):
         )
         for i, (n, layers) in enumerate(
             zip(
-                k38.parameters_per_rank(model, layout.tp, layout.pp),
+                k38.parameters_per_rank(model, layout.tp, layout.pp, layout.ep),
                 k38._layers_of_stages(model, layout.pp),
             )  # fmt: skip
         )
@@ -218,8 +249,16 @@ def all_reduce_sends_once(collective, payload, ranks):
     return _wire_bytes(collective, payload, ranks)
 
 
+def all_to_all_sends_everything(collective, payload, ranks):
+    # a rank's own piece of an all-to-all never leaves it
+    if collective == "all_to_all":
+        return payload
+    return _wire_bytes(collective, payload, ranks)
+
+
 def wire_bytes_unchecked(collective, payload, ranks):
-    factors = {"all_reduce": 2 * (ranks - 1), "all_gather": ranks - 1, "reduce_scatter": ranks - 1}
+    factors = {"all_reduce": 2 * (ranks - 1), "all_gather": ranks - 1, "reduce_scatter": ranks - 1,
+               "all_to_all": ranks - 1}  # fmt: skip
     return payload if collective not in factors else factors[collective] * payload // ranks
 
 
@@ -236,36 +275,55 @@ def wire_bytes_as_fractions(collective, payload, ranks):
 
 
 def _traffic(model, layout, stage, *, zero3_gathers=(2, 1), tp_kinds="k25", both_ways=False,
-             dp_per_micro_batch=False, element=None):  # fmt: skip
+             dp_per_micro_batch=False, element=None, ring_hops=None, ring_grads_fp32=True,
+             ulysses_calls=8, expert_counts=True, expert_calls=4):  # fmt: skip
     """step_traffic with the knobs a mistake turns."""
-    _step_traffic(model, layout, stage)  # the reference's refusals
+    reference = _step_traffic(model, layout, stage)  # the reference's refusals
     k38 = _k38()
     size = BYTES[layout.precision][3] if element is None else element
-    params = k38.parameters_per_rank(model, layout.tp, layout.pp)[stage]
-    layers = k38._layers_of_stages(model, layout.pp)[stage]
+    tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
+    params = k38.parameters_per_rank(model, tp, pp, ep)[stage]
+    layers = k38._layers_of_stages(model, pp)[stage]
     m, h = k38.micro_batches(model, layout.dp), model.dim
-    activation = model.micro_batch * model.sequence * h * size
+    tokens = model.micro_batch * model.sequence // cp
+    activation = tokens * h * size
     traffic = {}
-    if layout.dp > 1:
+    if layout.dp * cp > 1:
         times = m if dp_per_micro_batch else 1
         if layout.zero == 0:
             traffic["dp"] = {"all_reduce": times * params * size}
         elif layout.zero < 3:
             traffic["dp"] = {"reduce_scatter": params * size, "all_gather": params * size}
         else:
-            blocks = layers * ((12 * h * h + 7 * h) // layout.tp + 6 * h)
-            gathered = zero3_gathers[0] * blocks + zero3_gathers[1] * (params - blocks)
+            root = (stage == 0) * model.vocab * h + (stage == pp - 1) * (
+                2 * h + h * model.vocab + model.vocab
+            )
+            blocks = params - root
+            gathered = zero3_gathers[0] * blocks + zero3_gathers[1] * root
             traffic["dp"] = {"all_gather": m * gathered * size, "reduce_scatter": m * params * size}
-    if layout.tp > 1:
+    if tp > 1:
         if tp_kinds == "k25":
             traffic["tp"] = {"all_gather": 6 * layers * m * activation,
                              "reduce_scatter": 4 * layers * m * activation,
-                             "all_reduce": 6 * h * layers * size}  # fmt: skip
+                             "all_reduce": reference["tp"]["all_reduce"]}  # fmt: skip
         else:  # k20's block: 4 all-reduces a layer
             traffic["tp"] = {"all_reduce": 4 * layers * m * activation}
-    if layout.pp > 1:
-        ways = 2 if both_ways else (stage < layout.pp - 1) + (stage > 0)
+    if pp > 1:
+        ways = 2 if both_ways else (stage < pp - 1) + (stage > 0)
         traffic["pp"] = {"send": ways * m * activation}
+    if cp > 1:
+        shard = tokens * (h // tp)  # elements of one of q, k, v, out
+        if layout.context == "ring":
+            hops = cp - 1 if ring_hops is None else ring_hops(cp)
+            grads = 4 if ring_grads_fp32 else size
+            traffic["cp"] = {
+                "send": layers * m * (2 * hops * 2 * shard * size + cp * 2 * shard * grads)
+            }
+        else:
+            traffic["cp"] = {"all_to_all": ulysses_calls * layers * m * shard * size}
+    if ep > 1:
+        counts = 8 * ep if expert_counts else 0
+        traffic["ep"] = {"all_to_all": layers * m * (counts + expert_calls * activation)}
     return traffic
 
 
@@ -293,28 +351,54 @@ def traffic_always_fp32(model, layout, stage=0):
     return _traffic(model, layout, stage, element=4)
 
 
+def ring_sends_cp_hops(model, layout, stage=0):
+    # a block needs cp - 1 hops: the first block computed is the rank's own
+    return _traffic(model, layout, stage, ring_hops=lambda cp: cp)
+
+
+def ring_gradients_in_the_precision(model, layout, stage=0):
+    return _traffic(model, layout, stage, ring_grads_fp32=False)
+
+
+def ulysses_forward_only(model, layout, stage=0):
+    return _traffic(model, layout, stage, ulysses_calls=4)
+
+
+def experts_without_counts(model, layout, stage=0):
+    return _traffic(model, layout, stage, expert_counts=False)
+
+
+def experts_forward_only(model, layout, stage=0):
+    return _traffic(model, layout, stage, expert_calls=2)
+
+
 # --------------------------------------------------------------------------- step_time
 
 
 def _time(model, layout, hardware, *, overlap=True, recompute_flops=8, bubble=True,
-          mfu_of_effective=False, tokens_per_rank=False):  # fmt: skip
+          mfu_of_effective=False, tokens_per_rank=False, every_expert=False, cp_in_world=True,
+          cp_overlapped=False):  # fmt: skip
     """step_time with the knobs a mistake turns."""
     _step_time(model, layout, hardware)  # the reference's refusals
     k38 = _k38()
-    world = layout.dp * layout.tp * layout.pp
-    whole = sum(k38.parameters_per_rank(model))
+    world = layout.dp * layout.tp * layout.pp * (layout.cp if cp_in_world else 1)
+    whole = sum(k38.parameters_per_rank(model)) if every_expert else k38.active_parameters(model)
     tokens = model.batch * model.sequence // (layout.dp if tokens_per_rank else 1)
     flops = (recompute_flops if layout.recompute else 6) * whole * tokens
     stretch = 1 + (layout.pp - 1) / k38.micro_batches(model, layout.dp) if bubble else 1
     compute = flops / (world * hardware.flops * hardware.mfu) * stretch
-    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    sizes = {"dp": layout.dp * layout.cp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
+             "ep": layout.ep}  # fmt: skip
     comm = {}
     for stage in range(layout.pp):
         for group, payloads in k38.step_traffic(model, layout, stage).items():
             sent = sum(k38.wire_bytes(k, p, sizes[group]) for k, p in payloads.items())
             comm[group] = max(comm.get(group, 0.0), sent / hardware.bandwidth[group])
-    dp, tp, pp = (comm.get(g, 0.0) for g in ("dp", "tp", "pp"))
-    step = (max(compute, dp) if overlap else compute + dp) + tp + pp
+    dp, tp, pp, cp, ep = (comm.get(g, 0.0) for g in ("dp", "tp", "pp", "cp", "ep"))
+    if cp_overlapped:
+        step = max(compute, dp, cp) + tp + pp + ep
+    else:
+        step = (max(compute, dp) if overlap else compute + dp) + tp + pp + cp + ep
     peak = hardware.flops * (hardware.mfu if mfu_of_effective else 1)
     return Timing(compute, comm, step, 6 * whole * tokens / (step * world * peak))
 
@@ -339,20 +423,33 @@ def tokens_of_one_rank(model, layout, hardware):
     return _time(model, layout, hardware, tokens_per_rank=True)
 
 
+def every_expert_computed(model, layout, hardware):
+    # top-1: a token goes through one expert, not all of them
+    return _time(model, layout, hardware, every_expert=True)
+
+
+def world_without_cp(model, layout, hardware):
+    return _time(model, layout, hardware, cp_in_world=False)
+
+
+def cp_overlapped(model, layout, hardware):
+    return _time(model, layout, hardware, cp_overlapped=True)
+
+
 # --------------------------------------------------------------------------- plan
 
 
 def _plan(model, world, hardware, budget=None, layouts=None, *, check_world=True,
-          fits=lambda need, budget: need <= budget, order=None, refuse=True):  # fmt: skip
+          fits=lambda need, budget: need <= budget, order=None, refuse=True,
+          count_cp=True):  # fmt: skip
     """plan with the knobs a mistake turns."""
     k38 = _k38()
     budget = hardware.memory if budget is None else budget
     candidates = k38.every_layout(model, world) if layouts is None else list(layouts)
     for layout in candidates:
-        if check_world and layout.dp * layout.tp * layout.pp != world:
-            raise ValueError(
-                f"layout {layout}: {layout.dp * layout.tp * layout.pp} GPUs, not {world}"
-            )
+        product = layout.dp * layout.tp * layout.pp * (layout.cp if count_cp else 1)
+        if check_world and product != world:
+            raise ValueError(f"layout {layout}: {product} GPUs, not {world}")
     plans = [
         Plan(layout, k38.memory_per_rank(model, layout), k38.step_time(model, layout, hardware))
         for layout in candidates
@@ -387,16 +484,20 @@ def world_unchecked(model, world, hardware, budget=None, layouts=None):
     return _plan(model, world, hardware, budget, layouts, check_world=False)
 
 
+def plan_without_cp_in_the_world(model, world, hardware, budget=None, layouts=None):
+    return _plan(model, world, hardware, budget, layouts, count_cp=False)
+
+
 def plan_by_stable_sort(model, world, hardware, budget=None, layouts=None):
     # right: Python's sort is stable, so the order given survives without an index
     k38 = _k38()
     budget = hardware.memory if budget is None else budget
     candidates = k38.every_layout(model, world) if layouts is None else list(layouts)
-    wrong = [x for x in candidates if x.dp * x.tp * x.pp != world]
+    wrong = [x for x in candidates if x.dp * x.tp * x.pp * x.cp != world]
     if wrong:
         raise ValueError(
-            f"{wrong[0]} uses {wrong[0].dp * wrong[0].tp * wrong[0].pp} GPUs, not the {world} "
-            "of the world: make dp x tp x pp the world's size"
+            f"{wrong[0]} uses {wrong[0].dp * wrong[0].tp * wrong[0].pp * wrong[0].cp} GPUs, not "
+            f"the {world} of the world: make dp x tp x pp x cp the world's size"
         )
     plans = [Plan(x, k38.memory_per_rank(model, x), k38.step_time(model, x, hardware))
              for x in candidates]  # fmt: skip
@@ -420,6 +521,9 @@ _OVERLAP = "test_step_time_overlaps_dp_and_waits_for_tp_and_pp"
 _PLAN = "test_plan_keeps_every_layout_that_fits_fastest_first"
 _TIES = "test_plan_breaks_ties_by_the_order_given_and_keeps_the_budgets_edge"
 _REFUSES = "test_plan_refuses_a_layout_of_another_world_and_a_budget_nothing_fits"
+_CONTEXT_MEMORY = "test_context_and_experts_by_arithmetic"
+_CONTEXT_TRAFFIC = "test_context_and_expert_traffic_by_arithmetic"
+_CONTEXT_TIME = "test_experts_and_context_in_the_step"
 
 MISTAKES = [
     Mistake("tp_splits_every_parameter", replaces="parameters_per_rank", fails=[_REFERENCES],
@@ -432,13 +536,18 @@ MISTAKES = [
             says=["stage 1 3856", "the embedding"]),
     Mistake("vocabulary_split_by_tp", replaces="parameters_per_rank", fails=[f"{_BY_HAND}[2-1]"],
             says=["tp=2, pp=1", "counted parameter by parameter"]),
+    Mistake("every_expert_on_every_rank", replaces="parameters_per_rank", fails=[_REFERENCES],
+            says=["k22's ExpertParallelMoE", "A rank holds experts / ep whole experts"]),
+    Mistake("router_forgotten", replaces="parameters_per_rank", fails=[_REFERENCES],
+            says=["k22's ExpertParallelMoE", "the router (dim x experts and a bias) whole"]),
     Mistake("tp_unchecked", replaces="parameters_per_rank",
             fails=["test_parameters_refuse_what_does_not_fit"],
             says=["a tp must divide the 4 heads", "raise ValueError"]),
     Mistake("zero1_shards_the_gradients", replaces="memory_per_rank", fails=[_PRECISION],
             says=["ZeRO-1 shards only the optimizer state"]),
-    Mistake("zero2_keeps_the_gradients_whole", replaces="memory_per_rank", fails=[_PRECISION],
-            says=["ZeRO-2 shards the gradients too"]),
+    Mistake("zero2_keeps_the_gradients_whole", replaces="memory_per_rank",
+            fails=["test_memory_is_what_the_references_hold[zero2]"],
+            says=["k36's Zero2Optimizer", "2 the gradients too"]),
     Mistake("bf16_without_master_weights", replaces="memory_per_rank", fails=[_PRECISION],
             says=["12 of optimizer state (fp32 master and moments)"]),
     Mistake("shards_rounded_down", replaces="memory_per_rank", fails=[_PRECISION],
@@ -456,6 +565,12 @@ MISTAKES = [
     Mistake("first_stage_only", replaces="memory_per_rank",
             fails=["test_memory_is_the_busiest_stage"],
             says=["report the stage whose total is largest"]),
+    Mistake("zero_shards_over_dp_only", replaces="memory_per_rank", fails=[_CONTEXT_MEMORY],
+            says=["ZeRO shards over dp x cp"]),
+    Mistake("cp_keeps_whole_activations", replaces="memory_per_rank", fails=[_CONTEXT_MEMORY],
+            says=["every rank keeps half of what a block keeps"]),
+    Mistake("all_to_all_sends_everything", replaces="wire_bytes",
+            fails=["test_wire_bytes_follow_the_ring"], says=["wire_bytes('all_to_all'"]),
     Mistake("all_reduce_sends_once", replaces="wire_bytes",
             fails=["test_wire_bytes_follow_the_ring"], says=["wire_bytes('all_reduce'", "a ring sends 1 x"]),
     Mistake("wire_bytes_unchecked", replaces="wire_bytes",
@@ -473,6 +588,16 @@ MISTAKES = [
             says=["DDP all-reduces every gradient once a step"]),
     Mistake("traffic_always_fp32", replaces="step_traffic", fails=[f"{_TRAFFIC}[fully_shard_bf16]"],
             says=["torch's fully_shard gathering and reducing in bf16", "2 bytes"]),
+    Mistake("ring_sends_cp_hops", replaces="step_traffic", fails=[f"{_TRAFFIC}[ring]"],
+            says=["k26's ring_attention", "k and v cp - 1 hops"]),
+    Mistake("ring_gradients_in_the_precision", replaces="step_traffic", fails=[_CONTEXT_TRAFFIC],
+            says=["their gradients summed and sent in fp32 (k26)"]),
+    Mistake("ulysses_forward_only", replaces="step_traffic", fails=[f"{_TRAFFIC}[ulysses]"],
+            says=["k35's ulysses_attention", "4 all-to-alls forward (q, k, v, out), 4 backward"]),
+    Mistake("experts_without_counts", replaces="step_traffic", fails=[f"{_TRAFFIC}[experts]"],
+            says=["k22's ExpertParallelMoE", "the counts (ep int64s)"]),
+    Mistake("experts_forward_only", replaces="step_traffic", fails=[f"{_TRAFFIC}[experts]"],
+            says=["k22's ExpertParallelMoE", "forward and backward: 4 all-to-alls"]),
     Mistake("dp_not_overlapped", replaces="step_time", fails=[_OVERLAP],
             says=["max(compute, dp) + tp + pp"]),
     Mistake("recomputation_costs_nothing", replaces="step_time", fails=[_COMPUTE],
@@ -483,6 +608,12 @@ MISTAKES = [
             says=["the peak, not peak x MFU"]),
     Mistake("tokens_of_one_rank", replaces="step_time", fails=[_COMPUTE],
             says=["6 N FLOPs per token of the whole batch"]),
+    Mistake("every_expert_computed", replaces="step_time", fails=[_CONTEXT_TIME],
+            says=["one expert of 4, and the router"]),
+    Mistake("world_without_cp", replaces="step_time", fails=[_CONTEXT_TIME],
+            says=["over dp x cp = 4 GPUs"]),
+    Mistake("cp_overlapped", replaces="step_time", fails=[_CONTEXT_TIME],
+            says=["cp's and ep's traffic waits on the critical path"]),
     Mistake("slowest_first", replaces="plan", fails=[_PLAN], says=["fastest first"]),
     Mistake("budget_excluded", replaces="plan", fails=[_PLAN], says=["it left out"]),
     Mistake("ties_by_name", replaces="plan", fails=[_TIES],
@@ -491,6 +622,9 @@ MISTAKES = [
             says=["nothing fits, so say so"]),
     Mistake("world_unchecked", replaces="plan", fails=[_REFUSES],
             says=["a layout of 4 GPUs does not run on 8"]),
+    # every_layout's own cp layouts refused: the learner's ValueError names one
+    Mistake("plan_without_cp_in_the_world", replaces="plan", fails=[_PLAN],
+            says=["layout dp4 tp1 pp1 cp2 ring", "4 GPUs, not 8"]),
 ]  # fmt: skip
 
 RIGHT_ANSWERS = [
