@@ -93,7 +93,8 @@ WHAT THE TESTS CHECK
     against the dense model on 4 ranks (tp 2 x pp 2), its calls on the tp group only; on 8
     ranks (dp 2 x tp 2 x pp 2): one step's gradients and loss equal one process's on the same
     global batch, sends on the pp group carrying a dp replica's share, the gradients' mean on
-    the dp group, no group made while training; 3 clipped SGD steps: every step's loss and
+    the dp group, no group made while training, a batch that does not split refused before
+    anything is sent; 3 clipped SGD steps: every step's loss and
     norm and the weights after them equal one process's (with ``clip_grad_norm_``), every rank
     the same norm; and the program.
 

@@ -26,6 +26,7 @@ KATA = "k39_capstone"
 SEED, BLOCKS, MICRO, STEPS, LR = 0, 4, 2, 3, 0.1
 MAX_NORM = 0.5  # below the tiny transformer's gradient norms (~0.9): clipping bites
 CAPSTONE = (2, 2, 2)  # (dp, tp, pp) on 8 ranks
+ODD = 6  # sequences: no split into dp 2 x 2 micro-batches
 # 8 ranks add the same numbers in other orders than one process: close, not bitwise.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 # Which linears of a block tensor parallelism splits (k28's plan): column-parallel keeps output
@@ -368,14 +369,24 @@ def _one_step(rank, world_size):
     tokens, targets = _global_batch(dp, 0)
     with recording() as calls:
         loss = kata.forward_backward(stage, tokens, targets, mesh)
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else None)
+        for n, p in stage.named_parameters()
+    }
+    with recording() as probed:  # after the step: a batch that does not split must be refused
+        try:
+            kata.forward_backward(stage, tokens[:ODD], targets[:ODD], mesh)
+            refused = None
+        except KataTodo:
+            raise
+        except Exception as error:  # what a learner's version raised, as it raised it
+            refused = (type(error).__name__, str(error), len(probed))
     return {
         "place": (mesh.pp_index, mesh.dp_index, mesh.tp_index),
         "loss": loss,
-        "grads": {
-            n: (p.grad.detach().clone() if p.grad is not None else None)
-            for n, p in stage.named_parameters()
-        },
+        "grads": grads,
         "calls": _calls(calls, mesh),
+        "refused": refused,
     }
 
 
@@ -503,6 +514,28 @@ def test_gradients_are_averaged_on_the_dp_group_and_no_group_is_made(kata):
         assert on_dp, (
             f"{who}: forward_backward made no all-reduce on the dp group: the replicas' "
             "gradients are averaged there"
+        )
+
+
+@pytest.mark.step(3)
+def test_a_batch_that_does_not_split_is_refused(kata):
+    dp = CAPSTONE[0]
+    for rank, got in enumerate(_step_world()):
+        said = (
+            f"{_where(rank, got['place'])}: forward_backward on a batch of {ODD} sequences "
+            f"(dp {dp} x {MICRO} micro-batches)"
+        )
+        assert got["refused"] is not None, (
+            f"{said} returned: raise ValueError, saying the batch must be a multiple of dp x "
+            f"micro_batches ({dp * MICRO})"
+        )
+        kind, message, calls = got["refused"]
+        assert kind == "ValueError", (
+            f"{said} raised {kind}: {message[:200]}; check the batch first and raise ValueError"
+        )
+        assert calls == 0, (
+            f"{said} made {calls} call(s) of torch.distributed before its ValueError: check "
+            "first (a rank that stops half-way through a step leaves its peers waiting)"
         )
 
 

@@ -164,6 +164,14 @@ def _pipeline(stage, tokens, targets, mesh, micro_batches, rows=None):
     return run_schedule(stage, actions, batches, mesh.pp_group), targets[mine].numel()
 
 
+def _check_batch(tokens, mesh, micro_batches):
+    if tokens.shape[0] % (mesh.dp * micro_batches):
+        raise ValueError(
+            f"a batch of {tokens.shape[0]} does not split into dp x micro_batches: use a "
+            f"multiple of {mesh.dp * micro_batches}"
+        )
+
+
 def _mean(stage, group, divide):
     for p in stage.parameters():
         dist.all_reduce(p.grad, group=group)
@@ -253,8 +261,24 @@ def step_makes_the_dp_groups(stage, tokens, targets, mesh, micro_batches=2):
     return _loss(run, count, mesh)
 
 
+def step_unchecked(stage, tokens, targets, mesh, micro_batches=2):
+    """No check of the batch: an uneven one runs uneven micro-batches."""
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
+    _mean(stage, mesh.dp_group, mesh.dp)
+    return _loss(run, count, mesh)
+
+
+def step_checked_after_the_pipeline(stage, tokens, targets, mesh, micro_batches=2):
+    """The batch checked once the pipeline has run."""
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
+    _check_batch(tokens, mesh, micro_batches)
+    _mean(stage, mesh.dp_group, mesh.dp)
+    return _loss(run, count, mesh)
+
+
 def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2):
     """Right: one all-reduce per parameter, each divided."""
+    _check_batch(tokens, mesh, micro_batches)
     run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
     _mean(stage, mesh.dp_group, mesh.dp)
     return _loss(run, count, mesh)
@@ -262,6 +286,7 @@ def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2):
 
 def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2):
     """Right: the loss's sum and count all-reduced over dp and pp only (not tp)."""
+    _check_batch(tokens, mesh, micro_batches)
     run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
     _mean(stage, mesh.dp_group, mesh.dp)
     both = torch.zeros(2, dtype=torch.float64)
@@ -345,6 +370,7 @@ _GRADS = "test_one_step_s_gradients_equal_one_process_s"
 _LOSS = "test_the_loss_is_the_global_batch_s_on_every_rank"
 _SHARE = "test_the_pipeline_carries_a_replica_s_share_on_the_pp_group"
 _GROUPS = "test_gradients_are_averaged_on_the_dp_group_and_no_group_is_made"
+_BATCH = "test_a_batch_that_does_not_split_is_refused"
 _SAME = "test_every_rank_clips_by_the_same_norm"
 _NORM = "test_the_norm_equals_one_process_s"
 _TRAINED = "test_three_steps_equal_one_process_s_loss_and_weights"
@@ -448,6 +474,18 @@ MISTAKES = [
         replaces="forward_backward",
         fails=[_GROUPS],
         says=["made 4 process group(s)", "made once, by make_mesh"],
+    ),
+    Mistake(
+        "step_unchecked",
+        replaces="forward_backward",
+        fails=[_BATCH],
+        says=["returned: raise ValueError", "a multiple of dp x micro_batches (4)"],
+    ),
+    Mistake(
+        "step_checked_after_the_pipeline",
+        replaces="forward_backward",
+        fails=[_BATCH],
+        says=["before its ValueError", "check first"],
     ),
     Mistake(
         "clip_on_the_rank_alone",
