@@ -692,9 +692,9 @@ def test_three_steps_equal_one_process_s_loss_and_weights(kata):
 
 
 @pytest.mark.step(4)
-def test_program_trains_on_8_ranks_and_shows_the_calls(kata):
-    out = run_module_ok(KATA).stdout
-    shown = f"`python -m katas.{KATA}`"
+def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
+    out = run_module_ok(KATA, "--trace", str(tmp_path)).stdout
+    shown = f"`python -m katas.{KATA} --trace DIR`"
     for line, why in (
         ("pp 2 x dp 2 x tp 2 on 8 ranks", "the mesh"),
         ("one step's calls in order: tp: all-reduce", "rank 0's calls by group, in order"),
@@ -702,3 +702,8 @@ def test_program_trains_on_8_ranks_and_shows_the_calls(kata):
         ("equal one process's", "its verdict"),
     ):
         assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn, (
+        f"{shown} drew no timeline in DIR (it holds {sorted(p.name for p in tmp_path.iterdir())}): "
+        f"the program's ranks run through launch_world, which draws them; it printed:\n{out}"
+    )
