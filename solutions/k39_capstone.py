@@ -88,8 +88,8 @@ STEPS
 
 WHAT THE TESTS CHECK
     The groups of 2x2x1, 1x2x2 and 2x1x2 meshes on 4 ranks (indices, members, an all-reduce
-    over each) and a ``ValueError`` naming the world size, before any group is made, for
-    meshes that do not fit; each stage's parameters (names, tp slices, values) and its forward
+    over each), the same as torch's ``init_device_mesh`` makes on the same world, and a
+    ``ValueError`` naming the world size, before any group is made, for meshes that do not fit; each stage's parameters (names, tp slices, values) and its forward
     against the dense model on 4 ranks (tp 2 x pp 2), its calls on the tp group only; on 8
     ranks (dp 2 x tp 2 x pp 2): one step's gradients and loss equal one process's on the same
     global batch, sends on the pp group carrying a dp replica's share, the gradients' mean on
@@ -192,8 +192,8 @@ def make_mesh(dp: int, tp: int, pp: int) -> Mesh3D:
     # every rank, and returns a Mesh3D with its three indices, its own three groups and their
     # members. A ValueError naming the world size when dp, tp or pp is not a positive int or dp x
     # tp x pp is not the world size, before any group is made. The tests all-reduce over the groups
-    # of 2x2x1, 1x2x2 and 2x1x2 meshes on 4 ranks and of the 2x2x2 mesh on 8, and check the members
-    # and indices.
+    # of 2x2x1, 1x2x2 and 2x1x2 meshes on 4 ranks and check the members and indices, against
+    # torch's init_device_mesh too.
     world = dist.get_world_size()
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

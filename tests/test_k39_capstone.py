@@ -167,6 +167,17 @@ def _meshes(rank, world_size):
             },
             "sums": sums,
         }
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for dp, tp, pp in MESHES:  # torch's own mesh of the same shape, on the same world
+        theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        out[(dp, tp, pp)]["torch"] = {
+            name: (
+                theirs.get_local_rank(name),
+                sorted(dist.get_process_group_ranks(theirs.get_group(name))),
+            )
+            for name in ("pp", "dp", "tp")
+        }
     refused = {}
     for dp, tp, pp in MISFITS:
         with recording() as calls:
@@ -230,6 +241,20 @@ def test_mesh_groups_are_the_grid_s_lines(kata, dp, tp, pp):
                 f"rank {rank} of {name}: an all-reduce of the ranks over {group}_group gave "
                 f"{got['sums'][group]}, expected {sum(want[group])} ({want[group]}): the group "
                 "does not hold those ranks (or some rank is not in the groups it was given)"
+            )
+
+
+@pytest.mark.step(1)
+@pytest.mark.parametrize("dp,tp,pp", MESHES)
+def test_mesh_is_torch_s_init_device_mesh(kata, dp, tp, pp):
+    torch_mesh = 'init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))'
+    for rank, got in enumerate(result[(dp, tp, pp)] for result in _mesh_world()):
+        mine = dict(zip(("pp", "dp", "tp"), got["indices"]))
+        for name, (index, members) in got["torch"].items():
+            assert (mine[name], got["members"][name]) == (index, members), (
+                f"rank {rank} of make_mesh(dp={dp}, tp={tp}, pp={pp}): {name}_index "
+                f"{mine[name]} and {name}_group {got['members'][name]}, torch's {torch_mesh} "
+                f"gives this rank {name} index {index} and the group {members} on the same world"
             )
 
 
