@@ -7,7 +7,8 @@ THE IDEA
     the tiny transformer (4 blocks, width 16, sequences of 8 tokens, 32 words) trains on 8
     ranks, ``pp 2 x dp 2 x tp 2``, built from your own pieces: k21's ``split_stages`` and
     ``run_schedule``, k28's ``TensorParallelBlock``, k33's ``pipeline_mean`` and
-    ``clip_grad_norm``.
+    ``clip_grad_norm``. So finish k21 (steps 1-3), k28 (step 2) and k33 (steps 3-5) first:
+    this kata runs your versions, and one not written yet stops it with that kata's step.
 
     The mesh: rank ``= (pp_index * dp + dp_index) * tp + tp_index`` (torch's
     ``init_device_mesh(("pp", "dp", "tp"))`` lays it out so): tp innermost, because its
