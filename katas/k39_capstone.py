@@ -1,0 +1,438 @@
+"""k39 · The capstone: every dimension in one trainer.
+
+THE IDEA
+    Every kata so far cut one thing: the batch (k05, DDP), the weights inside a layer (k20,
+    TP), the layers themselves (k21, PP), the numbers every rank must agree on (k33). A real
+    run (Megatron-LM, torchtitan, picotron) does all of it at once, on ONE mesh of ranks. Here
+    the tiny transformer (4 blocks, width 16, sequences of 8 tokens, 32 words) trains on 8
+    ranks, ``pp 2 x dp 2 x tp 2``, built from your own pieces: k21's ``split_stages`` and
+    ``run_schedule``, k28's ``TensorParallelBlock``, k33's ``pipeline_mean`` and
+    ``clip_grad_norm``. So finish k21 (steps 1-3), k28 (step 2) and k33 (steps 3-5) first:
+    this kata runs your versions, and one not written yet stops it with that kata's step.
+
+    The mesh: rank ``= (pp_index * dp + dp_index) * tp + tp_index`` (torch's
+    ``init_device_mesh(("pp", "dp", "tp"))`` lays it out so): tp innermost, because its
+    all-reduces run inside every layer and want the fastest links (one machine's GPUs).
+
+                        stage 0 (embedding, blocks 0-1)    stage 1 (blocks 2-3, norm, output)
+                        tp 0        tp 1                    tp 0        tp 1
+            dp 0      rank 0  --  rank 1                  rank 4  --  rank 5
+                        |  tp: f, g every block              |  tp: f, g every block
+            dp 1      rank 2  --  rank 3                  rank 6  --  rank 7
+                      |___________________ pp: send/recv ___|
+                rank 0 -> rank 4, rank 1 -> rank 5, ...: the same tp slice, the same data
+
+        tp group  [0, 1] [2, 3] [4, 5] [6, 7]   slices of one layer, the same micro-batch
+        dp group  [0, 2] [1, 3] [4, 6] [5, 7]   the same slice, different halves of the batch
+        pp group  [0, 4] [1, 5] [2, 6] [3, 7]   consecutive stages, the same slice and data
+
+    Every rank makes all 12 groups once, in the same order (``dist.new_group`` is a collective
+    of the whole world), and never makes one again: a group made every step costs a rendezvous
+    each time and, made by some ranks only, hangs them.
+
+    Which collective on which group, in which order, for one step of rank 0:
+
+        forward    tp: all-reduce (g) x 2 per block            pp: send activations, per
+                                                                   micro-batch (GPipe)
+        backward   pp: recv the output's gradient, per micro-batch; tp: all-reduce (f) x 2 per
+                   block
+        gradients  dp: one all-reduce of the stage's flat gradients (the mean of 2 replicas)
+        loss       pp, dp, tp: all-reduce of (the last stage's token-loss sum, its count)
+        norm       pp, dp, tp: all-reduce of the sum of squares each rank must count
+        clip       nothing: every rank scales by the same factor
+
+    The three global numbers of k33, on three dimensions at once:
+    - the loss exists on the last stage only; it is the token-weighted mean over the dp
+      replicas, and every stage reports the same number (``pipeline_mean``);
+    - the gradient norm counts each element once: a TP slice's squares are summed over tp,
+      a replicated parameter (a LayerNorm, a row-parallel bias, the embedding, the head) is
+      counted on tp rank 0 only and on dp rank 0 only (after the dp all-reduce every replica
+      holds the same gradient), and the stages' sums are added over pp;
+    - every rank clips by ``min(1, max_norm / (norm + 1e-6))`` of that one norm, so the copies
+      of a parameter stay equal.
+    Held against one process on the same global batch: after 3 steps the loss, the norm and
+    every weight equal it, to rounding.
+
+    Context parallelism (k26) is a fourth dimension for long sequences; at 8 tokens there is
+    nothing to split, and picotron folds it into dp the same way: the cp ranks of a dp replica
+    read different parts of the sequence and their gradients are averaged with dp's, over one
+    group of dp x cp ranks.
+
+    what torch offers for it, and when a practitioner chooses which dimension (P parameters,
+    A activations of a micro-batch per layer, fp32, one step):
+
+        dimension  torch                               bytes a rank sends      chosen when
+        tp         parallelize_module(mesh["tp"])      4 all-reduces of A a    a layer is too big;
+                                                       block, fwd and bwd      fast links only
+        pp         torch.distributed.pipelining        A per micro-batch, to   the model is too
+                   (PipelineStage, ScheduleGPipe)      one neighbour           deep; slow links ok
+        dp         DDP, or fully_shard(mesh["dp"])     ~2 x 4P / (tp x pp)     always: more data
+        cp         context_parallel(mesh["cp"])        K and V round the ring  sequences too long
+
+    On a real cluster with torchrun, the same trainer runs unchanged but for three lines:
+    ``torchrun --nnodes 2 --nproc-per-node 4 -m ...`` starts the ranks (k06), the process group
+    is NCCL on ``cuda:LOCAL_RANK``, and the mesh keeps tp inside a node (tp <= GPUs per node)
+    and pp or dp across nodes. torch builds the same groups with ``init_device_mesh("cuda",
+    (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))`` and ``mesh["tp"].get_group()``.
+
+STEPS
+    1. ``make_mesh(dp, tp, pp)``: the 3-D mesh, every tp, dp and pp group made once by every
+       rank in the same order; a ``ValueError`` when the mesh does not fit the world.
+    2. ``build_stage(model, mesh)``: this rank's pipeline stage (k21's ``split_stages``) with
+       every block split over the tp group (k28's ``TensorParallelBlock``).
+    3. ``forward_backward``: this dp replica's part of the global batch through the pipeline
+       (k21's ``run_schedule``, GPipe, on the pp group), the gradients averaged over dp, and
+       the global loss on every rank (k33's ``pipeline_mean``).
+    4. ``clip_gradients``: the global gradient norm (each parameter's squares once) and every
+       rank clipping by the same factor (k33's ``clip_grad_norm``). ``train_step`` (written)
+       is forward_backward, clip_gradients and the optimizer's step.
+
+WHAT THE TESTS CHECK
+    The groups of 2x2x1, 1x2x2 and 2x1x2 meshes on 4 ranks (indices, members, an all-reduce
+    over each), the same as torch's ``init_device_mesh`` makes on the same world, and a
+    ``ValueError`` naming the world size, before any group is made, for meshes that do not fit; each stage's parameters (names, tp slices, values) and its forward
+    against the dense model on 4 ranks (tp 2 x pp 2), its calls on the tp group only; on 8
+    ranks (dp 2 x tp 2 x pp 2): one step's gradients and loss equal one process's on the same
+    global batch, sends on the pp group carrying a dp replica's share, the gradients' mean on
+    the dp group, no group made while training, a batch that does not split refused before
+    anything is sent; 3 clipped SGD steps: every step's loss and
+    norm and the weights after them equal one process's (with ``clip_grad_norm_``), every rank
+    the same norm; and the program.
+
+RUN IT
+    .venv/bin/python -m katas.k39_capstone
+    .venv/bin/python -m katas.k39_capstone --trace traces    (the run's timeline: traces/*.png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dojo.console import run_program, say, verdict
+from dojo.devices import rank_device
+from dojo.launch import add_launch_arguments, launch_world
+from dojo.todo import KataTodo
+from dojo.toy_models import make_tokens, make_transformer, transformer_loss
+
+from .k21_pipeline import Stage, gpipe_actions, run_schedule, split_stages
+from .k28_fsdp_tp import TP_PLAN, TensorParallelBlock
+from .k33_global_numbers import Piece, clip_grad_norm, pipeline_mean
+
+BLOCKS = 4  # two a stage at pp = 2
+MICRO_BATCHES = 2  # per dp replica and step
+MAX_NORM = 0.5  # below the tiny transformer's gradient norms (~0.9): clipping bites
+LR = 0.1
+
+# --------------------------------------------------------------------------- written for you
+
+
+@dataclass
+class Mesh3D:
+    """This rank's place in a ``pp x dp x tp`` grid: rank ``= (pp_index * dp + dp_index) * tp
+    + tp_index``.
+
+    ``tp_group``: the ranks that differ only in tp_index (slices of the same layers, the same
+    data); ``dp_group``: only in dp_index (the same slice, other data); ``pp_group``: only in
+    pp_index (the stages, in order). ``*_ranks`` list their members (global ranks, in order).
+
+    It answers the questions k33's functions ask of torch's DeviceMesh (``mesh_dim_names``,
+    ``get_group``, ``get_local_rank``, ``mesh[name].size()``), and k28's ``TensorParallelBlock``
+    reads its ``tp``, ``tp_index`` and ``tp_group``."""
+
+    dp: int
+    tp: int
+    pp: int
+    dp_index: int
+    tp_index: int
+    pp_index: int
+    dp_group: object = None
+    tp_group: object = None
+    pp_group: object = None
+    dp_ranks: list[int] = field(default_factory=list)
+    tp_ranks: list[int] = field(default_factory=list)
+    pp_ranks: list[int] = field(default_factory=list)
+
+    mesh_dim_names = ("pp", "dp", "tp")  # outermost first, as the ranks are laid out
+
+    def get_group(self, name: str):
+        return getattr(self, f"{name}_group")
+
+    def get_local_rank(self, name: str) -> int:
+        return getattr(self, f"{name}_index")
+
+    def __getitem__(self, name: str) -> _Dimension:
+        return _Dimension(getattr(self, name))
+
+
+@dataclass
+class _Dimension:
+    length: int
+
+    def size(self) -> int:
+        return self.length
+
+
+# --------------------------------------------------------------------------- step 1: the mesh
+
+
+def make_mesh(dp: int, tp: int, pp: int) -> Mesh3D:
+    """This rank's ``Mesh3D`` of a ``pp x dp x tp`` grid over the whole world.
+
+    Every rank creates every tp group, every dp group and every pp group, in the same order,
+    once; it keeps its own three. A ``ValueError`` saying what to do when ``dp``, ``tp`` or
+    ``pp`` is not a positive int or their product is not the world size."""
+    # TODO: every rank creates the groups of every tp line, every dp line and every pp line of the
+    # grid (rank = (pp_index * dp + dp_index) * tp + tp_index), the same groups in the same order on
+    # every rank, and returns a Mesh3D with its three indices, its own three groups and their
+    # members. A ValueError naming the world size when dp, tp or pp is not a positive int or dp x
+    # tp x pp is not the world size, before any group is made. The tests all-reduce over the groups
+    # of 2x2x1, 1x2x2 and 2x1x2 meshes on 4 ranks and check the members and indices, against
+    # torch's init_device_mesh too.
+    raise KataTodo("k39", 1, "the 3-D mesh, each group made once")
+
+
+# --------------------------------------------------------------------------- step 2: the stage
+
+
+def build_stage(model: nn.Module, mesh: Mesh3D) -> Stage:
+    """This rank's stage of ``model`` (a TinyTransformer): k21's ``Stage`` of its pp index,
+    each of its blocks a k28 ``TensorParallelBlock`` on the tp group (this tp rank's slices);
+    the embedding, the final norm and the output layer whole (replicated over tp). Parameter
+    names are the model's (``blocks.2.mlp.up.weight``)."""
+    # TODO: this rank's pipeline stage of the model (pp_index of pp consecutive stages), whose
+    # every block is split over this rank's tp group (its tp_index's slices), parameter names the
+    # model's. The tests compare every parameter with the dense model's slice, run each stage's
+    # forward against the dense model's on 4 ranks (tp 2 x pp 2) and record its calls: all on the tp
+    # group.
+    raise KataTodo("k39", 2, "the stage: pipeline blocks split over tp")
+
+
+# --------------------------------------------------------------------------- step 3: one step
+
+
+def forward_backward(
+    stage: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    mesh: Mesh3D,
+    micro_batches: int = MICRO_BATCHES,
+) -> float:
+    """Forward and backward of the GLOBAL batch ``(tokens, targets)`` (every rank is given
+    all of it): this dp replica's part, rows ``[dp_index * b, (dp_index + 1) * b)`` with ``b =
+    batch / dp``, cut into ``micro_batches`` and run through the pipeline (GPipe on the pp
+    group); then every parameter's ``.grad`` is the mean over the dp replicas, the gradient of
+    one process's loss on the whole batch. Returns that loss (the mean over every token of the
+    batch), the same float on every rank. A ``ValueError`` when the batch does not split into
+    dp x micro_batches equal parts."""
+    # TODO: this dp replica's rows of the global batch (the same rows on every tp rank and stage),
+    # in micro_batches micro-batches through the pipeline on the pp group; afterwards every .grad
+    # is the mean of the dp replicas' gradients (the gradient of the whole batch's mean loss), and
+    # the return is the whole batch's mean token loss, the same float on every rank though only the
+    # last stage computes one. A ValueError when the batch does not split into dp x micro_batches
+    # equal parts. The tests run dp 2 x tp 2 x pp 2 on 8 ranks and compare the gradients and the
+    # loss with one process on the global batch, record the sends on the pp group (a replica's
+    # share of the batch), the gradients' mean on the dp group, and no group made.
+    raise KataTodo("k39", 3, "one step through the pipeline, averaged over dp, the loss everywhere")
+
+
+# --------------------------------------------------------------------------- step 4: the norm
+
+
+def clip_gradients(stage: nn.Module, mesh: Mesh3D, max_norm: float = MAX_NORM) -> float:
+    """``clip_grad_norm_`` for the whole model spread over the mesh: the 2-norm of the whole
+    model's gradient (every element once), the same on every rank, and every gradient of the
+    stage scaled in place by ``min(1, max_norm / (norm + 1e-6))``. Returns the norm before
+    clipping."""
+    # TODO: the norm of the whole model's gradient, each element counted once though tp ranks hold
+    # slices of the split linears and copies of everything else, the dp replicas hold copies and
+    # the stages hold different parameters; every gradient of the stage scaled in place by the
+    # factor of that one norm, the same on every rank; returns the norm (a float). The tests train 3
+    # steps on 8 ranks and compare every step's norm and the weights with one process's
+    # clip_grad_norm_, and the norms of all 8 ranks with each other.
+    raise KataTodo("k39", 4, "the global norm, one clipping factor")
+
+
+def train_step(
+    stage: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    mesh: Mesh3D,
+    max_norm: float = MAX_NORM,
+) -> tuple[float, float]:
+    """One training step on the global batch: ``(loss, norm before clipping)``."""
+    loss = forward_backward(stage, tokens, targets, mesh)
+    with torch.profiler.record_function("clip"):
+        norm = clip_gradients(stage, mesh, max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, norm
+
+
+# --------------------------------------------------------------------------- the program
+
+
+def global_batch(dp: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: 2 sequences per micro-batch of every dp replica."""
+    return make_tokens(2 * MICRO_BATCHES * dp, seed + 1 + step)
+
+
+def one_process(dp: int, steps: int, seed: int) -> dict:
+    """The same training on one process: losses, norms and the weights after ``steps``."""
+    model = make_transformer(seed, blocks=BLOCKS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(steps):
+        tokens, targets = global_batch(dp, step, seed)
+        loss = transformer_loss(model(tokens), targets)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+@contextlib.contextmanager
+def _watched(mesh: Mesh3D, seen: list[str]):
+    """Note every collective and send of the block as "group: call", in order."""
+    originals = {}
+
+    def which(group) -> str:
+        named = {id(mesh.get_group(d)): d for d in mesh.mesh_dim_names}
+        return named.get(id(group), "world")
+
+    for name in ("all_reduce", "isend", "send", "recv", "irecv"):
+        original = getattr(dist, name)
+        originals[name] = original
+
+        def watched(*args, _original=original, _name=name, **kwargs):
+            arguments = inspect.signature(_original).bind_partial(*args, **kwargs).arguments
+            seen.append(f"{which(arguments.get('group'))}: {_name.replace('_', '-')}")
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, watched)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def train_rank(rank: int, world_size: int, dp: int, tp: int, pp: int, steps: int, seed: int):
+    """Train ``steps`` steps on this rank's stage; the losses, norms, the first step's calls
+    in order, and this rank's parameters (its slices) after training."""
+    device = rank_device()
+    mesh = make_mesh(dp, tp, pp)
+    stage = build_stage(make_transformer(seed, blocks=BLOCKS).to(device), mesh)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    losses, norms, calls = [], [], []
+    for step in range(steps):
+        tokens, targets = (t.to(device) for t in global_batch(dp, step, seed))
+        with _watched(mesh, calls) if step == 0 else contextlib.nullcontext():
+            loss, norm = train_step(stage, optimizer, tokens, targets, mesh)
+        losses.append(loss)
+        norms.append(norm)
+    weights = {n: p.detach().cpu().clone() for n, p in stage.named_parameters()}
+    where = (mesh.pp_index, mesh.dp_index, mesh.tp_index)
+    return {"mesh": where, "losses": losses, "norms": norms, "calls": calls, "weights": weights}
+
+
+def _slice_of(name: str, whole: torch.Tensor, tp: int, tp_index: int) -> torch.Tensor:
+    """The tp rank's slice of one process's parameter ``name`` (TP_PLAN's split)."""
+    layer, _, kind = name.rpartition(".")
+    style = next((s for planned, s in TP_PLAN.items() if layer.endswith(planned)), None)
+    if style == "column":
+        return whole.chunk(tp, dim=0)[tp_index]
+    if style == "row" and kind == "weight":
+        return whole.chunk(tp, dim=1)[tp_index]
+    return whole
+
+
+def _runs(calls: list[str]) -> str:
+    """``pp: isend x2, tp: all-reduce x4, ...``: consecutive equal calls counted."""
+    runs: list[list] = []
+    for call in calls:
+        if runs and runs[-1][0] == call:
+            runs[-1][1] += 1
+        else:
+            runs.append([call, 1])
+    return ", ".join(f"{call} x{n}" if n > 1 else call for call, n in runs)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="The capstone: a tiny transformer trained on a pp x dp x tp mesh (the world "
+        "is dp x tp x pp ranks: --world-size is not used), against one process."
+    )
+    add_launch_arguments(parser, world_size=8)
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (1, 2 or 4)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (1, 2 or 4)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.dp < 1 or args.tp not in (1, 2, 4) or args.pp not in (1, 2, 4) or args.steps < 1:
+        parser.error(
+            "--dp and --steps must be at least 1, --tp must divide the 4 heads (1, 2 or 4) and "
+            "--pp the 4 blocks (1, 2 or 4)"
+        )
+    world_size = args.dp * args.tp * args.pp
+    say(
+        None,
+        f"pp {args.pp} x dp {args.dp} x tp {args.tp} on {world_size} ranks: stages on pp, "
+        "replicas on dp, slices on tp; against one process on the same global batch",
+    )
+    results = launch_world(
+        train_rank,
+        world_size,
+        args.dp,
+        args.tp,
+        args.pp,
+        args.steps,
+        args.seed,
+        backend=args.backend,
+        device=args.device,
+    )
+    alone = one_process(args.dp, args.steps, args.seed)
+    for step in range(args.steps):
+        say(
+            None,
+            f"step {step + 1}: loss {results[0]['losses'][step]:.6f} (one process "
+            f"{alone['losses'][step]:.6f}), grad norm {results[0]['norms'][step]:.6f} (one "
+            f"process {alone['norms'][step]:.6f}, clipped to {MAX_NORM})",
+        )
+    for rank in sorted({0, world_size - 1}):
+        pp_index, dp_index, tp_index = results[rank]["mesh"]
+        say(
+            rank,
+            f"(pp {pp_index}, dp {dp_index}, tp {tp_index}) one step's calls in order: "
+            f"{_runs(results[rank]['calls'])}",
+        )
+    if not args.trace:
+        say(None, "its timeline, a lane per rank: add --trace traces (then open traces/*.png)")
+    gap = 0.0
+    for result in results:
+        _, _, tp_index = result["mesh"]
+        for name, mine in result["weights"].items():
+            want = _slice_of(name, alone["weights"][name], args.tp, tp_index)
+            gap = max(gap, (mine - want).abs().max().item())
+        gap = max(gap, max(abs(a - b) for a, b in zip(result["losses"], alone["losses"])))
+        gap = max(gap, max(abs(a - b) for a, b in zip(result["norms"], alone["norms"])))
+    return verdict(
+        gap,
+        f"after {args.steps} steps every rank's loss, grad norm and weights equal one process's",
+        "the 3-D run differs from one process",
+    )
+
+
+if __name__ == "__main__":
+    run_program(main)

@@ -1,0 +1,746 @@
+"""k39 the capstone: a 3-D mesh (pp x dp x tp) and its groups made once, a pipeline stage of
+tensor-parallel blocks, one step through the pipeline averaged over dp with the loss on every
+rank, the global gradient norm and one clipping factor, and 3 steps on 8 ranks held against one
+process on the same global batch.
+
+The 8-rank worlds are the gate's largest: each runs once and is shared by its step's tests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.world import run_world
+from dojo.spec import collectives
+from dojo.spec.states import close, gap
+from dojo.spec.testing import run_module_ok, shared_run
+from dojo.todo import KataTodo
+from dojo.toy_models import MODEL_DIM, SEQUENCE, make_tokens, make_transformer, transformer_loss
+
+KATA = "k39_capstone"
+
+SEED, BLOCKS, MICRO, STEPS, LR = 0, 4, 2, 3, 0.1
+MAX_NORM = 0.5  # below the tiny transformer's gradient norms (~0.9): clipping bites
+CAPSTONE = (2, 2, 2)  # (dp, tp, pp) on 8 ranks
+ODD = 6  # sequences: no split into dp 2 x 2 micro-batches
+# 8 ranks add the same numbers in other orders than one process: close, not bitwise.
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+# Which linears of a block tensor parallelism splits (k28's plan): column-parallel keeps output
+# features (weight rows, bias entries), row-parallel input features (weight columns).
+SPLIT = {
+    "attention.query": "column",
+    "attention.key": "column",
+    "attention.value": "column",
+    "attention.out": "row",
+    "mlp.up": "column",
+    "mlp.down": "row",
+}
+
+
+def _split_dim(name: str) -> int | None:
+    """The dimension tp splits parameter ``name`` on (None: every tp rank holds a copy)."""
+    layer, _, kind = name.rpartition(".")
+    style = next((s for planned, s in SPLIT.items() if layer.endswith(planned)), None)
+    if style == "column":
+        return 0
+    return 1 if style == "row" and kind == "weight" else None
+
+
+def _tp_slice(name: str, whole: torch.Tensor, tp: int, tp_index: int) -> torch.Tensor:
+    dim = _split_dim(name)
+    return whole if dim is None else whole.chunk(tp, dim=dim)[tp_index]
+
+
+def _stage_names(pp: int, pp_index: int) -> set[str]:
+    """The dense model's parameter names on stage ``pp_index`` of ``pp`` (k21's split)."""
+    names = set()
+    per = BLOCKS // pp
+    for name, _ in make_transformer(SEED, blocks=BLOCKS).named_parameters():
+        if name.startswith("blocks."):
+            keep = int(name.split(".")[1]) // per == pp_index
+        elif name.startswith("embedding."):
+            keep = pp_index == 0
+        else:
+            keep = pp_index == pp - 1
+        if keep:
+            names.add(name)
+    return names
+
+
+def _where(rank: int, place) -> str:
+    pp_index, dp_index, tp_index = place
+    return f"rank {rank} (pp {pp_index}, dp {dp_index}, tp {tp_index})"
+
+
+def _group_of(group, mesh) -> str:
+    import torch.distributed as dist
+
+    for name in ("tp", "dp", "pp"):
+        if group is getattr(mesh, f"{name}_group"):
+            return name
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return "another group"
+
+
+def _calls(calls, mesh) -> list[dict]:
+    return [
+        {
+            "kind": collectives.kind(c.name),
+            "group": _group_of(c.group, mesh),
+            "shapes": c.shapes,
+            "bytes": c.bytes,
+            # batch_isend_irecv: each op's kind, in the order of its tensors' shapes
+            "parts": [part[0] for part in c.parts],
+        }
+        for c in calls
+    ]
+
+
+def _global_batch(dp: int, step: int):
+    return make_tokens(2 * MICRO * dp, SEED + 1 + step)
+
+
+def _failed(rank: int, what: str, error: Exception) -> str:
+    return f"rank {rank}: {what} raised {type(error).__name__}: {str(error).strip()[:400]}"
+
+
+# --------------------------------------------------------------------------- step 1: the mesh
+
+
+MESHES = ((2, 2, 1), (1, 2, 2), (2, 1, 2))  # (dp, tp, pp) on 4 ranks
+MISFITS = ((2, 2, 2), (1, 1, 2), (0, 2, 2), (2, 2, 0))
+FIELDS = ("dp_index", "tp_index", "pp_index", "dp_group", "tp_group", "pp_group")
+
+
+def _expected(rank: int, dp: int, tp: int, pp: int) -> dict:
+    pp_index, rest = divmod(rank, dp * tp)
+    dp_index, tp_index = divmod(rest, tp)
+
+    def at(p, d, t):
+        return (p * dp + d) * tp + t
+
+    return {
+        "indices": (pp_index, dp_index, tp_index),
+        "tp": [at(pp_index, dp_index, t) for t in range(tp)],
+        "dp": [at(pp_index, d, tp_index) for d in range(dp)],
+        "pp": [at(p, dp_index, tp_index) for p in range(pp)],
+    }
+
+
+def _meshes(rank, world_size):
+    import torch.distributed as dist
+
+    kata = load_kata(KATA)
+    out = {}
+    for dp, tp, pp in MESHES:
+        mesh = kata.make_mesh(dp, tp, pp)
+        lacks = [name for name in FIELDS if not hasattr(mesh, name)]
+        if lacks:
+            raise AssertionError(
+                f"make_mesh({dp}, {tp}, {pp}) returned {mesh!r}, which has no "
+                f"{', '.join(lacks)}: return the Mesh3D written for you"
+            )
+        groups = {name: getattr(mesh, f"{name}_group") for name in ("tp", "dp", "pp")}
+        # all-reduce over the groups only when every rank is in its own three: a rank outside
+        # a group it was given would leave its peers waiting for ever
+        fits = all(
+            g is not None and rank in dist.get_process_group_ranks(g) for g in groups.values()
+        )
+        agree = torch.tensor([1.0 if fits else 0.0])
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+        sums = {}
+        for name, group in groups.items():
+            total = torch.tensor([float(rank)])
+            if agree.item() == 1.0:
+                dist.all_reduce(total, group=group)
+            sums[name] = total.item()
+        out[(dp, tp, pp)] = {
+            "indices": (mesh.pp_index, mesh.dp_index, mesh.tp_index),
+            "members": {
+                name: sorted(dist.get_process_group_ranks(g)) if fits else None
+                for name, g in groups.items()
+            },
+            "sums": sums,
+        }
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for dp, tp, pp in MESHES:  # torch's own mesh of the same shape, on the same world
+        theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        out[(dp, tp, pp)]["torch"] = {
+            name: (
+                theirs.get_local_rank(name),
+                sorted(dist.get_process_group_ranks(theirs.get_group(name))),
+            )
+            for name in ("pp", "dp", "tp")
+        }
+    refused = {}
+    for dp, tp, pp in MISFITS:
+        with recording() as calls:
+            try:
+                kata.make_mesh(dp, tp, pp)
+                refused[(dp, tp, pp)] = None
+            except KataTodo:
+                raise
+            except Exception as error:  # what a learner's version raised, as it raised it
+                refused[(dp, tp, pp)] = (type(error).__name__, str(error), len(calls))
+    out["refused"] = refused
+    return out
+
+
+@shared_run
+def _mesh_world():
+    return run_world(_meshes, 4, deadline=60)
+
+
+@pytest.mark.step(1)
+@pytest.mark.parametrize("dp,tp,pp", MESHES)
+def test_mesh_groups_are_the_grid_s_lines(kata, dp, tp, pp):
+    results = [result[(dp, tp, pp)] for result in _mesh_world()]
+    name = f"make_mesh(dp={dp}, tp={tp}, pp={pp}) on 4 ranks"
+    # indices first, then members, then sums: a mistake shows as the narrowest thing it breaks
+    for rank, got in enumerate(results):
+        want = _expected(rank, dp, tp, pp)["indices"]
+        assert got["indices"] == want, (
+            f"rank {rank} of {name} says (pp_index, dp_index, tp_index) = {got['indices']}, "
+            f"expected {want}: rank = (pp_index * dp + dp_index) * tp + tp_index (tp innermost: "
+            "its all-reduces run in every layer and want the fastest links; torch's "
+            "init_device_mesh lays (pp, dp, tp) out so)"
+        )
+    for rank, got in enumerate(results):
+        want = _expected(rank, dp, tp, pp)
+        for group in ("tp", "dp", "pp"):
+            members = got["members"][group]
+            assert members == want[group], (
+                f"rank {rank} of {name}: its {group}_group holds ranks {members}, expected "
+                f"{want[group]} (the ranks that differ from it only in {group}_index)"
+                + (
+                    f": that is its {other} line; {group}_group and {other}_group swapped?"
+                    if members is not None
+                    and (
+                        other := next(
+                            (
+                                o
+                                for o in ("tp", "dp", "pp")
+                                if o != group and want[o] == members and len(members) > 1
+                            ),
+                            None,
+                        )
+                    )
+                    else ""
+                )
+            )
+    for rank, got in enumerate(results):
+        want = _expected(rank, dp, tp, pp)
+        for group in ("tp", "dp", "pp"):
+            assert got["sums"][group] == float(sum(want[group])), (
+                f"rank {rank} of {name}: an all-reduce of the ranks over {group}_group gave "
+                f"{got['sums'][group]}, expected {sum(want[group])} ({want[group]}): the group "
+                "does not hold those ranks (or some rank is not in the groups it was given)"
+            )
+
+
+@pytest.mark.step(1)
+@pytest.mark.parametrize("dp,tp,pp", MESHES)
+def test_mesh_is_torch_s_init_device_mesh(kata, dp, tp, pp):
+    torch_mesh = 'init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))'
+    for rank, got in enumerate(result[(dp, tp, pp)] for result in _mesh_world()):
+        mine = dict(zip(("pp", "dp", "tp"), got["indices"]))
+        for name, (index, members) in got["torch"].items():
+            assert (mine[name], got["members"][name]) == (index, members), (
+                f"rank {rank} of make_mesh(dp={dp}, tp={tp}, pp={pp}): {name}_index "
+                f"{mine[name]} and {name}_group {got['members'][name]}, torch's {torch_mesh} "
+                f"gives this rank {name} index {index} and the group {members} on the same world"
+            )
+
+
+@pytest.mark.step(1)
+def test_a_mesh_that_does_not_fit_is_refused(kata):
+    for (dp, tp, pp), got in _mesh_world()[0]["refused"].items():
+        said = f"make_mesh(dp={dp}, tp={tp}, pp={pp}) on 4 ranks"
+        assert got is not None, (
+            f"{said} returned a mesh: raise ValueError (dp x tp x pp must be the world size, "
+            "each at least 1)"
+        )
+        kind, message, calls = got
+        assert kind == "ValueError", (
+            f"{said} raised {kind}: {message[:200]}; check first and raise ValueError, saying "
+            "dp x tp x pp must equal the world size"
+        )
+        if min(dp, tp, pp) >= 1:
+            assert "4" in message, (
+                f"{said}'s ValueError says {message!r}: name the world size (4), so that the "
+                "reader knows what dp x tp x pp must be"
+            )
+        assert calls == 0, (
+            f"{said} made {calls} call(s) of torch.distributed before its ValueError: check the "
+            "mesh first (dist.new_group is a collective of the whole world; a rank that stops "
+            "half-way leaves the others waiting in it)"
+        )
+
+
+# --------------------------------------------------------------------------- step 2: the stage
+
+
+def _stages(rank, world_size):
+    kata = load_kata(KATA)
+    mesh = kata.make_mesh(1, 2, 2)  # tp 2 x pp 2
+    dense = make_transformer(SEED, blocks=BLOCKS)
+    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh)
+    params = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    tokens, _ = make_tokens(2, SEED)
+    with torch.no_grad():
+        hidden = dense.embedding(tokens)
+        for block in dense.blocks[:2]:
+            hidden = block(hidden)
+        expected = hidden if mesh.pp_index == 0 else dense(tokens)
+        given = tokens if mesh.pp_index == 0 else hidden
+        with recording() as calls:
+            try:
+                output, failure = stage(given).detach().clone(), None
+            except KataTodo:
+                raise
+            except Exception as error:  # told by the forward's test, after the parameters'
+                output, failure = None, _failed(rank, "the stage's forward", error)
+    return {
+        "place": (mesh.pp_index, mesh.dp_index, mesh.tp_index),
+        "params": params,
+        "output": output,
+        "failure": failure,
+        "expected": expected,
+        "calls": _calls(calls, mesh),
+    }
+
+
+@shared_run
+def _stage_world():
+    return run_world(_stages, 4, deadline=60)
+
+
+@pytest.mark.step(2)
+def test_each_stage_holds_its_blocks_tp_slices(kata):
+    dense = dict(make_transformer(SEED, blocks=BLOCKS).named_parameters())
+    for rank, got in enumerate(_stage_world()):
+        pp_index, _, tp_index = got["place"]
+        who = _where(rank, got["place"])
+        want = _stage_names(2, pp_index)
+        names = set(got["params"])
+        assert names == want, (
+            f"{who} holds parameters {sorted(names - want)[:4]} it should not and lacks "
+            f"{sorted(want - names)[:4]}: stage {pp_index} of 2 holds "
+            + (
+                "the embedding and blocks 0-1"
+                if pp_index == 0
+                else "blocks 2-3, the norm and the output"
+            )
+            + ", under the model's names (k21's split_stages of the pp index)"
+        )
+        for name, mine in got["params"].items():
+            whole = dense[name].detach()
+            want_slice = _tp_slice(name, whole, 2, tp_index)
+            if mine.shape == whole.shape and want_slice.shape != whole.shape:
+                raise AssertionError(
+                    f"{who} holds the whole {name} {tuple(whole.shape)}, expected its tp slice "
+                    f"{tuple(want_slice.shape)}: every block of the stage is split over the tp "
+                    "group (k28's TensorParallelBlock)"
+                )
+            assert mine.shape == want_slice.shape and torch.equal(mine, want_slice), (
+                f"{who}: {name} {tuple(mine.shape)} is not tp rank {tp_index}'s slice of the "
+                f"model's {tuple(whole.shape)} ({tuple(want_slice.shape)}): split it with the "
+                "mesh's tp_index and tp_group"
+            )
+
+
+@pytest.mark.step(2)
+def test_each_stage_s_forward_is_the_dense_model_s(kata):
+    for rank, got in enumerate(_stage_world()):
+        pp_index = got["place"][0]
+        what = "the activations after block 1" if pp_index == 0 else "the logits"
+        assert got["failure"] is None, got["failure"]
+        assert got["output"].shape == got["expected"].shape and close(
+            got["output"], got["expected"], **TOLERANCE
+        ), (
+            f"{_where(rank, got['place'])}: the stage's forward differs from the dense model's "
+            f"({what}): {gap(got['output'], got['expected'])}"
+        )
+
+
+@pytest.mark.step(2)
+def test_a_stage_s_forward_calls_only_on_the_tp_group(kata):
+    for rank, got in enumerate(_stage_world()):
+        elsewhere = [c for c in got["calls"] if c["group"] != "tp"]
+        assert not elsewhere, (
+            f"{_where(rank, got['place'])}: the stage's forward made "
+            + ", ".join(f"{c['kind']} on the {c['group']}" for c in elsewhere[:3])
+            + ": a stage's blocks sum their slices over the tp group only (the dp ranks read "
+            "other data, the pp ranks hold other layers)"
+        )
+        assert got["calls"], (
+            f"{_where(rank, got['place'])}: the stage's forward made no call: its blocks hold "
+            "slices, whose partial products are summed over the tp group"
+        )
+
+
+# --------------------------------------------------------------------------- step 3: one step
+
+
+def _one_step(rank, world_size):
+    kata = load_kata(KATA)
+    dp, tp, pp = CAPSTONE
+    mesh = kata.make_mesh(dp, tp, pp)
+    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh)
+    tokens, targets = _global_batch(dp, 0)
+    with recording() as calls:
+        loss = kata.forward_backward(stage, tokens, targets, mesh)
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else None)
+        for n, p in stage.named_parameters()
+    }
+    with recording() as probed:  # after the step: a batch that does not split must be refused
+        try:
+            kata.forward_backward(stage, tokens[:ODD], targets[:ODD], mesh)
+            refused = None
+        except KataTodo:
+            raise
+        except Exception as error:  # what a learner's version raised, as it raised it
+            refused = (type(error).__name__, str(error), len(probed))
+    return {
+        "place": (mesh.pp_index, mesh.dp_index, mesh.tp_index),
+        "loss": loss,
+        "grads": grads,
+        "calls": _calls(calls, mesh),
+        "refused": refused,
+    }
+
+
+@shared_run
+def _step_world():
+    return run_world(_one_step, 8, deadline=90)
+
+
+def _dense_step(rows: slice | None = None) -> tuple[float, dict]:
+    """One process's loss and gradients on the global batch (or on ``rows`` of it)."""
+    model = make_transformer(SEED, blocks=BLOCKS)
+    tokens, targets = _global_batch(CAPSTONE[0], 0)
+    if rows is not None:
+        tokens, targets = tokens[rows], targets[rows]
+    loss = transformer_loss(model(tokens), targets)
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.step(3)
+def test_one_step_s_gradients_equal_one_process_s(kata):
+    dp, tp, _ = CAPSTONE
+    _, whole = _dense_step()
+    share = 2 * MICRO
+    replicas = [_dense_step(slice(d * share, (d + 1) * share))[1] for d in range(dp)]
+    for rank, got in enumerate(_step_world()):
+        _, dp_index, tp_index = got["place"]
+        who = _where(rank, got["place"])
+        for name, grad in got["grads"].items():
+            want = _tp_slice(name, whole[name], tp, tp_index)
+            assert grad is not None, (
+                f"{who}: {name} has no gradient after forward_backward: every stage runs "
+                "backward through its part of the pipeline"
+            )
+            if grad.shape == want.shape and close(grad, want, **TOLERANCE):
+                continue
+            own = _tp_slice(name, replicas[dp_index][name], tp, tp_index)
+            summed = _tp_slice(name, sum(r[name] for r in replicas), tp, tp_index)
+            if grad.shape == own.shape and close(grad, own, **TOLERANCE):
+                likely = (
+                    ": it is this replica's own gradient; average the replicas' gradients over "
+                    "the dp group"
+                )
+            elif grad.shape == summed.shape and close(grad, summed, **TOLERANCE):
+                likely = f": it is the SUM of the {dp} replicas' gradients; the mean divides by dp"
+            else:
+                likely = ""
+            raise AssertionError(
+                f"{who}: the gradient of {name} after one forward_backward differs from one "
+                f"process's on the global batch (its tp slice): "
+                f"{gap(grad, want) if grad.shape == want.shape else tuple(grad.shape)}{likely}"
+            )
+
+
+@pytest.mark.step(3)
+def test_the_loss_is_the_global_batch_s_on_every_rank(kata):
+    dp = CAPSTONE[0]
+    loss, _ = _dense_step()
+    share = 2 * MICRO
+    own = [_dense_step(slice(d * share, (d + 1) * share))[0] for d in range(dp)]
+    for rank, got in enumerate(_step_world()):
+        value = got["loss"]
+        who = _where(rank, got["place"])
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (
+            f"{who}: forward_backward returned {value!r}, expected the loss as a float on "
+            "every rank, the first stage's too (k33: the last stage's sums, shared)"
+        )
+        if math.isclose(value, loss, rel_tol=1e-5, abs_tol=1e-6):
+            continue
+        _, dp_index, _ = got["place"]
+        if math.isclose(value, own[dp_index], rel_tol=1e-5, abs_tol=1e-6):
+            likely = ": that is its own replica's loss; the mean is over every replica's tokens"
+        elif math.isclose(value, sum(own), rel_tol=1e-5):
+            likely = f": that is the sum of the {dp} replicas' losses, not their mean"
+        else:
+            likely = ""
+        raise AssertionError(
+            f"{who}: forward_backward returned the loss {value:.6f}, expected one process's "
+            f"{loss:.6f} on the global batch{likely}"
+        )
+
+
+@pytest.mark.step(3)
+def test_the_pipeline_carries_a_replica_s_share_on_the_pp_group(kata):
+    dp = CAPSTONE[0]
+    share = 2 * MICRO
+    for rank, got in enumerate(_step_world()):
+        who = _where(rank, got["place"])
+        sends = [c for c in got["calls"] if c["kind"] in ("isend", "send")]
+        wrong = [c for c in sends if c["group"] != "pp"]  # a batch's ops carry their own groups
+        assert not wrong, (
+            f"{who} sent on the {wrong[0]['group']}: the stages' activations and gradients go "
+            "between the ranks of a pp group (the same tp slice and data, the next stage)"
+        )
+        if got["place"][0] == 0:  # the first stage sends each micro-batch's activations
+            sent = [c["shapes"][0] for c in sends if c["shapes"]]
+            for c in got["calls"]:
+                if c["kind"] == "batch-isend-irecv":
+                    sent += [
+                        shape for kind, shape in zip(c["parts"], c["shapes"]) if kind == "isend"
+                    ]
+            rows = sum(shape[0] for shape in sent)
+            assert rows == share, (
+                f"{who} sent the activations of {rows} sequences to the next stage, expected "
+                f"{share}: each of the {dp} dp replicas runs its share of the global batch of "
+                f"{share * dp} (rows dp_index * {share} onwards)"
+                + (": every replica ran the whole batch" if rows == share * dp else "")
+            )
+            assert all(shape[1:] == (SEQUENCE, MODEL_DIM) for shape in sent), (
+                f"{who} sent tensors of shapes {sent}: activations are "
+                f"(sequences, {SEQUENCE}, {MODEL_DIM})"
+            )
+
+
+@pytest.mark.step(3)
+def test_gradients_are_averaged_on_the_dp_group_and_no_group_is_made(kata):
+    for rank, got in enumerate(_step_world()):
+        who = _where(rank, got["place"])
+        made = [c for c in got["calls"] if c["kind"] == "new-group"]
+        assert not made, (
+            f"{who}: forward_backward made {len(made)} process group(s): the mesh's groups are "
+            "made once, by make_mesh, and used every step (a group made every step costs a "
+            "rendezvous of the whole world each time)"
+        )
+        world = [  # a batch_isend_irecv's group is its ops', not the call's
+            c
+            for c in got["calls"]
+            if c["group"] in ("world", "another group") and c["kind"] != "batch-isend-irecv"
+        ]
+        assert not world, (
+            f"{who}: forward_backward made {world[0]['kind']} on {world[0]['group']}: every "
+            "call belongs to one of the mesh's groups (tp, dp or pp)"
+        )
+        on_dp = [c for c in got["calls"] if c["kind"] == "all-reduce" and c["group"] == "dp"]
+        assert on_dp, (
+            f"{who}: forward_backward made no all-reduce on the dp group: the replicas' "
+            "gradients are averaged there"
+        )
+
+
+@pytest.mark.step(3)
+def test_a_batch_that_does_not_split_is_refused(kata):
+    dp = CAPSTONE[0]
+    for rank, got in enumerate(_step_world()):
+        said = (
+            f"{_where(rank, got['place'])}: forward_backward on a batch of {ODD} sequences "
+            f"(dp {dp} x {MICRO} micro-batches)"
+        )
+        assert got["refused"] is not None, (
+            f"{said} returned: raise ValueError, saying the batch must be a multiple of dp x "
+            f"micro_batches ({dp * MICRO})"
+        )
+        kind, message, calls = got["refused"]
+        assert kind == "ValueError", (
+            f"{said} raised {kind}: {message[:200]}; check the batch first and raise ValueError"
+        )
+        assert calls == 0, (
+            f"{said} made {calls} call(s) of torch.distributed before its ValueError: check "
+            "first (a rank that stops half-way through a step leaves its peers waiting)"
+        )
+
+
+# --------------------------------------------------------------------------- step 4: the norm
+
+
+def _training(rank, world_size):
+    kata = load_kata(KATA)
+    dp, tp, pp = CAPSTONE
+    mesh = kata.make_mesh(dp, tp, pp)
+    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = _global_batch(dp, step)
+        loss, norm = kata.train_step(stage, optimizer, tokens, targets, mesh, MAX_NORM)
+        losses.append(loss)
+        norms.append(norm)
+    return {
+        "place": (mesh.pp_index, mesh.dp_index, mesh.tp_index),
+        "losses": losses,
+        "norms": norms,
+        "weights": {n: p.detach().clone() for n, p in stage.named_parameters()},
+    }
+
+
+@shared_run
+def _training_world():
+    return run_world(_training, 8, deadline=120)
+
+
+def _alone(clip: bool = True) -> dict:
+    model = make_transformer(SEED, blocks=BLOCKS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = _global_batch(CAPSTONE[0], step)
+        loss = transformer_loss(model(tokens), targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM if clip else math.inf)
+        losses.append(loss.item())
+        norms.append(norm.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"losses": losses, "norms": norms, "weights": dict(model.named_parameters())}
+
+
+def _miscounted_norms() -> dict[str, float]:
+    """The first step's norm as the usual mistakes count it, from one process's gradient."""
+    _, grads = _dense_step()
+    tp, pp = CAPSTONE[1], CAPSTONE[2]
+    sliced = sum(
+        g.double().square().sum().item() for n, g in grads.items() if _split_dim(n) is not None
+    )
+    copies = sum(
+        g.double().square().sum().item() for n, g in grads.items() if _split_dim(n) is None
+    )
+    first_slices = sum(
+        _tp_slice(n, g, tp, 0).double().square().sum().item()
+        for n, g in grads.items()
+        if _split_dim(n) is not None
+    )
+    stage_zero = sum(
+        g.double().square().sum().item() for n, g in grads.items() if n in _stage_names(pp, 0)
+    )
+    return {
+        "the replicated parameters (LayerNorms, the row-parallel biases, the embedding, the "
+        "head) counted once per tp rank: count a copy on tp rank 0 only": math.sqrt(
+            sliced + tp * copies
+        ),
+        "only tp rank 0's slices counted: the tp slices are different parts, their squares are "
+        "summed over tp": math.sqrt(first_slices + copies),
+        "only the first stage's parameters counted: the stages hold different parameters, their "
+        'squares are summed over pp (stages="pp")': math.sqrt(stage_zero),
+        f"the squares summed on every dp replica: the {CAPSTONE[0]} replicas hold copies after "
+        "the mean, count them once": math.sqrt(CAPSTONE[0] * (sliced + copies)),
+    }
+
+
+@pytest.mark.step(4)
+def test_every_rank_clips_by_the_same_norm(kata):
+    results = _training_world()
+    for rank, got in enumerate(results):
+        assert len(got["norms"]) == STEPS and all(
+            isinstance(n, (int, float)) and not isinstance(n, bool) for n in got["norms"]
+        ), (
+            f"{_where(rank, got['place'])}: train_step returned the norms {got['norms']}: a float each step"
+        )
+        assert all(
+            math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7)
+            for a, b in zip(got["norms"], results[0]["norms"])
+        ), (
+            f"{_where(rank, got['place'])} returned the gradient norms {got['norms']}, rank 0 "
+            f"{results[0]['norms']}: the norm is the whole model's, the same on every rank; a "
+            "rank's own pieces alone give a norm (and a clipping factor) of its own, and the "
+            "copies of a parameter drift apart"
+        )
+
+
+@pytest.mark.step(4)
+def test_the_norm_equals_one_process_s(kata):
+    alone = _alone()
+    unclipped = _alone(clip=False)
+    got = _training_world()[0]
+    for step, (mine, want) in enumerate(zip(got["norms"], alone["norms"])):
+        if math.isclose(mine, want, rel_tol=1e-4):
+            continue
+        likely = ""
+        if step > 0 and math.isclose(mine, unclipped["norms"][step], rel_tol=1e-4):
+            likely = (
+                ": that is the norm of a run trained WITHOUT clipping (step 1's norm was right); "
+                "scale every gradient in place by min(1, max_norm / (norm + 1e-6))"
+            )
+        if step == 0:
+            for mistake, value in _miscounted_norms().items():
+                if math.isclose(mine, value, rel_tol=1e-4):
+                    likely = f": that is {mistake}"
+                    break
+        raise AssertionError(
+            f"step {step + 1}: every rank returned the gradient norm {mine:.6f}, expected one "
+            f"process's clip_grad_norm_ on the global batch {want:.6f} (each element of the whole "
+            f"model once){likely}"
+        )
+
+
+@pytest.mark.step(4)
+def test_three_steps_equal_one_process_s_loss_and_weights(kata):
+    alone = _alone()
+    unclipped = _alone(clip=False)
+    dp, tp, _ = CAPSTONE
+    for rank, got in enumerate(_training_world()):
+        who = _where(rank, got["place"])
+        tp_index = got["place"][2]
+        for name, mine in got["weights"].items():
+            want = _tp_slice(name, alone["weights"][name].detach(), tp, tp_index)
+            if close(mine, want, **TOLERANCE):
+                continue
+            raw = _tp_slice(name, unclipped["weights"][name].detach(), tp, tp_index)
+            likely = (
+                ": those are the weights trained WITHOUT clipping; scale every gradient by the "
+                "factor min(1, max_norm / (norm + 1e-6))"
+                if close(mine, raw, **TOLERANCE)
+                else ""
+            )
+            raise AssertionError(
+                f"{who}: {name} after {STEPS} clipped SGD steps differs from one process's "
+                f"(its tp slice): {gap(mine, want)}{likely}"
+            )
+        for step, (mine, want) in enumerate(zip(got["losses"], alone["losses"])):
+            assert math.isclose(mine, want, rel_tol=1e-4), (
+                f"{who}: step {step + 1}'s loss is {mine:.6f}, one process's {want:.6f}: the "
+                "weights were one process's, so the loss is computed or shared another way"
+            )
+
+
+@pytest.mark.step(4)
+def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
+    out = run_module_ok(KATA, "--steps", "1", "--trace", str(tmp_path)).stdout
+    shown = f"`python -m katas.{KATA} --steps 1 --trace DIR`"
+    for line, why in (
+        ("pp 2 x dp 2 x tp 2 on 8 ranks", "the mesh"),
+        ("one step's calls in order: tp: all-reduce", "rank 0's calls by group, in order"),
+        ("dp: all-reduce", "the gradients' mean on the dp group"),
+        ("equal one process's", "its verdict"),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn, (
+        f"{shown} drew no timeline in DIR (it holds {sorted(p.name for p in tmp_path.iterdir())}): "
+        f"the program's ranks run through launch_world, which draws them; it printed:\n{out}"
+    )
