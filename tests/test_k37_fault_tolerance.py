@@ -1,0 +1,548 @@
+"""k37 fault tolerance: the quorum, a step among it, a newcomer's state, LocalSGD and DiLoCo."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+
+from dojo.harness.calls import recording
+from dojo.harness.impl import load_kata
+from dojo.harness.loopback import loopback_store
+from dojo.harness.world import WorldDeadlock, run_world
+from dojo.spec.testing import run_module_ok, shared_run
+from dojo.toy_models import loss, make_batch, make_model
+
+KATA = "k37_fault_tolerance"
+TIMEOUT = 1.0  # the quorum's deadline in these tests: a missing replica costs this once
+MODEL = "buffer"
+
+
+def _difference(a: dict, b: dict) -> tuple[float, str]:
+    return max(((a[k].double() - b[k].double()).abs().max().item(), k) for k in b)
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# Fault injection: each replica runs in a process of its own (the kata's run_in_child, forked
+# from a rank of the harness), so that a replica killed with SIGKILL takes only itself down;
+# the rank reports it and every child is killed when the rank ends (the rank's process group
+# is killed with it by the harness on a failure, a deadline or Ctrl-C): nothing is left running.
+
+
+def _connect(port: int):
+    return load_kata(KATA).connect(port)
+
+
+# --------------------------------------------------------------------------- step 1: quorum
+
+
+def _quorum_rank(rank, world_size, port, previous, delays, min_replicas):
+    kata = load_kata(KATA)
+    if delays[rank] is None:
+        return None  # this replica is dead: it never registers
+    time.sleep(delays[rank])
+    began = time.monotonic()
+    members = kata.join_quorum(
+        _connect(port), 0, rank, previous, min_replicas=min_replicas, timeout=TIMEOUT
+    )
+    return {"members": members, "seconds": time.monotonic() - began}
+
+
+def _quorum(previous, delays, min_replicas=1):
+    store = loopback_store()
+    args = (store.port, list(previous), delays, min_replicas)
+    return run_world(_quorum_rank, 3, *args, init_group=False, stall=None, deadline=20)
+
+
+_shared_quorum = shared_run(_quorum)
+
+
+def _check_members(results, expected, where):
+    for rank, got in enumerate(results):
+        if got is None:
+            continue
+        assert isinstance(got["members"], list), (
+            f"{where}: replica {rank}'s join_quorum returned {got['members']!r}, not a list of "
+            "replica numbers"
+        )
+        assert got["members"] == expected, (
+            f"{where}: replica {rank} got the quorum {got['members']}, expected {expected}. "
+            + (
+                "The replicas disagree: every replica must return the one list the first closer "
+                "wrote (store.compare_set(key, '', proposal) writes it only if nobody has, and "
+                "returns what is there)"
+                if len({tuple(g["members"]) for g in results if g}) > 1
+                else "The quorum is who had registered when the first replica closed it"
+            )
+        )
+
+
+@pytest.mark.step(1)
+def test_every_replica_gets_the_same_quorum(kata):
+    results = _shared_quorum((0, 1, 2), (0, 0, 0))
+    _check_members(results, [0, 1, 2], "3 replicas, all present")
+    for rank, got in enumerate(results):
+        assert got["seconds"] < TIMEOUT * 0.8, (
+            f"3 replicas, all present: replica {rank} waited {got['seconds']:.2f} s, as long as "
+            f"the deadline ({TIMEOUT:g} s): when every member of the last quorum has registered, "
+            "close the quorum at once"
+        )
+
+
+@pytest.mark.step(1)
+def test_a_replica_that_never_comes_is_left_out_after_the_deadline(kata):
+    results = _shared_quorum((0, 1, 2), (0, 0, None))
+    where = "replica 2 never registers (it died)"
+    waited = max(results[rank]["seconds"] for rank in (0, 1))  # the closer waited longest
+    assert waited >= TIMEOUT * 0.9, (
+        f"{where}: replicas 0 and 1 closed the quorum after {waited:.2f} s, before the "
+        f"deadline ({TIMEOUT:g} s): replica 2 was in the last quorum and may still come; "
+        "wait for every member of previous, or for the deadline"
+    )
+    _check_members(results, [0, 1], where)
+
+
+@pytest.mark.step(1)
+def test_a_late_replica_is_left_out_and_told(kata):
+    results = _shared_quorum((0, 1), (0, 0, TIMEOUT * 1.5))
+    _check_members(results, [0, 1], "replica 2 registers after 0 and 1 closed the quorum")
+
+
+@pytest.mark.step(1)
+def test_a_quorum_of_zero_is_refused(kata):
+    store = loopback_store()
+    try:
+        kata.join_quorum(store, 0, 0, [0], min_replicas=0, timeout=TIMEOUT)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError(
+            "join_quorum(..., min_replicas=0) returned: a quorum of zero replicas would let a "
+            "step count with nobody's gradient in it; raise ValueError saying so"
+        )
+    assert "min_replicas" in message and "0" in message, (
+        f"join_quorum(..., min_replicas=0) raised ValueError({message!r}): name what was wrong "
+        "(min_replicas=0) and what to pass instead"
+    )
+    assert not store.check(["quorum/0/registered"]) and store.num_keys() <= 1, (
+        "join_quorum(..., min_replicas=0) registered in the store before refusing: check the "
+        "arguments before anything is written"
+    )
+
+
+@pytest.mark.step(1)
+def test_too_few_replicas_at_the_deadline_is_a_timeout(kata):
+    store = loopback_store()
+    began = time.monotonic()
+    try:
+        got = kata.join_quorum(store, 0, 0, [0, 1], min_replicas=2, timeout=0.3)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError(
+            f"join_quorum alone with min_replicas=2 returned {got!r}: with fewer than "
+            "min_replicas registered at the deadline, raise TimeoutError"
+        )
+    assert time.monotonic() - began < 5, "join_quorum waited far past its deadline"
+
+
+# --------------------------------------------------------------------------- step 2: a step
+
+
+def _step_rank(rank, world_size, members):
+    import torch.distributed as dist
+
+    kata = load_kata(KATA)
+    group = dist.new_group(members)
+    if rank not in members:
+        return None
+    model = make_model(MODEL, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
+    with recording(("all_reduce",)) as calls:
+        kata.train_step(model, optimizer, make_batch(MODEL, 8, seed=rank), group)
+    return {"state": _state(model), "calls": len(calls)}
+
+
+def _expected_step(members, divisor=None) -> dict:
+    kata = load_kata(KATA)
+    model = make_model(MODEL, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
+    for member in members:
+        (loss(model, make_batch(MODEL, 8, seed=member)) / (divisor or len(members))).backward()
+    optimizer.step()
+    return _state(model)
+
+
+@pytest.mark.step(2)
+@pytest.mark.parametrize("members", [[0, 1, 2], [0, 1]], ids=["three", "two"])
+def test_a_step_takes_the_mean_over_the_quorum(kata, members):
+    results = run_world(_step_rank, 3, members)
+    expected = _expected_step(members)
+    over_three = _expected_step(members, divisor=3)  # the sum over the run's 3 first replicas
+    for rank in members:
+        got = results[rank]
+        gap, name = _difference(got["state"], expected)
+        if gap > 1e-6:
+            hint = ""
+            if len(members) == 2 and _difference(got["state"], over_three)[0] <= 1e-6:
+                hint = (
+                    ": the sum was divided by 3, the replicas the run started with; the "
+                    "mean is over the quorum's 2 members (group.size())"
+                )
+            raise AssertionError(
+                f"a step among the quorum {members}: replica {rank}'s {name} is {gap:.2e} away "
+                f"from one optimizer step with the members' mean gradient{hint}"
+            )
+
+
+def _fault(replace, store, replica, step, previous):
+    """The test's faults: replica 2 killed before step 2; with a replacement, the survivors
+    wait at step 4 until it has registered (so that it joins there, whatever the machine's
+    speed)."""
+    if (replica, step) == (VICTIM, KILLED_AT):
+        load_kata(KATA).kill_at(VICTIM, KILLED_AT)(store, replica, step, previous)
+    if replace and replica in (0, 1) and step == JOINS_AT:
+        while store.add(f"quorum/{step}/registered", 0) < 1:  # the replacement registers first
+            time.sleep(0.005)
+
+
+VICTIM, KILLED_AT, JOINS_AT, STEPS = 2, 2, 4, 6
+REPLACEMENT = VICTIM + 3  # a new replica: a new number
+
+
+def _replica_process(port, replica, joining, replace):
+    kata = load_kata(KATA)
+    store = _connect(port)
+    if joining:
+        store.wait([f"quorum/{JOINS_AT - 1}/members"])
+    return kata.run_replica(
+        store,
+        replica,
+        STEPS,
+        [0, 1, 2],
+        joining=joining,
+        fault=functools.partial(_fault, replace),
+        timeout=TIMEOUT,
+    )
+
+
+def _fault_rank(rank, world_size, port, replace):
+    kata = load_kata(KATA)
+    done = [kata.run_in_child(_replica_process, port, rank, False, replace, deadline=30)]
+    if done[0] is None and replace:
+        done.append(
+            kata.run_in_child(_replica_process, port, REPLACEMENT, True, replace, deadline=30)
+        )
+    return done
+
+
+def _faulty_run(replace: bool) -> dict:
+    store = loopback_store()
+    try:
+        ranks = run_world(_fault_rank, 3, store.port, replace, init_group=False, stall=None,
+                          deadline=40)  # fmt: skip
+    except WorldDeadlock as deadlock:
+        raise AssertionError(
+            f"replica {VICTIM} killed before step {KILLED_AT}: the survivors never finished "
+            f"{STEPS} steps. Does join_quorum close at the deadline without the dead replica, "
+            "and does every survivor agree on the same members?\n" + str(deadlock)
+        ) from None
+    results = [r for done in ranks for r in done if r is not None]
+    return {"results": results, "replay": load_kata(KATA).replay(results, STEPS)}
+
+
+_shared_faulty_run = shared_run(_faulty_run)
+
+
+def _check_survivors(run: dict, finishers: list[int]) -> None:
+    by_replica = {r["replica"]: r for r in run["results"]}
+    for replica in finishers:
+        assert replica in by_replica, f"replica {replica} did not finish its run"
+        result = by_replica[replica]
+        steps = [s for s, _ in result["trained"]]
+        assert len(steps) == len(set(steps)), (
+            f"replica {replica} trained steps {steps}: a step counted twice"
+        )
+        gap, name = _difference(result["state"], run["replay"])
+        assert gap <= 1e-5, (
+            f"replica {replica} ends {gap:.2e} away (its {name}) from a replay of the agreed "
+            f"quorums {sorted(set((s, tuple(m)) for s, m in result['trained']))}: each step "
+            "must be the mean over that step's members only (the dead replica's never counted)"
+        )
+
+
+@pytest.mark.step(2)
+def test_the_survivors_of_a_killed_replica_go_on(kata):
+    run = _shared_faulty_run(False)
+    by_replica = {r["replica"]: r for r in run["results"]}
+    assert VICTIM not in by_replica, f"replica {VICTIM} should have been killed at step 2"
+    for replica in (0, 1):
+        trained = by_replica[replica]["trained"]
+        assert [s for s, _ in trained] == list(range(STEPS)), (
+            f"replica {replica} trained steps {[s for s, _ in trained]}, expected 0 to "
+            f"{STEPS - 1}: a survivor goes on at the next step"
+        )
+        after = [m for s, m in trained if s >= KILLED_AT]
+        assert all(m == [0, 1] for m in after), (
+            f"replica {replica}'s quorums from step {KILLED_AT} on were {after}: the dead "
+            f"replica {VICTIM} must be left out"
+        )
+    _check_survivors(run, [0, 1])
+
+
+# --------------------------------------------------------------------------- step 3: newcomer
+
+
+def _sync_rank(rank, world_size, members, previous):
+    import torch.distributed as dist
+
+    kata = load_kata(KATA)
+    newcomer = members[rank] not in previous
+    model = make_model(MODEL, 7 if newcomer else 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=kata.LR, momentum=kata.MOMENTUM)
+    if not newcomer:  # the old members trained a step alike: momentum to give
+        optimizer.zero_grad()
+        loss(model, make_batch(MODEL, 8, seed=0)).backward()
+        optimizer.step()
+    before = _state(model)
+    momentum_before = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
+    donor = kata.sync_from_peer(model, optimizer, dist.group.WORLD, members, previous)
+    return {
+        "donor": donor,
+        "before": before,
+        "after": _state(model),
+        "momentum": [
+            None if optimizer.state[p].get("momentum_buffer") is None
+            else optimizer.state[p]["momentum_buffer"].clone()
+            for p in model.parameters()
+        ],
+        "momentum_before": [None if m is None else m.clone() for m in momentum_before],
+    }  # fmt: skip
+
+
+@pytest.mark.step(3)
+def test_a_newcomer_takes_the_state_of_a_live_member(kata):
+    members, previous = [1, 4, 6], [4, 6]
+    results = run_world(_sync_rank, 3, members, previous)
+    donor_rank = 1  # replica 4: the lowest member that was in the last quorum
+    for rank, got in enumerate(results):
+        assert got["donor"] == 4, (
+            f"members {members}, last quorum {previous}: replica {members[rank]} named "
+            f"{got['donor']!r} as the donor, expected 4, the lowest member that lived through the "
+            "last step (replica 1 is the newcomer: its state is not the run's)"
+        )
+        gap, name = _difference(got["after"], results[donor_rank]["before"])
+        assert gap == 0, (
+            f"after sync_from_peer, replica {members[rank]}'s {name} differs by {gap:.2e} from "
+            "the donor's: every parameter and buffer comes from the donor"
+        )
+        for i, (mine, theirs) in enumerate(
+            zip(got["momentum"], results[donor_rank]["momentum_before"])
+        ):
+            assert mine is not None and torch.equal(mine, theirs), (
+                f"after sync_from_peer, replica {members[rank]}'s momentum of parameter {i} is "
+                f"{'missing' if mine is None else 'not the donor'}'s: the optimizer's state "
+                "travels too, or the newcomer's next step differs"
+            )
+
+
+@pytest.mark.step(3)
+def test_a_replacement_joins_and_ends_like_the_others(kata):
+    run = _shared_faulty_run(True)
+    by_replica = {r["replica"]: r for r in run["results"]}
+    assert REPLACEMENT in by_replica, f"the replacement replica {REPLACEMENT} never finished"
+    joined = by_replica[REPLACEMENT]
+    assert [s for s, _ in joined["trained"]] == list(range(JOINS_AT, STEPS)), (
+        f"the replacement trained steps {[s for s, _ in joined['trained']]}, expected "
+        f"{list(range(JOINS_AT, STEPS))}: it joins at the first open quorum"
+    )
+    assert joined["donors"] and joined["donors"][0] in (0, 1), (
+        f"the replacement took its state from {joined['donors']}: a live member of the last "
+        "quorum (0 or 1) gives it"
+    )
+    _check_survivors(run, [0, 1, REPLACEMENT])
+
+
+# --------------------------------------------------------------------------- step 4: LocalSGD
+
+
+def _local_sgd_rank(rank, world_size, period, warmup, steps):
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    kata = load_kata(KATA)
+    mine, theirs = make_model(MODEL, 0), make_model(MODEL, 0)
+    optimizer = torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9)
+    torch_optimizer = PostLocalSGDOptimizer(
+        torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9),
+        PeriodicModelAverager(period=period, warmup_steps=warmup),
+    )
+    averaged = []
+    for step in range(steps):
+        batch = make_batch(MODEL, 8, seed=100 * step + rank)
+        for model, opt in ((mine, optimizer), (theirs, torch_optimizer)):
+            opt.zero_grad()
+            loss(model, batch).backward()
+        with recording(("all_reduce",)) as calls:
+            said = kata.local_sgd_step(optimizer, list(mine.parameters()), step, period, warmup)
+        averaged.append((said, len(calls)))
+        torch_optimizer.step()
+    return {"mine": _state(mine), "torch": _state(theirs), "averaged": averaged}
+
+
+@pytest.mark.step(4)
+@pytest.mark.parametrize("period, warmup", [(2, 0), (3, 2)], ids=["H2", "H3-warmup2"])
+def test_local_sgd_equals_post_local_sgd_optimizer(kata, period, warmup):
+    steps = 6
+    results = run_world(_local_sgd_rank, 2, period, warmup, steps)
+    expected = [s >= warmup and (s - warmup) % period == 0 for s in range(steps)]
+    for rank, got in enumerate(results):
+        when = [s for s, (said, calls) in enumerate(got["averaged"]) if calls]
+        assert when == [s for s in range(steps) if expected[s]], (
+            f"period {period}, {warmup} warm-up steps: rank {rank} all-reduced at steps {when}, "
+            f"expected {[s for s in range(steps) if expected[s]]} (torch's PeriodicModelAverager: "
+            "from step warmup_steps on, every period steps)"
+        )
+        gap, name = _difference(got["mine"], got["torch"])
+        assert gap == 0, (
+            f"period {period}, {warmup} warm-up steps: rank {rank}'s {name} differs by {gap:.2e} "
+            "from torch's PostLocalSGDOptimizer after 6 steps"
+            + (
+                ": torch divides the flat parameters by the group's size before the all-reduce"
+                if gap < 1e-5
+                else ""
+            )
+        )
+
+
+def _ddp_rank(rank, world_size, steps):
+    from torch.nn.parallel import DistributedDataParallel
+
+    kata = load_kata(KATA)
+    mine, theirs = make_model(MODEL, 0), make_model(MODEL, 0)
+    ddp = DistributedDataParallel(theirs)
+    optimizer = torch.optim.SGD(mine.parameters(), lr=0.05)
+    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps):
+        batch = make_batch(MODEL, 8, seed=100 * step + rank)
+        optimizer.zero_grad()
+        loss(mine, batch).backward()
+        kata.local_sgd_step(optimizer, list(mine.parameters()), step, 1)
+        ddp_optimizer.zero_grad()
+        loss(ddp, batch).backward()
+        ddp_optimizer.step()
+    return {"mine": _state(mine), "torch": _state(theirs)}
+
+
+@pytest.mark.step(4)
+def test_local_sgd_with_period_1_is_ddp(kata):
+    for rank, got in enumerate(run_world(_ddp_rank, 2, 4)):
+        gap, name = _difference(got["mine"], got["torch"])
+        assert gap <= 1e-6, (
+            f"LocalSGD with period 1 (plain SGD): rank {rank}'s {name} is {gap:.2e} from DDP's "
+            "after 4 steps: the mean of p - lr g_i is p - lr mean(g_i), equal up to rounding"
+        )
+
+
+@pytest.mark.step(4)
+def test_a_period_of_zero_is_refused(kata):
+    model = make_model(MODEL, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ValueError, match="period"):
+        kata.local_sgd_step(optimizer, list(model.parameters()), 0, 0)
+
+
+# --------------------------------------------------------------------------- step 5: DiLoCo
+
+
+def _diloco_rank(rank, world_size, rounds, inner, lr, momentum, nesterov):
+    kata = load_kata(KATA)
+    model = make_model(MODEL, 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    inner_opt = torch.optim.SGD(params, lr=0.05)
+    outer_opt = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
+    anchors = [p.detach().clone() for p in params]
+    seen = []
+    for r in range(rounds):
+        for i in range(inner):
+            inner_opt.zero_grad()
+            loss(model, make_batch(MODEL, 8, seed=100 * (r * inner + i) + rank)).backward()
+            inner_opt.step()
+        before = [p.detach().clone() for p in params]
+        kata.diloco_outer_step(params, anchors, outer_opt, None)
+        seen.append({"before": before, "after": [p.detach().clone() for p in params],
+                     "anchors": [a.clone() for a in anchors]})  # fmt: skip
+    return seen
+
+
+def _diloco(lr=0.7, momentum=0.9, nesterov=True, rounds=3, inner=2):
+    return run_world(_diloco_rank, 2, rounds, inner, lr, momentum, nesterov)
+
+
+_shared_diloco = shared_run(_diloco)
+
+
+@pytest.mark.step(5)
+def test_diloco_outer_step_is_nesterov_on_the_averaged_delta(kata):
+    results = _shared_diloco()
+    lr, mu = 0.7, 0.9
+    anchors = [p.detach().clone() for p in make_model(MODEL, 0).parameters() if p.requires_grad]
+    velocity = [torch.zeros_like(a) for a in anchors]
+    for r in range(3):
+        mean = [sum(rank[r]["before"][i] for rank in results) / 2 for i in range(len(anchors))]
+        for i, anchor in enumerate(anchors):
+            grad = anchor - mean[i]  # DiLoCo's outer gradient
+            velocity[i] = grad.clone() if r == 0 else mu * velocity[i] + grad
+            anchors[i] = anchor - lr * (grad + mu * velocity[i])
+        for rank, seen in enumerate(results):
+            for i, anchor in enumerate(anchors):
+                got = seen[r]["after"][i]
+                gap = (got - anchor).abs().max().item()
+                if gap > 1e-5:
+                    raise AssertionError(
+                        f"DiLoCo round {r}: rank {rank}'s parameter {i} is {gap:.2e} from the "
+                        "outer Nesterov step (lr 0.7, momentum 0.9) taken from the anchor with "
+                        "the outer gradient anchor - mean(params)"
+                        + (
+                            ": it moved away from the averaged parameters; the outer gradient "
+                            "is anchor - mean, so that SGD's minus moves towards the mean"
+                            if (got - seen[r]["before"][i]).abs().max()
+                            > (anchor - seen[r]["before"][i]).abs().max() * 1.5
+                            else ""
+                        )
+                    )
+                assert torch.equal(seen[r]["anchors"][i], got), (
+                    f"DiLoCo round {r}: rank {rank}'s anchor {i} is not the new parameter: the "
+                    "next round's delta is measured from where this outer step ended"
+                )
+
+
+@pytest.mark.step(5)
+def test_diloco_with_plain_outer_sgd_is_local_sgd(kata):
+    results = _diloco(lr=1.0, momentum=0.0, nesterov=False, rounds=2, inner=2)
+    for rank, seen in enumerate(results):
+        for r in range(2):
+            mean = [sum(other[r]["before"][i] for other in results) / 2
+                    for i in range(len(seen[r]["before"]))]  # fmt: skip
+            for i, m in enumerate(mean):
+                gap = (seen[r]["after"][i] - m).abs().max().item()
+                assert gap <= 1e-6, (
+                    f"DiLoCo with outer SGD lr 1 and no momentum: rank {rank}'s parameter {i} "
+                    f"after round {r} is {gap:.2e} from the average of the ranks' parameters "
+                    "(LocalSGD): anchor - (anchor - mean) is the mean"
+                )
+
+
+# --------------------------------------------------------------------------- the program
+
+
+@pytest.mark.step(3)
+def test_program_survives_a_killed_replica(kata):
+    out = run_module_ok(KATA, "--steps", "6", "--kill-at", "2", timeout=120).stdout
+    assert "step 2: quorum {0,1}" in out, f"the program should leave the killed replica out:\n{out}"
+    assert "none lost, none twice" in out, f"the program's verdict is not agreement:\n{out}"
