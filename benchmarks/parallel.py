@@ -43,6 +43,9 @@ same data and the same seeds:
     mp     k31's MixedPrecisionFSDP + AdamW     fully_shard(mp_policy=MixedPrecisionPolicy(
            (bf16 gathers, fp32 reduce-scatters,  param_dtype=bf16, reduce_dtype=fp32)) + AdamW,
            a unit per block and the model's)     the same units, reshard_after_forward=False
+    ulysses k35's ulysses_attention, forward   k26's ring_attention on the same inputs (torch
+           and backward, causal, 2048 tokens,   has no Ulysses in core), head-tail split; both
+           4 heads (all-to-all by heads)        held to one process's attention
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
@@ -102,6 +105,7 @@ KATAS = {
     "ckpt": ("k32_activation_checkpointing", "checkpoint", "torch.utils.checkpoint"),
     "mp": ("k31_mixed_precision", "MixedPrecisionFSDP", "fully_shard MixedPrecisionPolicy"),
     "hsdp": ("k36_hsdp_zero2", "HsdpTransformer", "fully_shard HSDP"),
+    "ulysses": ("k35_ulysses", "ulysses_attention", "k26's ring_attention"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -514,6 +518,51 @@ def _cp(kata, args: argparse.Namespace) -> tuple[Way, Way, Callable[[], bool]]:
     return step_yours, step_theirs, same
 
 
+def _ulysses(kata, args: argparse.Namespace) -> tuple[Way, Way, Callable[[], bool]]:
+    """Ulysses against k26's ring (the same implementation package) on the same whole sequence,
+    each held to one process's attention: torch has no Ulysses to compare with."""
+    ring = importlib.import_module(kata.__name__.rpartition(".")[0] + ".k26_ring_attention")
+    rank, size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    heads = 4
+    if heads % size:
+        raise Skip(f"{heads} heads do not split over {size} ranks")
+    generator = torch.Generator().manual_seed(args.seed)
+    whole = [
+        torch.randn(1, heads, CP_LENGTH, args.dim // heads, generator=generator) for _ in range(4)
+    ]
+    leaves = [t.clone().requires_grad_() for t in whole[:3]]
+    expected = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    expected.backward(whole[3])
+    wanted = [expected.detach(), *(t.grad for t in leaves)]
+    mine = [kata.sequence_slice(t, rank, size).to(device) for t in whole]
+    layout = ring.chunk_layout(size, balanced=True)
+    ring_shards = [ring.shard_sequence(t, layout, rank).to(device) for t in whole]
+    results: dict[str, list[torch.Tensor]] = {}
+
+    def step_yours(number: int) -> None:
+        q, k, v = (t.clone().requires_grad_() for t in mine[:3])
+        out = kata.ulysses_attention(q, k, v, True)
+        out.backward(mine[3])
+        results["yours"] = [out.detach(), q.grad, k.grad, v.grad]
+
+    def step_theirs(number: int) -> None:
+        q, k, v = (t.clone().requires_grad_() for t in ring_shards[:3])
+        out = ring.ring_attention(q, k, v, layout, True)
+        out.backward(ring_shards[3])
+        results["theirs"] = [out.detach(), q.grad, k.grad, v.grad]
+
+    def same() -> bool:
+        ulysses_wanted = [kata.sequence_slice(t, rank, size) for t in wanted]
+        ring_wanted = [ring.shard_sequence(t, layout, rank) for t in wanted]
+        return all(
+            torch.allclose(a.cpu(), b, rtol=1e-4, atol=1e-5)
+            for got, want in ((results["yours"], ulysses_wanted), (results["theirs"], ring_wanted))
+            for a, b in zip(got, want)
+        )
+
+    return step_yours, step_theirs, same
+
+
 @contextlib.contextmanager
 def _finished():
     """Each async all-reduce waits before it returns (torch's powerSGD_hook on gloo CPU)."""
@@ -866,6 +915,7 @@ COMPARISONS = {
     "ckpt": _ckpt,
     "mp": _mp,
     "hsdp": _hsdp,
+    "ulysses": _ulysses,
 }
 
 

@@ -367,3 +367,21 @@ def test_parallel_benchmark_holds_hsdp_against_fully_shard_on_a_2d_mesh():
         return
     if impl.current() == "solutions":
         assert "same weights" in rows[0], rows[0]
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
+def test_parallel_benchmark_holds_ulysses_against_the_ring():
+    """`dojo bench parallel --only ulysses` (k35's row): Ulysses beside k26's ring on the same
+    inputs (torch has no Ulysses in core), both held to one process's attention, one step."""
+    result = run_module(
+        "benchmarks.parallel", "--impl", impl.current(), "--only", "ulysses", "--steps", "1",
+        "--warmup", "0", "--dim", "32", timeout=120,
+    )  # fmt: skip
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 1 and rows[0].startswith(
+        "[main] k35 ulysses_attention vs k26's ring_attention"
+    ), f"expected k35's row alone in:\n{out}"
+    if impl.current() == "solutions":  # 4 all-to-alls each way; the ring's 2 + 6 sends and receives
+        assert re.search(r"\d\.\d\dx +8 +\d+ +same weights", rows[0]), rows[0]
