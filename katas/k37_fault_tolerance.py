@@ -24,6 +24,15 @@ THE IDEA
     A newcomer (a replacement, or a replica left out) takes the weights and the momentum from a
     live member of the last quorum before its first step.
 
+    The faults here land between steps. A replica killed inside an all-reduce breaks that call
+    on its peers too (gloo: "Connection closed by peer"; NCCL: a hang until the group's
+    timeout); torchft then aborts the group, every member votes that the step failed
+    (``should_commit`` is False everywhere), nobody applies it, and the step is taken again
+    under the next quorum. A slow replica is the other fault: one late for a quorum is left
+    out at the deadline (the others do not wait longer for it), trains nothing that step and
+    joins the next quorum as a newcomer. The deadline is the trade: too short and a replica
+    that was only slow loses steps, too long and every step waits that long for a dead one.
+
     Then fewer all-reduces. LocalSGD: each replica takes H steps on its own, then the replicas
     average their parameters (H = 1 is DDP up to rounding: the mean of p - lr g_i is
     p - lr mean(g_i)). DiLoCo (Douillard et al., 2023): after H inner steps, the averaged
@@ -59,10 +68,10 @@ WHAT THE TESTS CHECK
     told so; a quorum of zero is a ValueError before the store is touched; fewer than
     ``min_replicas`` at the deadline is a TimeoutError. ``train_step`` averages over the
     group's members (3, then 2) and equals one process's mean. A replica killed (SIGKILL) at
-    step 2, the survivors going on, a slow replica left out of a step and a replacement
-    joining: every live replica ends with the same weights, equal to a replay of the agreed
-    quorums (no step lost, none counted twice), the replacement's state taken from a member of
-    the last quorum. ``local_sgd_step`` equals torch's ``PostLocalSGDOptimizer`` with
+    step 2, the survivors going on, a replacement joining at step 4, a replica 1.6 s late for
+    step 5's quorum (the deadline: 1 s) left out of that step and back at the next: every live
+    replica ends with the same weights, equal to a replay of the agreed quorums (no step lost,
+    none counted twice), each newcomer's state taken from a member of the last quorum. ``local_sgd_step`` equals torch's ``PostLocalSGDOptimizer`` with
     ``PeriodicModelAverager`` bitwise (H = 2, H = 3 after 2 warm-up steps), makes one average
     every H steps, and at H = 1 equals torch's DDP to 1e-6. ``diloco_outer_step`` equals the
     outer Nesterov formula, and with outer lr 1 and no momentum equals LocalSGD. The program.
@@ -164,13 +173,14 @@ def local_sgd_step(
 ) -> bool:
     """LocalSGD's step ``step`` (0, 1, ...): ``optimizer.step()``, then, from ``warmup_steps``
     on and every ``period`` steps after it, ``params`` averaged over ``group`` (None: the
-    world), as torch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager`` does.
+    world), as torch's ``PostLocalSGDOptimizer`` does.
     Returns whether it averaged."""
-    # TODO: the optimizer's step, then (at steps warmup_steps, warmup_steps + period, ...) the
-    # group's mean of params in place; returns whether it averaged. period below 1 is a
-    # ValueError. The tests hold it bitwise to torch's PostLocalSGDOptimizer with
-    # PeriodicModelAverager(period, warmup_steps) (2 ranks, period 2; period 3 after 2 warm-up
-    # steps), count the all-reduces, and at period 1 compare it with DDP.
+    # TODO: the optimizer's step at every call; at steps warmup_steps, warmup_steps + period,
+    # ... (none before warmup_steps) params then hold the group's mean, in place, with one
+    # all-reduce; returns whether it averaged. period below 1 is a ValueError. The tests hold
+    # the parameters bitwise to torch's own LocalSGD on the same world after 6 steps (3 ranks,
+    # period 2; period 3 after 2 warm-up steps), count the all-reduces, and at period 1
+    # compare it with DDP.
     raise KataTodo("k37", 4, "LocalSGD: average every H steps")
 
 

@@ -82,10 +82,21 @@ def _check_members(results, expected, where):
         )
 
 
+STAGGER = (0, 0.15, 0.3)  # seconds: the replicas of the last quorum come one after another
+
+
 @pytest.mark.step(1)
 def test_every_replica_gets_the_same_quorum(kata):
-    results = _shared_quorum((0, 1, 2), (0, 0, 0))
-    _check_members(results, [0, 1, 2], "3 replicas, all present")
+    results = _shared_quorum((0, 1, 2), STAGGER)
+    where = "3 replicas of the last quorum, coming 0.15 s apart"
+    got = {tuple(g["members"]) for g in results if isinstance(g["members"], list)}
+    if len(got) == 1 and set(next(iter(got))) < {0, 1, 2}:
+        raise AssertionError(
+            f"{where}: every replica got the quorum {list(next(iter(got)))}, expected [0, 1, 2]: "
+            "the quorum was closed before every member of previous had registered. Close it "
+            "once all of previous are there, or at the deadline, not as soon as min_replicas are"
+        )
+    _check_members(results, [0, 1, 2], where)
     for rank, got in enumerate(results):
         assert got["seconds"] < TIMEOUT * 0.8, (
             f"3 replicas, all present: replica {rank} waited {got['seconds']:.2f} s, as long as "
@@ -194,6 +205,13 @@ def test_a_step_takes_the_mean_over_the_quorum(kata, members):
                     ": the sum was divided by 3, the replicas the run started with; the "
                     "mean is over the quorum's 2 members (group.size())"
                 )
+            elif _difference(got["state"], _expected_step(members, divisor=1))[0] <= 1e-6:
+                hint = ": it took the members' summed gradient; divide the sum by group.size()"
+            elif _difference(got["state"], _expected_step(members, len(members) ** 2))[0] <= 1e-6:
+                hint = (
+                    f": the sum was divided by {len(members)} twice (before and after the "
+                    "all-reduce); divide once"
+                )
             raise AssertionError(
                 f"a step among the quorum {members}: replica {rank}'s {name} is {gap:.2e} away "
                 f"from one optimizer step with the members' mean gradient{hint}"
@@ -201,18 +219,28 @@ def test_a_step_takes_the_mean_over_the_quorum(kata, members):
 
 
 def _fault(replace, store, replica, step, previous):
-    """The test's faults: replica 2 killed before step 2; with a replacement, the survivors
-    wait at step 4 until it has registered (so that it joins there, whatever the machine's
-    speed)."""
+    """The test's faults: replica 2 killed before step 2; with a replacement (which joins at
+    step 4: the survivors wait there until it has registered, whatever the machine's speed),
+    replica 1 is also slow for step 5's quorum (it comes after the deadline and is left out),
+    and the others wait at step 6 until it has registered again."""
     if (replica, step) == (VICTIM, KILLED_AT):
         load_kata(KATA).kill_at(VICTIM, KILLED_AT)(store, replica, step, previous)
-    if replace and replica in (0, 1) and step == JOINS_AT:
-        while store.add(f"quorum/{step}/registered", 0) < 1:  # the replacement registers first
+    if not replace:
+        return
+    if (replica, step) == (SLOW, SLOW_AT):
+        time.sleep(LATE)
+    waits = (replica in (0, 1) and step == JOINS_AT) or (
+        replica in (0, REPLACEMENT) and step == SLOW_AT + 1
+    )
+    if waits:  # the replica that joins here registers first
+        while store.add(f"quorum/{step}/registered", 0) < 1:
             time.sleep(0.005)
 
 
-VICTIM, KILLED_AT, JOINS_AT, STEPS = 2, 2, 4, 6
+VICTIM, KILLED_AT, JOINS_AT, STEPS = 2, 2, 4, 7
 REPLACEMENT = VICTIM + 3  # a new replica: a new number
+SLOW, SLOW_AT = 1, 5  # replica 1 is late for step 5's quorum
+LATE = TIMEOUT * 1.6  # how late: past the deadline, with a margin for a busy machine
 
 
 def _replica_process(port, replica, joining, replace):
@@ -346,7 +374,7 @@ def test_a_newcomer_takes_the_state_of_a_live_member(kata):
         ):
             assert mine is not None and torch.equal(mine, theirs), (
                 f"after sync_from_peer, replica {members[rank]}'s momentum of parameter {i} is "
-                f"{'missing' if mine is None else 'not the donor'}'s: the optimizer's state "
+                f"{'missing' if mine is None else 'not the donor’s'}: the optimizer's state "
                 "travels too, or the newcomer's next step differs"
             )
 
@@ -368,6 +396,33 @@ def test_a_replacement_joins_and_ends_like_the_others(kata):
     _check_survivors(run, [0, 1, REPLACEMENT])
 
 
+@pytest.mark.step(3)
+def test_a_slow_replica_is_left_out_then_takes_the_state_again(kata):
+    run = _shared_faulty_run(True)
+    by_replica = {r["replica"]: r for r in run["results"]}
+    where = (
+        f"replica {SLOW} came {LATE:g} s late for step {SLOW_AT}'s quorum (the deadline is "
+        f"{TIMEOUT:g} s)"
+    )
+    assert SLOW in by_replica, f"{where}: it never finished its run"
+    quorums = dict(by_replica[0]["trained"])
+    assert quorums.get(SLOW_AT) == [0, REPLACEMENT], (
+        f"{where}: replica 0 trained step {SLOW_AT} with {quorums.get(SLOW_AT)}, expected "
+        f"{[0, REPLACEMENT]}: the others close the quorum at the deadline without it"
+    )
+    slow = by_replica[SLOW]
+    expected = [s for s in range(STEPS) if s != SLOW_AT]
+    assert [s for s, _ in slow["trained"]] == expected, (
+        f"{where}: it trained steps {[s for s, _ in slow['trained']]}, expected {expected}: "
+        "left out of that step, it joins the next quorum as a newcomer"
+    )
+    assert slow["donors"] and slow["donors"][-1] == 0, (
+        f"{where}: back at step {SLOW_AT + 1} it took its state from {slow['donors'][-1:]}, "
+        f"expected replica 0: the lowest member of that quorum that trained step {SLOW_AT}"
+    )
+    _check_survivors(run, [SLOW])
+
+
 # --------------------------------------------------------------------------- step 4: LocalSGD
 
 
@@ -382,7 +437,7 @@ def _local_sgd_rank(rank, world_size, period, warmup, steps):
         torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9),
         PeriodicModelAverager(period=period, warmup_steps=warmup),
     )
-    averaged = []
+    averaged, after = [], []
     for step in range(steps):
         batch = make_batch(MODEL, 8, seed=100 * step + rank)
         for model, opt in ((mine, optimizer), (theirs, torch_optimizer)):
@@ -391,15 +446,16 @@ def _local_sgd_rank(rank, world_size, period, warmup, steps):
         with recording(("all_reduce",)) as calls:
             said = kata.local_sgd_step(optimizer, list(mine.parameters()), step, period, warmup)
         averaged.append((said, len(calls)))
+        after.append([p.detach().clone() for p in mine.parameters()])
         torch_optimizer.step()
-    return {"mine": _state(mine), "torch": _state(theirs), "averaged": averaged}
+    return {"mine": _state(mine), "torch": _state(theirs), "averaged": averaged, "after": after}
 
 
 @pytest.mark.step(4)
 @pytest.mark.parametrize("period, warmup", [(2, 0), (3, 2)], ids=["H2", "H3-warmup2"])
 def test_local_sgd_equals_post_local_sgd_optimizer(kata, period, warmup):
-    steps = 6
-    results = run_world(_local_sgd_rank, 2, period, warmup, steps)
+    steps = 6  # on 3 ranks: dividing by 2 before or after the sum rounds alike, by 3 not
+    results = run_world(_local_sgd_rank, 3, period, warmup, steps)
     expected = [s >= warmup and (s - warmup) % period == 0 for s in range(steps)]
     for rank, got in enumerate(results):
         when = [s for s, (said, calls) in enumerate(got["averaged"]) if calls]
@@ -408,6 +464,18 @@ def test_local_sgd_equals_post_local_sgd_optimizer(kata, period, warmup):
             f"expected {[s for s in range(steps) if expected[s]]} (torch's PeriodicModelAverager: "
             "from step warmup_steps on, every period steps)"
         )
+    for step in when:
+        for rank, got in enumerate(results[1:], 1):
+            if any(
+                not torch.equal(a, b) for a, b in zip(got["after"][step], results[0]["after"][step])
+            ):
+                raise AssertionError(
+                    f"period {period}, {warmup} warm-up steps: after step {step}, which "
+                    f"averaged, rank {rank}'s parameters differ from rank 0's: they were "
+                    "averaged before the optimizer's step, which then moved each rank its own "
+                    "way. Step first, then average: every rank leaves an averaging step alike"
+                )
+    for rank, got in enumerate(results):
         gap, name = _difference(got["mine"], got["torch"])
         assert gap == 0, (
             f"period {period}, {warmup} warm-up steps: rank {rank}'s {name} differs by {gap:.2e} "
@@ -480,6 +548,10 @@ def _diloco_rank(rank, world_size, rounds, inner, lr, momentum, nesterov):
     return seen
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a - b).abs().max().item() <= 1e-5
+
+
 def _diloco(lr=0.7, momentum=0.9, nesterov=True, rounds=3, inner=2):
     return run_world(_diloco_rank, 2, rounds, inner, lr, momentum, nesterov)
 
@@ -495,26 +567,40 @@ def test_diloco_outer_step_is_nesterov_on_the_averaged_delta(kata):
     velocity = [torch.zeros_like(a) for a in anchors]
     for r in range(3):
         mean = [sum(rank[r]["before"][i] for rank in results) / 2 for i in range(len(anchors))]
+        steps = []  # each parameter's outer step this round, for the diagnosis
         for i, anchor in enumerate(anchors):
             grad = anchor - mean[i]  # DiLoCo's outer gradient
             velocity[i] = grad.clone() if r == 0 else mu * velocity[i] + grad
             anchors[i] = anchor - lr * (grad + mu * velocity[i])
+            steps.append((anchor, grad, anchors[i] - anchor))
         for rank, seen in enumerate(results):
             for i, anchor in enumerate(anchors):
                 got = seen[r]["after"][i]
                 gap = (got - anchor).abs().max().item()
                 if gap > 1e-5:
+                    old, grad, step = steps[i]
+                    before = seen[r]["before"][i]
+                    hint = ""
+                    if r == 0 and _close(got, old + lr * (1 + mu) * grad):
+                        hint = (
+                            ": it moved away from the averaged parameters; the outer gradient "
+                            "is anchor - mean, so that SGD's minus moves towards the mean"
+                        )
+                    elif r == 0 and _close(got, old - 2 * lr * (1 + mu) * grad):
+                        hint = (
+                            ": its outer gradient was the sum of the ranks' deltas, twice the "
+                            "mean; divide by the group's size"
+                        )
+                    elif _close(got, before + step):
+                        hint = (
+                            ": the outer step was taken from this rank's own parameters after "
+                            "the inner steps; put each parameter back to its anchor first, then "
+                            "step"
+                        )
                     raise AssertionError(
                         f"DiLoCo round {r}: rank {rank}'s parameter {i} is {gap:.2e} from the "
                         "outer Nesterov step (lr 0.7, momentum 0.9) taken from the anchor with "
-                        "the outer gradient anchor - mean(params)"
-                        + (
-                            ": it moved away from the averaged parameters; the outer gradient "
-                            "is anchor - mean, so that SGD's minus moves towards the mean"
-                            if (got - seen[r]["before"][i]).abs().max()
-                            > (anchor - seen[r]["before"][i]).abs().max() * 1.5
-                            else ""
-                        )
+                        f"the outer gradient anchor - mean(params){hint}"
                     )
                 assert torch.equal(seen[r]["anchors"][i], got), (
                     f"DiLoCo round {r}: rank {rank}'s anchor {i} is not the new parameter: the "
