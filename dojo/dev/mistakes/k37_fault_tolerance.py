@@ -379,7 +379,7 @@ MISTAKES = [
         "quorum_always_waits_for_the_deadline",
         replaces="join_quorum",
         fails=[_SAME],
-        says=["as long as the deadline", "close the quorum at once"],
+        says=["after the last of them had registered", "close the quorum at once"],
     ),
     Mistake(
         "quorum_each_returns_its_own_view",
