@@ -129,7 +129,8 @@ def join_quorum(
     # a member of the last quorum may still come), with at least min_replicas registered,
     # else TimeoutError. A replica that registers after the close gets that list, without it.
     # min_replicas below 1 is a ValueError before the store is touched. The tests run 3
-    # replicas on one store: all present, one never coming, one late, a quorum of zero.
+    # replicas on one store: all present (0.15 s apart: closed as soon as the last comes), one
+    # never coming, one late, too few at the deadline, a quorum of zero.
     if min_replicas < 1:
         raise ValueError(
             f"min_replicas={min_replicas}: a quorum of zero replicas would let a step count "
@@ -197,7 +198,8 @@ def sync_from_peer(
     # TODO: afterwards every member holds the donor's parameters, buffers and momentum buffers;
     # the donor is the lowest member that was in previous (it lived through the last step); a
     # quorum with no such member is a ValueError. Returns the donor's replica number. The tests
-    # give a replacement other weights and no momentum, and check it ends equal to the others.
+    # give a newcomer other weights and no momentum, and check that a replacement, and a
+    # replica left out of a step for being slow, end equal to the others.
     donors = [m for m in members if m in previous]
     if not donors:
         raise ValueError(
