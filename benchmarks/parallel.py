@@ -46,6 +46,11 @@ same data and the same seeds:
     ulysses k35's ulysses_attention, forward   k26's ring_attention on the same inputs (torch
            and backward, causal, 2048 tokens,   has no Ulysses in core), head-tail split; both
            4 heads (all-to-all by heads)        held to one process's attention
+    localsgd k37's local_sgd_step after SGD  PostLocalSGDOptimizer(SGD with momentum 0.9,
+           (momentum 0.9): the parameters       PeriodicModelAverager(period=4)): the same
+           averaged every 4 steps; this row's   averaging, torch's own; its step is the same
+           step is a whole period (4 optimizer  period, and every period counts its average
+           steps, then the average)
 
 A step is everything one optimizer step needs (zero_grad, forward, backward, the
 synchronisation, ``optimizer.step()``); its time is the slowest rank's, between two barriers. The
@@ -106,6 +111,7 @@ KATAS = {
     "mp": ("k31_mixed_precision", "MixedPrecisionFSDP", "fully_shard MixedPrecisionPolicy"),
     "hsdp": ("k36_hsdp_zero2", "HsdpTransformer", "fully_shard HSDP"),
     "ulysses": ("k35_ulysses", "ulysses_attention", "k26's ring_attention"),
+    "localsgd": ("k37_fault_tolerance", "local_sgd_step", "PostLocalSGDOptimizer"),
 }
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # the ways add partial sums in different orders
 LR = 1e-3
@@ -882,6 +888,48 @@ def _hsdp(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
     )
 
 
+LOCALSGD_PERIOD = 4  # the localsgd row's H: steps between two averages of the parameters
+
+
+def _localsgd(kata, args) -> tuple[Way, Way, Callable[[], bool]]:
+    try:
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+    except ImportError as error:
+        raise Skip(f"this torch has no PostLocalSGDOptimizer ({error})") from None
+    models = [_model(args), _model(args)]
+    yours = torch.optim.SGD(models[0].parameters(), lr=LR, momentum=0.9)
+    theirs = PostLocalSGDOptimizer(
+        torch.optim.SGD(models[1].parameters(), lr=LR, momentum=0.9),
+        PeriodicModelAverager(period=LOCALSGD_PERIOD),
+    )
+    params, rank = list(models[0].parameters()), dist.get_rank()
+
+    # A row's step is a period: its last optimizer step averages, so every timed step pays for
+    # one average (a median over single steps would mostly time plain SGD). The optimizer
+    # steps run 0, 1, ... on both sides: torch's averager counts its own calls.
+    def period_yours(number: int) -> None:
+        for step in range(number * LOCALSGD_PERIOD, (number + 1) * LOCALSGD_PERIOD):
+            yours.zero_grad()
+            tokens, targets = _batch(args, step, rank)
+            transformer_loss(models[0](tokens), targets).backward()
+            kata.local_sgd_step(yours, params, step, LOCALSGD_PERIOD)
+
+    inner = _training_step(args, models[1], theirs)
+
+    def period_theirs(number: int) -> None:
+        for step in range(number * LOCALSGD_PERIOD, (number + 1) * LOCALSGD_PERIOD):
+            inner(step)
+
+    def same() -> bool:
+        return all(
+            torch.allclose(a, b, **TOLERANCE)
+            for a, b in zip(models[0].parameters(), models[1].parameters())
+        )
+
+    return period_yours, period_theirs, same
+
+
 SAVED = ("ckpt",)  # rows that show the activation bytes each way keeps for backward
 
 
@@ -919,6 +967,7 @@ COMPARISONS = {
     "mp": _mp,
     "hsdp": _hsdp,
     "ulysses": _ulysses,
+    "localsgd": _localsgd,
 }
 
 

@@ -385,3 +385,22 @@ def test_parallel_benchmark_holds_ulysses_against_the_ring():
     ), f"expected k35's row alone in:\n{out}"
     if impl.current() == "solutions":  # 4 all-to-alls each way; the ring's 2 + 6 sends and receives
         assert re.search(r"\d\.\d\dx +8 +\d+ +same weights", rows[0]), rows[0]
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
+def test_parallel_benchmark_holds_local_sgd_against_post_local_sgd_optimizer():
+    """`dojo bench parallel --only localsgd` (k37's row): local_sgd_step beside torch's
+    PostLocalSGDOptimizer with a PeriodicModelAverager of the same period, one period timed
+    (4 optimizer steps and one average) and one counted: one all-reduce each way."""
+    result = run_module(
+        "benchmarks.parallel", "--impl", impl.current(), "--only", "localsgd", "--steps", "1",
+        "--warmup", "0", "--dim", "32", timeout=120,
+    )  # fmt: skip
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
+    rows = [line for line in out.splitlines() if " vs " in line]
+    assert len(rows) == 1 and rows[0].startswith(
+        "[main] k37 local_sgd_step vs PostLocalSGDOptimizer"
+    ), f"expected k37's row alone in:\n{out}"
+    if impl.current() == "solutions":
+        assert re.search(r"\d\.\d\dx +1 +1 +same weights", rows[0]), rows[0]
