@@ -122,6 +122,7 @@ from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
 from .k21_pipeline import Stage, gpipe_actions, run_schedule, split_stages
 from .k28_fsdp_tp import TP_PLAN, TensorParallelBlock
+from .k32_activation_checkpointing import checkpoint
 from .k33_global_numbers import Piece, clip_grad_norm, pipeline_mean
 
 BLOCKS = 4  # two a stage at pp = 2
@@ -241,20 +242,38 @@ def make_mesh(dp: int, tp: int, pp: int) -> Mesh3D:
 # --------------------------------------------------------------------------- step 2: the stage
 
 
-def build_stage(model: nn.Module, mesh: Mesh3D) -> Stage:
+class RecomputedBlock(TensorParallelBlock):
+    """k28's ``TensorParallelBlock`` that keeps only its input for backward: its forward runs
+    again there (k32's ``checkpoint``), the tp all-reduces of that forward with it. The same
+    parameters under the same names (k32's ``Checkpointed`` would add ``module.`` to them)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 2: the stage: pipeline blocks split over tp
+        # TODO: the TensorParallelBlock's output for x, keeping nothing of its forward but x: the
+        # forward runs again in backward, through k32's checkpoint. The tests count each block's
+        # forwards (once in forward, once more in backward) and compare the gradients with a stage
+        # that keeps everything.
+        return checkpoint(super().forward, x)
+        # END STEP 2
+
+
+def build_stage(model: nn.Module, mesh: Mesh3D, recompute: bool = False) -> Stage:
     """This rank's stage of ``model`` (a TinyTransformer): k21's ``Stage`` of its pp index,
-    each of its blocks a k28 ``TensorParallelBlock`` on the tp group (this tp rank's slices);
-    the embedding, the final norm and the output layer whole (replicated over tp). Parameter
-    names are the model's (``blocks.2.mlp.up.weight``)."""
+    each of its blocks a k28 ``TensorParallelBlock`` on the tp group (this tp rank's slices),
+    a ``RecomputedBlock`` when ``recompute``; the embedding, the final norm and the output
+    layer whole (replicated over tp). Parameter names are the model's
+    (``blocks.2.mlp.up.weight``)."""
     # BEGIN STEP 2: the stage: pipeline blocks split over tp
     # TODO: this rank's pipeline stage of the model (pp_index of pp consecutive stages), whose
-    # every block is split over this rank's tp group (its tp_index's slices), parameter names the
-    # model's. The tests compare every parameter with the dense model's slice, run each stage's
-    # forward against the dense model's on 4 ranks (tp 2 x pp 2) and record its calls: all on the tp
-    # group.
+    # every block is split over this rank's tp group (its tp_index's slices), and recomputed in
+    # backward when recompute is true; parameter names the model's. The tests compare every
+    # parameter with the dense model's slice, run each stage's forward against the dense model's on
+    # 4 ranks (tp 2 x pp 2) and record its calls: all on the tp group; and run a recomputed stage's
+    # forward and backward against the same stage's without recompute.
+    split = RecomputedBlock if recompute else TensorParallelBlock
     stage = split_stages(model, mesh.pp, mesh.pp_index)
     for index, block in stage.blocks.items():
-        stage.blocks[index] = TensorParallelBlock(block, mesh)
+        stage.blocks[index] = split(block, mesh)
     return stage
     # END STEP 2
 
@@ -405,12 +424,15 @@ def _watched(mesh: Mesh3D, seen: list[str]):
             setattr(dist, name, original)
 
 
-def train_rank(rank: int, world_size: int, dp: int, tp: int, pp: int, steps: int, seed: int):
-    """Train ``steps`` steps on this rank's stage; the losses, norms, the first step's calls
-    in order, and this rank's parameters (its slices) after training."""
+def train_rank(
+    rank: int, world_size: int, dp: int, tp: int, pp: int, steps: int, seed: int, recompute: bool
+):
+    """Train ``steps`` steps on this rank's stage (its blocks recomputed in backward when
+    ``recompute``); the losses, norms, the first step's calls in order, and this rank's
+    parameters (its slices) after training."""
     device = rank_device()
     mesh = make_mesh(dp, tp, pp)
-    stage = build_stage(make_transformer(seed, blocks=BLOCKS).to(device), mesh)
+    stage = build_stage(make_transformer(seed, blocks=BLOCKS).to(device), mesh, recompute)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     losses, norms, calls = [], [], []
     for step in range(steps):
@@ -457,6 +479,11 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (1, 2 or 4)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="keep only each block's input and run its forward again in backward (k32)",
+    )
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp not in (1, 2, 4) or args.pp not in (1, 2, 4) or args.steps < 1:
         parser.error(
@@ -467,7 +494,8 @@ def main(argv=None) -> int:
     say(
         None,
         f"pp {args.pp} x dp {args.dp} x tp {args.tp} on {world_size} ranks: stages on pp, "
-        "replicas on dp, slices on tp; against one process on the same global batch",
+        "replicas on dp, slices on tp; against one process on the same global batch"
+        + ("; every block recomputed in backward" if args.recompute else ""),
     )
     results = launch_world(
         train_rank,
@@ -477,6 +505,7 @@ def main(argv=None) -> int:
         args.pp,
         args.steps,
         args.seed,
+        args.recompute,
         backend=args.backend,
         device=args.device,
     )
