@@ -6,9 +6,10 @@ THE IDEA
     run (Megatron-LM, torchtitan, picotron) does all of it at once, on ONE mesh of ranks. Here
     the tiny transformer (4 blocks, width 16, sequences of 8 tokens, 32 words) trains on 8
     ranks, ``pp 2 x dp 2 x tp 2``, built from your own pieces: k21's ``split_stages`` and
-    ``run_schedule``, k28's ``TensorParallelBlock``, k33's ``pipeline_mean`` and
-    ``clip_grad_norm``. So finish k21 (steps 1-3), k28 (step 2) and k33 (steps 3-5) first:
-    this kata runs your versions, and one not written yet stops it with that kata's step.
+    ``run_schedule``, k28's ``TensorParallelBlock``, k32's ``checkpoint`` (every block
+    recomputed in backward), k33's ``pipeline_mean`` and ``clip_grad_norm``. So finish k21
+    (steps 1-3), k28 (step 2), k32 (steps 2-3) and k33 (steps 3-5) first: this kata runs your
+    versions, and one not written yet stops it with that kata's step.
 
     The mesh: rank ``= (pp_index * dp + dp_index) * tp + tp_index`` (torch's
     ``init_device_mesh(("pp", "dp", "tp"))`` lays it out so): tp innermost, because its
@@ -18,6 +19,7 @@ THE IDEA
                         tp 0        tp 1                    tp 0        tp 1
             dp 0      rank 0  --  rank 1                  rank 4  --  rank 5
                         |  tp: f, g every block              |  tp: f, g every block
+                        |  each block keeps its input only   |  (recomputed in backward)
             dp 1      rank 2  --  rank 3                  rank 6  --  rank 7
                       |___________________ pp: send/recv ___|
                 rank 0 -> rank 4, rank 1 -> rank 5, ...: the same tp slice, the same data
@@ -34,8 +36,8 @@ THE IDEA
 
         forward    tp: all-reduce (g) x 2 per block            pp: send activations, per
                                                                    micro-batch (GPipe)
-        backward   pp: recv the output's gradient, per micro-batch; tp: all-reduce (f) x 2 per
-                   block
+        backward   pp: recv the output's gradient, per micro-batch; per block, last first:
+                   tp: all-reduce (g) x 2 (its forward again: the recompute), then (f) x 2
         gradients  dp: one all-reduce of the stage's flat gradients (the mean of 2 replicas)
         loss       pp, dp, tp: all-reduce of (the last stage's token-loss sum, its count)
         norm       pp, dp, tp: all-reduce of the sum of squares each rank must count
@@ -52,6 +54,27 @@ THE IDEA
       of a parameter stay equal.
     Held against one process on the same global batch: after 3 steps the loss, the norm and
     every weight equal it, to rounding.
+
+    Activation checkpointing (k32) on every block: a block keeps only its input, and its
+    forward runs again in backward, when backward reaches it. With tensor parallelism the
+    recompute is a forward like any other, its two g all-reduces with it, made by every tp rank
+    at the same point of backward (they all run the same blocks in the same order), so a step
+    makes 6 tp all-reduces per block and micro-batch instead of 4. The gradients are the same
+    numbers: the same operations on the same input. Megatron-LM recomputes so
+    (``--recompute-granularity full``); its selective granularity redoes only the attention's
+    core, which holds no all-reduce. Pipelines make it pay twice: GPipe holds every
+    micro-batch's activations until its backward (k21's peak), and each now holds one tensor
+    per block.
+
+    Two pieces of Part VII are not in this trainer, and why. k34's vocabulary split of the
+    output layer needs the last stage's loss to be k34's ``vocab_parallel_cross_entropy`` of
+    its columns; k21's ``run_schedule`` computes ``transformer_loss`` of whole logits there,
+    so the split needs a schedule that takes its loss function (as torch's
+    ``ScheduleGPipe(stage, n, loss_fn=...)`` does). k31's bf16 with fp32 master weights is
+    held to nothing cheap here: tp's partial sums and the bf16 activations sent between the
+    stages round otherwise than one process, so the run would equal one process only to
+    bf16's rounding (its epsilon is 2^-8), where the weights after 3 steps tell little; and
+    one process in the same policy is not the same sums either.
 
     Context parallelism (k26) is a fourth dimension for long sequences; at 8 tokens there is
     nothing to split, and picotron folds it into dp the same way: the cp ranks of a dp replica
@@ -78,8 +101,10 @@ THE IDEA
 STEPS
     1. ``make_mesh(dp, tp, pp)``: the 3-D mesh, every tp, dp and pp group made once by every
        rank in the same order; a ``ValueError`` when the mesh does not fit the world.
-    2. ``build_stage(model, mesh)``: this rank's pipeline stage (k21's ``split_stages``) with
-       every block split over the tp group (k28's ``TensorParallelBlock``).
+    2. ``build_stage(model, mesh, recompute)``: this rank's pipeline stage (k21's
+       ``split_stages``) with every block split over the tp group (k28's
+       ``TensorParallelBlock``), and with ``recompute`` a ``RecomputedBlock``: its forward
+       through k32's ``checkpoint``.
     3. ``forward_backward``: this dp replica's part of the global batch through the pipeline
        (k21's ``run_schedule``, GPipe, on the pp group), the gradients averaged over dp, and
        the global loss on every rank (k33's ``pipeline_mean``).
@@ -91,8 +116,10 @@ WHAT THE TESTS CHECK
     The groups of 2x2x1, 1x2x2 and 2x1x2 meshes on 4 ranks (indices, members, an all-reduce
     over each), the same as torch's ``init_device_mesh`` makes on the same world, and a
     ``ValueError`` naming the world size, before any group is made, for meshes that do not fit; each stage's parameters (names, tp slices, values) and its forward
-    against the dense model on 4 ranks (tp 2 x pp 2), its calls on the tp group only; on 8
-    ranks (dp 2 x tp 2 x pp 2): one step's gradients and loss equal one process's on the same
+    against the dense model on 4 ranks (tp 2 x pp 2), its calls on the tp group only, and the
+    same stage recomputed: its names the model's, its gradients the same, each block's
+    forward once in forward and once more in backward; on 8 ranks (dp 2 x tp 2 x pp 2), every
+    block recomputed: one step's gradients and loss equal one process's on the same
     global batch, sends on the pp group carrying a dp replica's share, the gradients' mean on
     the dp group, no group made while training, a batch that does not split refused before
     anything is sent; 3 clipped SGD steps: every step's loss and
@@ -101,6 +128,7 @@ WHAT THE TESTS CHECK
 
 RUN IT
     .venv/bin/python -m katas.k39_capstone
+    .venv/bin/python -m katas.k39_capstone --recompute    (every block recomputed in backward)
     .venv/bin/python -m katas.k39_capstone --trace traces    (the run's timeline: traces/*.png)
 """
 
@@ -122,6 +150,7 @@ from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
 from .k21_pipeline import Stage, gpipe_actions, run_schedule, split_stages
 from .k28_fsdp_tp import TP_PLAN, TensorParallelBlock
+from .k32_activation_checkpointing import checkpoint
 from .k33_global_numbers import Piece, clip_grad_norm, pipeline_mean
 
 BLOCKS = 4  # two a stage at pp = 2
@@ -241,20 +270,38 @@ def make_mesh(dp: int, tp: int, pp: int) -> Mesh3D:
 # --------------------------------------------------------------------------- step 2: the stage
 
 
-def build_stage(model: nn.Module, mesh: Mesh3D) -> Stage:
+class RecomputedBlock(TensorParallelBlock):
+    """k28's ``TensorParallelBlock`` that keeps only its input for backward: its forward runs
+    again there (k32's ``checkpoint``), the tp all-reduces of that forward with it. The same
+    parameters under the same names (k32's ``Checkpointed`` would add ``module.`` to them)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 2: the stage: pipeline blocks split over tp
+        # TODO: the TensorParallelBlock's output for x, keeping nothing of its forward but x: the
+        # forward runs again in backward, through k32's checkpoint. The tests count each block's
+        # forwards (once in forward, once more in backward) and compare the gradients with a stage
+        # that keeps everything.
+        return checkpoint(super().forward, x)
+        # END STEP 2
+
+
+def build_stage(model: nn.Module, mesh: Mesh3D, recompute: bool = False) -> Stage:
     """This rank's stage of ``model`` (a TinyTransformer): k21's ``Stage`` of its pp index,
-    each of its blocks a k28 ``TensorParallelBlock`` on the tp group (this tp rank's slices);
-    the embedding, the final norm and the output layer whole (replicated over tp). Parameter
-    names are the model's (``blocks.2.mlp.up.weight``)."""
+    each of its blocks a k28 ``TensorParallelBlock`` on the tp group (this tp rank's slices),
+    a ``RecomputedBlock`` when ``recompute``; the embedding, the final norm and the output
+    layer whole (replicated over tp). Parameter names are the model's
+    (``blocks.2.mlp.up.weight``)."""
     # BEGIN STEP 2: the stage: pipeline blocks split over tp
     # TODO: this rank's pipeline stage of the model (pp_index of pp consecutive stages), whose
-    # every block is split over this rank's tp group (its tp_index's slices), parameter names the
-    # model's. The tests compare every parameter with the dense model's slice, run each stage's
-    # forward against the dense model's on 4 ranks (tp 2 x pp 2) and record its calls: all on the tp
-    # group.
+    # every block is split over this rank's tp group (its tp_index's slices), and recomputed in
+    # backward when recompute is true; parameter names the model's. The tests compare every
+    # parameter with the dense model's slice, run each stage's forward against the dense model's on
+    # 4 ranks (tp 2 x pp 2) and record its calls: all on the tp group; and run a recomputed stage's
+    # forward and backward against the same stage's without recompute.
+    split = RecomputedBlock if recompute else TensorParallelBlock
     stage = split_stages(model, mesh.pp, mesh.pp_index)
     for index, block in stage.blocks.items():
-        stage.blocks[index] = TensorParallelBlock(block, mesh)
+        stage.blocks[index] = split(block, mesh)
     return stage
     # END STEP 2
 
@@ -405,12 +452,15 @@ def _watched(mesh: Mesh3D, seen: list[str]):
             setattr(dist, name, original)
 
 
-def train_rank(rank: int, world_size: int, dp: int, tp: int, pp: int, steps: int, seed: int):
-    """Train ``steps`` steps on this rank's stage; the losses, norms, the first step's calls
-    in order, and this rank's parameters (its slices) after training."""
+def train_rank(
+    rank: int, world_size: int, dp: int, tp: int, pp: int, steps: int, seed: int, recompute: bool
+):
+    """Train ``steps`` steps on this rank's stage (its blocks recomputed in backward when
+    ``recompute``); the losses, norms, the first step's calls in order, and this rank's
+    parameters (its slices) after training."""
     device = rank_device()
     mesh = make_mesh(dp, tp, pp)
-    stage = build_stage(make_transformer(seed, blocks=BLOCKS).to(device), mesh)
+    stage = build_stage(make_transformer(seed, blocks=BLOCKS).to(device), mesh, recompute)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     losses, norms, calls = [], [], []
     for step in range(steps):
@@ -457,6 +507,11 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (1, 2 or 4)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="keep only each block's input and run its forward again in backward (k32)",
+    )
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp not in (1, 2, 4) or args.pp not in (1, 2, 4) or args.steps < 1:
         parser.error(
@@ -467,7 +522,8 @@ def main(argv=None) -> int:
     say(
         None,
         f"pp {args.pp} x dp {args.dp} x tp {args.tp} on {world_size} ranks: stages on pp, "
-        "replicas on dp, slices on tp; against one process on the same global batch",
+        "replicas on dp, slices on tp; against one process on the same global batch"
+        + ("; every block recomputed in backward" if args.recompute else ""),
     )
     results = launch_world(
         train_rank,
@@ -477,6 +533,7 @@ def main(argv=None) -> int:
         args.pp,
         args.steps,
         args.seed,
+        args.recompute,
         backend=args.backend,
         device=args.device,
     )

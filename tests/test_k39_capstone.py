@@ -1,7 +1,8 @@
 """k39 the capstone: a 3-D mesh (pp x dp x tp) and its groups made once, a pipeline stage of
-tensor-parallel blocks, one step through the pipeline averaged over dp with the loss on every
-rank, the global gradient norm and one clipping factor, and 3 steps on 8 ranks held against one
-process on the same global batch.
+tensor-parallel blocks (recomputed in backward with k32's checkpoint), one step through the
+pipeline averaged over dp with the loss on every rank, the global gradient norm and one clipping
+factor, and 3 steps on 8 ranks, every block recomputed, held against one process on the same
+global batch.
 
 The 8-rank worlds are the gate's largest: each runs once and is shared by its step's tests."""
 
@@ -313,6 +314,47 @@ def _stages(rank, world_size):
         "failure": failure,
         "expected": expected,
         "calls": _calls(calls, mesh),
+        "recompute": _recomputed(rank, kata, mesh, stage, given),
+    }
+
+
+def _recomputed(rank, kata, mesh, plain, given) -> dict:
+    """The stage built with recompute=True against ``plain`` (the same stage keeping
+    everything): both stages' gradients after one forward and backward, and each block's
+    forwards in forward and in backward, counted at its first LayerNorm (a block's forward runs
+    it once: the recompute runs it again)."""
+    again = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh, recompute=True)
+    runs = {index: 0 for index in again.blocks.keys()}
+
+    def counter(index: str):
+        def count(*_):
+            runs[index] += 1
+
+        return count
+
+    for index, block in again.blocks.items():
+        for name, module in block.named_modules():
+            if name.endswith("attention_norm"):
+                module.register_forward_pre_hook(counter(index))
+    grads = {}
+    for name, stage in (("plain", plain), ("recomputed", again)):
+        try:
+            output = stage(given)
+            forwards = dict(runs)
+            output.square().mean().backward()
+        except KataTodo:
+            raise
+        except Exception as error:  # a learner's block that cannot run: said by the test
+            return {"failure": _failed(rank, f"the {name} stage's forward and backward", error)}
+        grads[name] = {
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in stage.named_parameters()
+        }
+    return {
+        "failure": None,
+        "forwards": {i: (forwards[i], runs[i] - forwards[i]) for i in runs},
+        "plain": grads["plain"],
+        "recomputed": grads["recomputed"],
     }
 
 
@@ -385,6 +427,55 @@ def test_a_stage_s_forward_calls_only_on_the_tp_group(kata):
         )
 
 
+@pytest.mark.step(2)
+def test_a_recomputed_stage_runs_each_block_again_with_the_same_gradients(kata):
+    for rank, got in enumerate(_stage_world()):
+        who = _where(rank, got["place"])
+        said = f"{who}, build_stage(model, mesh, recompute=True)"
+        mine = got["recompute"]
+        assert mine["failure"] is None, mine["failure"]
+        names, want = set(mine["recomputed"]), set(mine["plain"])
+        assert names == want, (
+            f"{said} holds parameters {sorted(names - want)[:3]} where the stage without "
+            f"recompute holds {sorted(want - names)[:3]}: the names stay the model's"
+            + (
+                " (k32's Checkpointed puts the block under .module: checkpoint the "
+                "TensorParallelBlock's own forward instead)"
+                if any(".module." in n for n in names)
+                else ""
+            )
+        )
+        for name, grad in mine["plain"].items():
+            again = mine["recomputed"][name]
+            assert again is not None, (
+                f"{said}: {name} has no gradient after backward, where the stage without "
+                "recompute gives it one: a checkpoint gives the parameters their gradients even "
+                "when its input needs none (k32's does; torch's use_reentrant=True does not) and "
+                "keeps the input as it came (not detached)"
+            )
+            assert close(again, grad, **TOLERANCE), (
+                f"{said}: the gradient of {name} differs from the same stage's without "
+                f"recompute: {gap(again, grad)}; recomputing runs the same forward on the same "
+                "input, so the gradients are the same numbers (is the input kept as it is, "
+                "not detached?)"
+            )
+        for index, (forward, backward) in sorted(mine["forwards"].items(), key=lambda i: int(i[0])):
+            assert forward == 1, (
+                f"{said}: block {index}'s forward ran {forward} time(s) in the stage's forward, "
+                "expected once"
+            )
+            assert backward == 1, (
+                f"{said}: block {index}'s forward ran {backward} time(s) in backward, expected "
+                "once more: "
+                + (
+                    "it did not run again in backward, so it kept its activations; every block "
+                    "of the stage runs through k32's checkpoint"
+                    if backward == 0
+                    else "the recompute runs once per block"
+                )
+            )
+
+
 # --------------------------------------------------------------------------- step 3: one step
 
 
@@ -392,7 +483,7 @@ def _one_step(rank, world_size):
     kata = load_kata(KATA)
     dp, tp, pp = CAPSTONE
     mesh = kata.make_mesh(dp, tp, pp)
-    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh)
+    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh, recompute=True)
     tokens, targets = _global_batch(dp, 0)
     with recording() as calls:
         loss = kata.forward_backward(stage, tokens, targets, mesh)
@@ -583,7 +674,7 @@ def _training(rank, world_size):
     kata = load_kata(KATA)
     dp, tp, pp = CAPSTONE
     mesh = kata.make_mesh(dp, tp, pp)
-    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh)
+    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh, recompute=True)
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
@@ -730,10 +821,11 @@ def test_three_steps_equal_one_process_s_loss_and_weights(kata):
 
 @pytest.mark.step(4)
 def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
-    out = run_module_ok(KATA, "--steps", "1", "--trace", str(tmp_path)).stdout
-    shown = f"`python -m katas.{KATA} --steps 1 --trace DIR`"
+    out = run_module_ok(KATA, "--steps", "1", "--recompute", "--trace", str(tmp_path)).stdout
+    shown = f"`python -m katas.{KATA} --steps 1 --recompute --trace DIR`"
     for line, why in (
         ("pp 2 x dp 2 x tp 2 on 8 ranks", "the mesh"),
+        ("every block recomputed in backward", "what --recompute does"),
         ("one step's calls in order: tp: all-reduce", "rank 0's calls by group, in order"),
         ("dp: all-reduce", "the gradients' mean on the dp group"),
         ("equal one process's", "its verdict"),

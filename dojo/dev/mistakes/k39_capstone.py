@@ -1,6 +1,6 @@
 """k39's mistakes catalogue: real mistakes in composing a 3-D mesh, a stage of tensor-parallel
-blocks, one step through the pipeline averaged over dp with the global loss, and the global
-gradient norm; and right answers written another way. See ``dojo/dev/mistakes/__init__.py``
+blocks recomputed in backward, one step through the pipeline averaged over dp with the global
+loss, and the global gradient norm; and right answers written another way. See ``dojo/dev/mistakes/__init__.py``
 for what each list promises."""
 
 from __future__ import annotations
@@ -9,15 +9,19 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from dojo.dev.mistakes import Mistake, RightAnswer
 from solutions import k39_capstone as reference
+from solutions.k32_activation_checkpointing import Checkpointed
 
 Mesh3D = reference.Mesh3D
 Piece = reference.Piece
 Stage = reference.Stage
 TP_PLAN = reference.TP_PLAN
 TensorParallelBlock = reference.TensorParallelBlock
+RecomputedBlock = reference.RecomputedBlock
+checkpoint = reference.checkpoint
 clip_grad_norm = reference.clip_grad_norm
 gpipe_actions = reference.gpipe_actions
 pipeline_mean = reference.pipeline_mean
@@ -117,12 +121,12 @@ def mesh_pp_lines_first(dp, tp, pp):
 # --------------------------------------------------------------------------- step 2: the stage
 
 
-def stage_not_split(model, mesh):
+def stage_not_split(model, mesh, recompute=False):
     """k21's stage, its blocks whole on every tp rank."""
     return split_stages(model, mesh.pp, mesh.pp_index)
 
 
-def stage_by_dp_index(model, mesh):
+def stage_by_dp_index(model, mesh, recompute=False):
     """The stage of the dp index."""
     stage = split_stages(model, mesh.pp, mesh.dp_index)
     for index, block in stage.blocks.items():
@@ -130,7 +134,7 @@ def stage_by_dp_index(model, mesh):
     return stage
 
 
-def stage_split_over_the_world(model, mesh):
+def stage_split_over_the_world(model, mesh, recompute=False):
     """The blocks split by tp_index, but their sums taken over the whole world."""
     stage = split_stages(model, mesh.pp, mesh.pp_index)
     world = dataclasses.replace(mesh, tp_group=None)
@@ -139,13 +143,53 @@ def stage_split_over_the_world(model, mesh):
     return stage
 
 
-def stage_by_hand(model, mesh):
+def stage_recompute_ignored(model, mesh, recompute=False):
+    """The recompute flag taken and dropped: every block keeps its activations."""
+    stage = split_stages(model, mesh.pp, mesh.pp_index)
+    for index, block in stage.blocks.items():
+        stage.blocks[index] = TensorParallelBlock(block, mesh)
+    return stage
+
+
+def stage_checkpointed_wrapper(model, mesh, recompute=False):
+    """k32's Checkpointed around each TensorParallelBlock: the names gain .module."""
+    stage = split_stages(model, mesh.pp, mesh.pp_index)
+    for index, block in stage.blocks.items():
+        split = TensorParallelBlock(block, mesh)
+        stage.blocks[index] = Checkpointed(split) if recompute else split
+    return stage
+
+
+class RecomputedFromADetachedInput(TensorParallelBlock):
+    """The block checkpointed from its input detached: no gradient flows back out of it."""
+
+    def forward(self, x):
+        return checkpoint(super().forward, x.detach())
+
+
+class RecomputedReentrant(TensorParallelBlock):
+    """torch's reentrant checkpoint: its parameters get no gradient where the input needs
+    none."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
+
+
+class RecomputedByTorch(TensorParallelBlock):
+    """Right: torch's own checkpoint (use_reentrant=False) around the block's forward."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+def stage_by_hand(model, mesh, recompute=False):
     """Right: the Stage built directly, two blocks a stage, each split over tp."""
     per = len(model.blocks) // mesh.pp
     first, last = mesh.pp_index == 0, mesh.pp_index == mesh.pp - 1
     blocks = range(mesh.pp_index * per, (mesh.pp_index + 1) * per)
+    split = RecomputedBlock if recompute else TensorParallelBlock
     return Stage(
-        {i: TensorParallelBlock(model.blocks[i], mesh) for i in blocks},
+        {i: split(model.blocks[i], mesh) for i in blocks},
         embedding=model.embedding if first else None,
         norm=model.norm if last else None,
         output=model.output if last else None,
@@ -366,6 +410,7 @@ _LINES = "test_mesh_groups_are_the_grid_s_lines"
 _REFUSED = "test_a_mesh_that_does_not_fit_is_refused"
 _SLICES = "test_each_stage_holds_its_blocks_tp_slices"
 _FORWARD = "test_each_stage_s_forward_is_the_dense_model_s"
+_RECOMPUTED = "test_a_recomputed_stage_runs_each_block_again_with_the_same_gradients"
 _GRADS = "test_one_step_s_gradients_equal_one_process_s"
 _LOSS = "test_the_loss_is_the_global_batch_s_on_every_rank"
 _SHARE = "test_the_pipeline_carries_a_replica_s_share_on_the_pp_group"
@@ -420,6 +465,30 @@ MISTAKES = [
         replaces="build_stage",
         fails=[_FORWARD],
         says=["the stage's forward differs from the dense model's"],
+    ),
+    Mistake(
+        "stage_recompute_ignored",
+        replaces="build_stage",
+        fails=[_RECOMPUTED],
+        says=["did not run again in backward", "k32's checkpoint"],
+    ),
+    Mistake(
+        "stage_checkpointed_wrapper",
+        replaces="build_stage",
+        fails=[_RECOMPUTED],
+        says=["the names stay the model's", "Checkpointed puts the block under .module"],
+    ),
+    Mistake(
+        "RecomputedFromADetachedInput",
+        replaces="RecomputedBlock",
+        fails=[_RECOMPUTED],
+        says=["has no gradient after backward", "not detached"],
+    ),
+    Mistake(
+        "RecomputedReentrant",
+        replaces="RecomputedBlock",
+        fails=[_RECOMPUTED],
+        says=["has no gradient after backward", "use_reentrant=True"],
     ),
     Mistake(
         "step_not_averaged",
@@ -528,6 +597,7 @@ MISTAKES = [
 RIGHT_ANSWERS = [
     RightAnswer("mesh_pp_lines_first", replaces="make_mesh"),
     RightAnswer("stage_by_hand", replaces="build_stage"),
+    RightAnswer("RecomputedByTorch", replaces="RecomputedBlock"),
     RightAnswer("step_per_parameter_mean", replaces="forward_backward"),
     RightAnswer("step_loss_by_hand", replaces="forward_backward"),
     RightAnswer("clip_by_hand", replaces="clip_gradients"),
