@@ -46,9 +46,10 @@ STEPS
        of stages or a rank that does not fit.
     2. ``gpipe_actions`` and ``one_f_one_b_actions``: each rank's ordered list of ``("F", i)``
        and ``("B", i)`` for p stages and m micro-batches.
-    3. ``run_schedule(stage, actions, micro_batches, process_group=None)``: the actions run,
-       activations sent forward and their gradients back, the loss on the last stage,
-       gradients accumulated; returns the loss and the most activations held at once.
+    3. ``run_schedule(stage, actions, micro_batches, process_group=None, loss_fn=...)``: the
+       actions run, activations sent forward and their gradients back, the loss on the last
+       stage (``loss_fn``, ``transformer_loss`` unless told), gradients accumulated; returns the
+       loss and the most activations held at once.
     4. ``simulate(schedules)``: a clock of ticks, one per action, a rank waiting for its input:
        every action's tick and every rank's idle fraction (the bubble).
 
@@ -60,8 +61,9 @@ WHAT THE TESTS CHECK
     the same micro-batches, close to the whole batch at once), by recording every send and
     recv (how many, to which rank), the activations held at once (m for GPipe, at most p - r
     for 1F1B) and the same gradients as torch.distributed.pipelining's ScheduleGPipe and
-    Schedule1F1B on the same stages; a pipeline inside a subgroup; the simulated bubble against
-    (p-1)/(m+p-1); a schedule that waits for ever; the program.
+    Schedule1F1B on the same stages; a pipeline inside a subgroup; a loss_fn given is the one
+    backpropagated; the simulated bubble against (p-1)/(m+p-1); a schedule that waits for ever;
+    the program.
 
 RUN IT
     .venv/bin/python -m katas.k21_pipeline --world-size 2 --schedule 1f1b --micro-batches 4
@@ -77,7 +79,7 @@ RUN IT
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,25 +216,29 @@ def run_schedule(
     actions: Sequence[Action],
     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     process_group: dist.ProcessGroup | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = transformer_loss,
 ) -> PipelineRun:
     """Run this rank's ``actions`` on its ``stage``; gradients accumulate in its parameters.
 
     Every rank gets the same ``micro_batches`` (tokens, targets): the first stage reads the
     tokens, the last the targets, the others only their shape. The group's rank r is stage r.
+    ``loss_fn(outputs, targets)`` is a micro-batch's mean loss on the last stage: a later kata
+    whose last stage holds only a shard of the logits passes a loss of its own (k39).
     """
     # BEGIN STEP 3: run_schedule: activations forward, gradients back
     # TODO: run the actions in order on this rank's stage (rank r of process_group is stage r). A
     # forward of micro-batch i: the first stage runs the tokens; the others receive the
     # activations, of shape tokens.shape + (MODEL_DIM,), from the previous rank; every stage but
     # the last sends its output to the next. A backward of i: the last stage backpropagates
-    # transformer_loss(output, targets) / number of micro-batches; the others receive the gradient
-    # of their output from the next rank and backpropagate it; every stage but the first sends the
-    # gradient of its input to the previous rank. Gradients accumulate in .grad over the
-    # micro-batches. No rank may wait for ever, for any p and m (peers as global ranks of the
+    # loss_fn(output, targets) / number of micro-batches (the loss it is given, whatever it is:
+    # transformer_loss unless told); the others receive the gradient of their output from the next
+    # rank and backpropagate it; every stage but the first sends the gradient of its input to the
+    # previous rank. Gradients accumulate in .grad over the micro-batches. No rank may wait for ever, for any p and m (peers as global ranks of the
     # group). Return PipelineRun(the last stage's total loss, else None; the most micro-batches
     # whose forward ran and backward not yet, held at once). The tests record every send and recv,
     # compare the gradients with one process (bitwise, looping over the same micro-batches) and
-    # with torch.distributed.pipelining, on 2 and 4 ranks and a subgroup, and check the peak.
+    # with torch.distributed.pipelining, on 2 and 4 ranks and a subgroup, check the peak, and that
+    # a loss_fn given is the one backpropagated.
     rank = dist.get_rank(process_group)
     size = dist.get_world_size(process_group)
     group = process_group if process_group is not None else dist.group.WORLD
@@ -262,7 +268,7 @@ def run_schedule(
             inputs, outputs = held.pop(i)  # backward frees the micro-batch's activations
             if following is None:
                 with torch.profiler.record_function(f"B{i}"):
-                    loss = transformer_loss(outputs, targets.to(device)) / count  # the mean of m
+                    loss = loss_fn(outputs, targets.to(device)) / count  # the mean of m
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
             else:

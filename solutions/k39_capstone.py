@@ -7,8 +7,10 @@ THE IDEA
     the tiny transformer (4 blocks, width 16, sequences of 8 tokens, 32 words) trains on 8
     ranks, ``pp 2 x dp 2 x tp 2``, built from your own pieces: k21's ``split_stages`` and
     ``run_schedule``, k28's ``TensorParallelBlock``, k32's ``checkpoint`` (every block
-    recomputed in backward), k33's ``pipeline_mean`` and ``clip_grad_norm``. So finish k21
-    (steps 1-3), k28 (step 2), k32 (steps 2-3) and k33 (steps 3-5) first: this kata runs your
+    recomputed in backward), k33's ``pipeline_mean`` and ``clip_grad_norm``, k34's
+    ``vocab_shard``, ``CopyToVocabParallelRegion`` and ``vocab_parallel_cross_entropy`` (the
+    output layer and the loss split by vocabulary). So finish k21 (steps 1-3), k28 (step 2),
+    k32 (steps 2-3), k33 (steps 3-5) and k34 (steps 1 and 3-5) first: this kata runs your
     versions, and one not written yet stops it with that kata's step.
 
     The mesh: rank ``= (pp_index * dp + dp_index) * tp + tp_index`` (torch's
@@ -19,7 +21,9 @@ THE IDEA
                         tp 0        tp 1                    tp 0        tp 1
             dp 0      rank 0  --  rank 1                  rank 4  --  rank 5
                         |  tp: f, g every block              |  tp: f, g every block
-                        |  each block keeps its input only   |  (recomputed in backward)
+                        |  each block keeps its input only   |  (recomputed in backward);
+                        |                                    |  output: words 0-15 | 16-31,
+                        |                                    |  the loss from 3 numbers a token
             dp 1      rank 2  --  rank 3                  rank 6  --  rank 7
                       |___________________ pp: send/recv ___|
                 rank 0 -> rank 4, rank 1 -> rank 5, ...: the same tp slice, the same data
@@ -32,12 +36,20 @@ THE IDEA
     of the whole world), and never makes one again: a group made every step costs a rendezvous
     each time and, made by some ranks only, hangs them.
 
-    Which collective on which group, in which order, for one step of rank 0:
+    Which collective on which group, in which order, for one step of rank 0 (stage 0) and of
+    rank 4 (stage 1, the last):
 
-        forward    tp: all-reduce (g) x 2 per block            pp: send activations, per
+        forward    rank 0: tp: all-reduce (g) x 2 per block    pp: send activations, per
                                                                    micro-batch (GPipe)
-        backward   pp: recv the output's gradient, per micro-batch; per block, last first:
-                   tp: all-reduce (g) x 2 (its forward again: the recompute), then (f) x 2
+                   rank 4: pp: recv them; tp: all-reduce (g) x 2 per block; the output layer
+                   gives this tp rank's 16 of the 32 words' logits, no call
+        backward   rank 4, per micro-batch: the loss, tp: all-reduce MAX, SUM, SUM (k34: the
+                   max, the sum of exponentials and the target's logit, per token); the output
+                   layer's f, tp: all-reduce x 1 (the hidden state's gradient, summed over the
+                   vocabulary's halves); per block, last first: tp: all-reduce (g) x 2 (the
+                   recompute), then (f) x 2; pp: send the input's gradient
+                   rank 0, per micro-batch: pp: recv the output's gradient; per block, last
+                   first: tp: all-reduce (g) x 2 (its forward again: the recompute), then (f) x 2
         gradients  dp: one all-reduce of the stage's flat gradients (the mean of 2 replicas)
         loss       pp, dp, tp: all-reduce of (the last stage's token-loss sum, its count)
         norm       pp, dp, tp: all-reduce of the sum of squares each rank must count
@@ -46,8 +58,9 @@ THE IDEA
     The three global numbers of k33, on three dimensions at once:
     - the loss exists on the last stage only; it is the token-weighted mean over the dp
       replicas, and every stage reports the same number (``pipeline_mean``);
-    - the gradient norm counts each element once: a TP slice's squares are summed over tp,
-      a replicated parameter (a LayerNorm, a row-parallel bias, the embedding, the head) is
+    - the gradient norm counts each element once: a TP slice's squares are summed over tp (the
+      output layer's vocabulary rows are slices too), a replicated parameter (a LayerNorm, a
+      row-parallel bias, the embedding, the final norm) is
       counted on tp rank 0 only and on dp rank 0 only (after the dp all-reduce every replica
       holds the same gradient), and the stages' sums are added over pp;
     - every rank clips by ``min(1, max_norm / (norm + 1e-6))`` of that one norm, so the copies
@@ -66,11 +79,19 @@ THE IDEA
     micro-batch's activations until its backward (k21's peak), and each now holds one tensor
     per block.
 
-    Two pieces of Part VII are not in this trainer, and why. k34's vocabulary split of the
-    output layer needs the last stage's loss to be k34's ``vocab_parallel_cross_entropy`` of
-    its columns; k21's ``run_schedule`` computes ``transformer_loss`` of whole logits there,
-    so the split needs a schedule that takes its loss function (as torch's
-    ``ScheduleGPipe(stage, n, loss_fn=...)`` does). k31's bf16 with fp32 master weights is
+    The vocabulary split (k34) on the last stage. Its output layer holds this tp rank's rows
+    (``vocab_shard`` on the tp group: words [r V/tp, (r+1) V/tp)), so its forward gives this
+    rank's columns of the logits only, (batch, 8, 16) of 32 words; its input goes through k34's
+    f (``CopyToVocabParallelRegion``), whose backward sums over tp the hidden state's gradient
+    that each half of the vocabulary sends back. The loss is then k34's
+    ``vocab_parallel_cross_entropy`` on the tp group: k21's ``run_schedule`` takes it as its
+    ``loss_fn`` (as torch's ``ScheduleGPipe(stage, n, loss_fn=...)`` does), so no rank ever
+    gathers the logits: 3 floats a token over tp instead of V. The rows must be the ones the
+    loss takes each rank's columns for (contiguous, in the tp group's order), and the norm
+    counts them as the slices they are. At V = 32 this saves nothing; at Llama's 128 256 words
+    the logits are the largest tensor a stage holds (k34's lesson).
+
+    One piece of Part VII is not in this trainer, and why. k31's bf16 with fp32 master weights is
     held to nothing cheap here: tp's partial sums and the bf16 activations sent between the
     stages round otherwise than one process, so the run would equal one process only to
     bf16's rounding (its epsilon is 2^-8), where the weights after 3 steps tell little; and
@@ -104,9 +125,11 @@ STEPS
     2. ``build_stage(model, mesh, recompute)``: this rank's pipeline stage (k21's
        ``split_stages``) with every block split over the tp group (k28's
        ``TensorParallelBlock``), and with ``recompute`` a ``RecomputedBlock``: its forward
-       through k32's ``checkpoint``.
+       through k32's ``checkpoint``; the last stage's output layer a ``VocabParallelOutput``
+       (its vocabulary rows over tp, k34's pieces).
     3. ``forward_backward``: this dp replica's part of the global batch through the pipeline
-       (k21's ``run_schedule``, GPipe, on the pp group), the gradients averaged over dp, and
+       (k21's ``run_schedule``, GPipe, on the pp group, its loss k34's vocab-parallel
+       cross-entropy on the tp group), the gradients averaged over dp, and
        the global loss on every rank (k33's ``pipeline_mean``).
     4. ``clip_gradients``: the global gradient norm (each parameter's squares once) and every
        rank clipping by the same factor (k33's ``clip_grad_norm``). ``train_step`` (written)
@@ -118,9 +141,12 @@ WHAT THE TESTS CHECK
     ``ValueError`` naming the world size, before any group is made, for meshes that do not fit; each stage's parameters (names, tp slices, values) and its forward
     against the dense model on 4 ranks (tp 2 x pp 2), its calls on the tp group only, and the
     same stage recomputed: its names the model's, its gradients the same, each block's
-    forward once in forward and once more in backward; on 8 ranks (dp 2 x tp 2 x pp 2), every
-    block recomputed: one step's gradients and loss equal one process's on the same
-    global batch, sends on the pp group carrying a dp replica's share, the gradients' mean on
+    forward once in forward and once more in backward, the last stage's output layer holding
+    its tp rank's vocabulary rows (k34's order) and its logits the matching columns; on 8
+    ranks (dp 2 x tp 2 x pp 2), every block recomputed: one step's gradients and loss equal
+    one process's on the same global batch, the last stage's logits its vocabulary columns
+    only and never gathered, sends on the pp group carrying a dp replica's share, the
+    gradients' mean on
     the dp group, no group made while training, a batch that does not split refused before
     anything is sent; 3 clipped SGD steps: every step's loss and
     norm and the weights after them equal one process's (with ``clip_grad_norm_``), every rank
@@ -136,6 +162,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -152,6 +179,7 @@ from .k21_pipeline import Stage, gpipe_actions, run_schedule, split_stages
 from .k28_fsdp_tp import TP_PLAN, TensorParallelBlock
 from .k32_activation_checkpointing import checkpoint
 from .k33_global_numbers import Piece, clip_grad_norm, pipeline_mean
+from .k34_vocab_parallel import CopyToVocabParallelRegion, vocab_parallel_cross_entropy, vocab_shard
 
 BLOCKS = 4  # two a stage at pp = 2
 MICRO_BATCHES = 2  # per dp replica and step
@@ -270,6 +298,34 @@ def make_mesh(dp: int, tp: int, pp: int) -> Mesh3D:
 # --------------------------------------------------------------------------- step 2: the stage
 
 
+class VocabParallelOutput(nn.Module):
+    """The last stage's output layer with its rows split over the tp group by vocabulary, as
+    k34 splits it: this tp rank's rows of the weight and the bias (``weight``, ``bias``: the
+    model's names), so its forward gives this rank's columns of the logits only."""
+
+    def __init__(self, output: nn.Linear, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        # BEGIN STEP 2: the stage: pipeline blocks split over tp
+        # TODO: self.weight and self.bias, parameters holding this tp rank's rows of output's weight
+        # and bias: the rows whose logits k34's vocab_parallel_cross_entropy on the group takes for
+        # this rank's columns. The tests compare them with the dense model's rows.
+        self.weight = nn.Parameter(vocab_shard(output.weight, group))
+        self.bias = nn.Parameter(vocab_shard(output.bias, group))
+        # END STEP 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN STEP 2: the stage: pipeline blocks split over tp
+        # TODO: this rank's columns of the logits of x (the same x on every tp rank), never the
+        # whole logits; in backward, x's gradient is the sum of what every tp rank's columns send
+        # back. The tests compare the logits with the dense model's columns and the gradients with
+        # the same stage's recomputed.
+        return nn.functional.linear(
+            CopyToVocabParallelRegion.apply(x, self.group), self.weight, self.bias
+        )
+        # END STEP 2
+
+
 class RecomputedBlock(TensorParallelBlock):
     """k28's ``TensorParallelBlock`` that keeps only its input for backward: its forward runs
     again there (k32's ``checkpoint``), the tp all-reduces of that forward with it. The same
@@ -288,13 +344,15 @@ class RecomputedBlock(TensorParallelBlock):
 def build_stage(model: nn.Module, mesh: Mesh3D, recompute: bool = False) -> Stage:
     """This rank's stage of ``model`` (a TinyTransformer): k21's ``Stage`` of its pp index,
     each of its blocks a k28 ``TensorParallelBlock`` on the tp group (this tp rank's slices),
-    a ``RecomputedBlock`` when ``recompute``; the embedding, the final norm and the output
-    layer whole (replicated over tp). Parameter names are the model's
-    (``blocks.2.mlp.up.weight``)."""
+    a ``RecomputedBlock`` when ``recompute``; on the last stage the output layer a
+    ``VocabParallelOutput`` (its vocabulary rows split over tp, k34); the embedding and the
+    final norm whole (replicated over tp). Parameter names are the model's
+    (``blocks.2.mlp.up.weight``, ``output.weight``)."""
     # BEGIN STEP 2: the stage: pipeline blocks split over tp
     # TODO: this rank's pipeline stage of the model (pp_index of pp consecutive stages), whose
     # every block is split over this rank's tp group (its tp_index's slices), and recomputed in
-    # backward when recompute is true; parameter names the model's. The tests compare every
+    # backward when recompute is true, and whose output layer (the last stage's) is split over the
+    # tp group by vocabulary rows; parameter names the model's. The tests compare every
     # parameter with the dense model's slice, run each stage's forward against the dense model's on
     # 4 ranks (tp 2 x pp 2) and record its calls: all on the tp group; and run a recomputed stage's
     # forward and backward against the same stage's without recompute.
@@ -302,6 +360,8 @@ def build_stage(model: nn.Module, mesh: Mesh3D, recompute: bool = False) -> Stag
     stage = split_stages(model, mesh.pp, mesh.pp_index)
     for index, block in stage.blocks.items():
         stage.blocks[index] = split(block, mesh)
+    if stage.output is not None:  # the last stage: its logits stay split by vocabulary
+        stage.output = VocabParallelOutput(stage.output, mesh.tp_group)
     return stage
     # END STEP 2
 
@@ -325,13 +385,15 @@ def forward_backward(
     dp x micro_batches equal parts."""
     # BEGIN STEP 3: one step through the pipeline, averaged over dp, the loss everywhere
     # TODO: this dp replica's rows of the global batch (the same rows on every tp rank and stage),
-    # in micro_batches micro-batches through the pipeline on the pp group; afterwards every .grad
-    # is the mean of the dp replicas' gradients (the gradient of the whole batch's mean loss), and
-    # the return is the whole batch's mean token loss, the same float on every rank though only the
-    # last stage computes one. A ValueError when the batch does not split into dp x micro_batches
-    # equal parts. The tests run dp 2 x tp 2 x pp 2 on 8 ranks and compare the gradients and the
-    # loss with one process on the global batch, record the sends on the pp group (a replica's
-    # share of the batch), the gradients' mean on the dp group, and no group made.
+    # in micro_batches micro-batches through the pipeline on the pp group, the last stage's loss the
+    # cross-entropy of its vocabulary columns with no rank gathering the logits; afterwards every
+    # .grad is the mean of the dp replicas' gradients (the gradient of the whole batch's mean loss),
+    # and the return is the whole batch's mean token loss, the same float on every rank though only
+    # the last stage computes one. A ValueError when the batch does not split into dp x
+    # micro_batches equal parts. The tests run dp 2 x tp 2 x pp 2 on 8 ranks and compare the
+    # gradients and the loss with one process on the global batch, record the sends on the pp group
+    # (a replica's share of the batch), the logits' shape and no gather, the gradients' mean on the
+    # dp group, and no group made.
     rows = tokens.shape[0]
     if micro_batches < 1 or rows % (mesh.dp * micro_batches):
         raise ValueError(
@@ -343,7 +405,9 @@ def forward_backward(
     mine = slice(mesh.dp_index * share, (mesh.dp_index + 1) * share)
     batches = list(zip(tokens[mine].chunk(micro_batches), targets[mine].chunk(micro_batches)))
     actions = gpipe_actions(mesh.pp, micro_batches, mesh.pp_index)
-    run = run_schedule(stage, actions, batches, mesh.pp_group)
+    # the last stage holds its columns of the logits: k34's loss of them, on the tp group
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group)
+    run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
     grads = [p.grad for p in stage.parameters() if p.grad is not None]
     with torch.profiler.record_function("dp mean"):  # one call for the whole stage
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -369,16 +433,17 @@ def clip_gradients(stage: nn.Module, mesh: Mesh3D, max_norm: float = MAX_NORM) -
     clipping."""
     # BEGIN STEP 4: the global norm, one clipping factor
     # TODO: the norm of the whole model's gradient, each element counted once though tp ranks hold
-    # slices of the split linears and copies of everything else, the dp replicas hold copies and
-    # the stages hold different parameters; every gradient of the stage scaled in place by the
-    # factor of that one norm, the same on every rank; returns the norm (a float). The tests train 3
-    # steps on 8 ranks and compare every step's norm and the weights with one process's
-    # clip_grad_norm_, and the norms of all 8 ranks with each other.
+    # slices of the split linears (the output layer's vocabulary rows among them) and copies of
+    # everything else, the dp replicas hold copies and the stages hold different parameters; every
+    # gradient of the stage scaled in place by the factor of that one norm, the same on every rank;
+    # returns the norm (a float). The tests train 3 steps on 8 ranks and compare every step's norm
+    # and the weights with one process's clip_grad_norm_, and the norms of all 8 ranks with each
+    # other.
     pieces = []
     for name, parameter in stage.named_parameters():
         layer, _, kind = name.rpartition(".")
         style = next((s for planned, s in TP_PLAN.items() if layer.endswith(planned)), None)
-        sliced = style == "column" or (style == "row" and kind == "weight")
+        sliced = style == "column" or (style == "row" and kind == "weight") or layer == "output"
         pieces.append(Piece(name, parameter.grad, ("tp",) if sliced else ()))
     return clip_grad_norm(pieces, max_norm, mesh, 2.0, stages="pp").item()
     # END STEP 4
@@ -475,10 +540,11 @@ def train_rank(
 
 
 def _slice_of(name: str, whole: torch.Tensor, tp: int, tp_index: int) -> torch.Tensor:
-    """The tp rank's slice of one process's parameter ``name`` (TP_PLAN's split)."""
+    """The tp rank's slice of one process's parameter ``name`` (TP_PLAN's split; the output
+    layer's vocabulary rows)."""
     layer, _, kind = name.rpartition(".")
     style = next((s for planned, s in TP_PLAN.items() if layer.endswith(planned)), None)
-    if style == "column":
+    if style == "column" or layer == "output":
         return whole.chunk(tp, dim=0)[tp_index]
     if style == "row" and kind == "weight":
         return whole.chunk(tp, dim=1)[tp_index]

@@ -577,6 +577,57 @@ def test_against_torch_pipelining(kata, kind, p, m):
             )
 
 
+def _smoothed_loss(outputs, targets):
+    """Another micro-batch mean loss than transformer_loss: cross-entropy, labels smoothed."""
+    logits = outputs.reshape(-1, outputs.shape[-1])
+    return torch.nn.functional.cross_entropy(logits, targets.reshape(-1), label_smoothing=0.5)
+
+
+def _loss_fn_rank(rank, world_size, m):
+    kata = load_kata(KATA)
+    stage = kata.split_stages(make_transformer(0, BLOCKS), world_size, rank)
+    actions = EXPECTED["gpipe"](world_size, m, rank)
+    run = kata.run_schedule(stage, actions, _micro_batches(m), loss_fn=_smoothed_loss)
+    return getattr(run, "loss", None), {n: q.grad for n, q in stage.named_parameters()}
+
+
+def _one_process_with(loss_fn, m: int):
+    model = make_transformer(0, BLOCKS)
+    total = 0.0
+    for tokens, targets in _micro_batches(m):
+        loss = loss_fn(model(tokens), targets) / m
+        loss.backward()
+        total += loss.item()
+    return total, {n: q.grad for n, q in model.named_parameters()}
+
+
+@pytest.mark.step(3)
+def test_the_loss_fn_given_is_the_one_backpropagated(kata):
+    m = 2
+    (_, first), (loss, last) = run_world(_loss_fn_rank, 2, m, deadline=DEADLINE)
+    expected, given = _one_process_with(_smoothed_loss, m)
+    _, default = _one_process_with(transformer_loss, m)
+    where = f"run_schedule(gpipe, p=2, m={m}, loss_fn=<cross-entropy, labels smoothed>)"
+    for r, grads in enumerate((first, last)):
+        for name, grad in grads.items():
+            if grad is not None and torch.allclose(grad, given[name], **WHOLE):
+                continue
+            if grad is not None and torch.allclose(grad, default[name], **WHOLE):
+                raise AssertionError(
+                    f"{where}: stage {r}'s {name}.grad is that of transformer_loss, not of the "
+                    "loss_fn given: the last stage backpropagates loss_fn(outputs, targets) / m, "
+                    "the loss it was passed (a later kata passes one of its own)"
+                )
+            raise AssertionError(
+                f"{where}: stage {r}'s {name}.grad differs from one process backpropagating "
+                "loss_fn(outputs, targets) / m over the same micro-batches"
+            )
+    assert loss is not None and abs(loss - expected) <= 1e-5 * abs(expected), (
+        f"{where}: the last stage returned the loss {loss!r}, expected {expected:.6f}, the sum "
+        "of loss_fn(outputs, targets) / m over the micro-batches"
+    )
+
+
 # --------------------------------------------------------------------------- step 4: simulate
 
 

@@ -30,9 +30,11 @@ CAPSTONE = (2, 2, 2)  # (dp, tp, pp) on 8 ranks
 ODD = 6  # sequences: no split into dp 2 x 2 micro-batches
 # 8 ranks add the same numbers in other orders than one process: close, not bitwise.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-# Which linears of a block tensor parallelism splits (k28's plan): column-parallel keeps output
-# features (weight rows, bias entries), row-parallel input features (weight columns).
+# Which linears tensor parallelism splits: a block's (k28's plan), column-parallel keeping output
+# features (weight rows, bias entries), row-parallel input features (weight columns); and the last
+# stage's output layer, its vocabulary rows split as k34 splits them (column-parallel too).
 SPLIT = {
+    "output": "column",
     "attention.query": "column",
     "attention.key": "column",
     "attention.value": "column",
@@ -298,7 +300,8 @@ def _stages(rank, world_size):
         hidden = dense.embedding(tokens)
         for block in dense.blocks[:2]:
             hidden = block(hidden)
-        expected = hidden if mesh.pp_index == 0 else dense(tokens)
+        # the last stage: this tp rank's vocabulary columns of the logits, never all of them
+        expected = hidden if mesh.pp_index == 0 else dense(tokens).chunk(2, -1)[mesh.tp_index]
         given = tokens if mesh.pp_index == 0 else hidden
         with recording() as calls:
             try:
@@ -384,12 +387,28 @@ def test_each_stage_holds_its_blocks_tp_slices(kata):
         for name, mine in got["params"].items():
             whole = dense[name].detach()
             want_slice = _tp_slice(name, whole, 2, tp_index)
+            output = name.startswith("output.")
             if mine.shape == whole.shape and want_slice.shape != whole.shape:
                 raise AssertionError(
                     f"{who} holds the whole {name} {tuple(whole.shape)}, expected its tp slice "
-                    f"{tuple(want_slice.shape)}: every block of the stage is split over the tp "
-                    "group (k28's TensorParallelBlock)"
+                    f"{tuple(want_slice.shape)}: "
+                    + (
+                        "the last stage's output layer is split over the tp group by vocabulary "
+                        "rows (k34's vocab_shard), so that its logits stay split"
+                        if output
+                        else "every block of the stage is split over the tp group (k28's "
+                        "TensorParallelBlock)"
+                    )
                 )
+            others = (whole[tp_index::2], *whole.chunk(2, dim=0))  # dealt out, or another's
+            if output and not torch.equal(mine, want_slice):
+                if any(mine.shape == rows.shape and torch.equal(mine, rows) for rows in others):
+                    raise AssertionError(
+                        f"{who}: {name} holds rows of the model's {tuple(whole.shape)}, but not "
+                        f"tp rank {tp_index}'s: k34's vocab_parallel_cross_entropy on the tp group "
+                        "takes tp rank r's logits for words [r V/tp, (r+1) V/tp), so its output "
+                        "layer holds those rows, in that order (k34's vocab_shard on the tp group)"
+                    )
             assert mine.shape == want_slice.shape and torch.equal(mine, want_slice), (
                 f"{who}: {name} {tuple(mine.shape)} is not tp rank {tp_index}'s slice of the "
                 f"model's {tuple(whole.shape)} ({tuple(want_slice.shape)}): split it with the "
@@ -401,8 +420,19 @@ def test_each_stage_holds_its_blocks_tp_slices(kata):
 def test_each_stage_s_forward_is_the_dense_model_s(kata):
     for rank, got in enumerate(_stage_world()):
         pp_index = got["place"][0]
-        what = "the activations after block 1" if pp_index == 0 else "the logits"
+        what = (
+            "the activations after block 1"
+            if pp_index == 0
+            else f"tp rank {got['place'][2]}'s vocabulary columns of the logits"
+        )
         assert got["failure"] is None, got["failure"]
+        if pp_index == 1 and got["output"].shape != got["expected"].shape:
+            raise AssertionError(
+                f"{_where(rank, got['place'])}: the last stage's forward gave logits of shape "
+                f"{tuple(got['output'].shape)}, expected {tuple(got['expected'].shape)}, this tp "
+                "rank's vocabulary columns only: the output layer's rows are split over tp (k34) "
+                "and its logits are never gathered"
+            )
         assert got["output"].shape == got["expected"].shape and close(
             got["output"], got["expected"], **TOLERANCE
         ), (
@@ -485,6 +515,8 @@ def _one_step(rank, world_size):
     mesh = kata.make_mesh(dp, tp, pp)
     stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh, recompute=True)
     tokens, targets = _global_batch(dp, 0)
+    shapes = []  # what the stage's forward gives: on the last stage, the logits this rank holds
+    stage.register_forward_hook(lambda _, __, out: shapes.append(tuple(out.shape)))
     with recording() as calls:
         loss = kata.forward_backward(stage, tokens, targets, mesh)
     grads = {
@@ -505,6 +537,7 @@ def _one_step(rank, world_size):
         "grads": grads,
         "calls": _calls(calls, mesh),
         "refused": refused,
+        "shapes": shapes,
     }
 
 
@@ -584,6 +617,28 @@ def test_the_loss_is_the_global_batch_s_on_every_rank(kata):
         raise AssertionError(
             f"{who}: forward_backward returned the loss {value:.6f}, expected one process's "
             f"{loss:.6f} on the global batch{likely}"
+        )
+
+
+@pytest.mark.step(3)
+def test_the_last_stage_holds_its_vocabulary_columns_and_never_gathers_them(kata):
+    _, tp, pp = CAPSTONE
+    vocab = make_transformer(SEED, blocks=BLOCKS).output.out_features
+    for rank, got in enumerate(_step_world()):
+        if got["place"][0] != pp - 1:
+            continue
+        who = _where(rank, got["place"])
+        wide = [shape for shape in got["shapes"] if shape[-1] != vocab // tp]
+        assert not wide, (
+            f"{who}: the last stage's forward gave logits of shape {wide[0]}: a rank holds its "
+            f"vocabulary columns only, {vocab // tp} of the {vocab} words"
+        )
+        gathers = [c for c in got["calls"] if c["kind"] == "all-gather"]
+        assert not gathers, (
+            f"{who} gathered {gathers[0]['shapes']} on the {gathers[0]['group']} group: the loss "
+            "of split logits needs three numbers per token from each tp rank (k34's "
+            "vocab_parallel_cross_entropy on the tp group, given to run_schedule as its loss_fn), "
+            "never the logits themselves"
         )
 
 
@@ -726,6 +781,14 @@ def _miscounted_norms() -> dict[str, float]:
         for n, g in grads.items()
         if _split_dim(n) is not None
     )
+    output_first_rows = sum(
+        _tp_slice(n, g, tp, 0).double().square().sum().item()
+        for n, g in grads.items()
+        if n.startswith("output.")
+    )
+    output = sum(
+        g.double().square().sum().item() for n, g in grads.items() if n.startswith("output.")
+    )
     stage_zero = sum(
         g.double().square().sum().item() for n, g in grads.items() if n in _stage_names(pp, 0)
     )
@@ -733,6 +796,10 @@ def _miscounted_norms() -> dict[str, float]:
         "the replicated parameters (LayerNorms, the row-parallel biases, the embedding, the "
         "head) counted once per tp rank: count a copy on tp rank 0 only": math.sqrt(
             sliced + tp * copies
+        ),
+        "the output layer's vocabulary rows counted as a copy (on tp rank 0 only): they are "
+        "tp slices like a column-parallel linear's, their squares summed over tp": math.sqrt(
+            sliced - output + output_first_rows + copies
         ),
         "only tp rank 0's slices counted: the tp slices are different parts, their squares are "
         "summed over tp": math.sqrt(first_slices + copies),

@@ -161,6 +161,7 @@ def _run(
     actions,
     micro_batches,
     process_group=None,
+    loss_fn=transformer_loss,
     *,
     divide=True,
     blocking=False,
@@ -230,7 +231,7 @@ def _run(
             if zero_each:
                 stage.zero_grad()  # "a fresh gradient for each micro-batch"
             if following is None:
-                loss = transformer_loss(outputs, targets)
+                loss = loss_fn(outputs, targets)
                 if divide:
                     loss = loss / count
                 loss.backward()
@@ -246,53 +247,72 @@ def _run(
     return PipelineRun(None if total is None else total.item(), peak)
 
 
-def loss_not_divided(stage, actions, micro_batches, process_group=None):
-    return _run(stage, actions, micro_batches, process_group, divide=False)
+def loss_not_divided(stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss):
+    return _run(stage, actions, micro_batches, process_group, loss_fn, divide=False)
 
 
-def blocking_sends(stage, actions, micro_batches, process_group=None):
-    return _run(stage, actions, micro_batches, process_group, blocking=True)
+def blocking_sends(stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss):
+    return _run(stage, actions, micro_batches, process_group, loss_fn, blocking=True)
 
 
-def zeroed_between_micro_batches(stage, actions, micro_batches, process_group=None):
-    return _run(stage, actions, micro_batches, process_group, zero_each=True)
+def zeroed_between_micro_batches(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
+    return _run(stage, actions, micro_batches, process_group, loss_fn, zero_each=True)
 
 
-def received_without_requires_grad(stage, actions, micro_batches, process_group=None):
-    return _run(stage, actions, micro_batches, process_group, requires_grad=False)
+def received_without_requires_grad(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
+    return _run(stage, actions, micro_batches, process_group, loss_fn, requires_grad=False)
 
 
-def activations_never_freed(stage, actions, micro_batches, process_group=None):
-    return _run(stage, actions, micro_batches, process_group, free=False)
+def activations_never_freed(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
+    return _run(stage, actions, micro_batches, process_group, loss_fn, free=False)
 
 
-def peers_as_group_ranks(stage, actions, micro_batches, process_group=None):
-    return _run(stage, actions, micro_batches, process_group, global_peers=False)
+def peers_as_group_ranks(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
+    return _run(stage, actions, micro_batches, process_group, loss_fn, global_peers=False)
 
 
-def sends_the_shape_first(stage, actions, micro_batches, process_group=None):
+def sends_the_shape_first(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
     """A course's pipeline: every tensor preceded by a message with its shape. Right elsewhere
     (micro-batches of different shapes), but a message more per tensor, which this kata's
     stages, all knowing the shape, do without."""
-    return _run(stage, actions, micro_batches, process_group, shape_first=True)
+    return _run(stage, actions, micro_batches, process_group, loss_fn, shape_first=True)
 
 
-def returns_a_tuple(stage, actions, micro_batches, process_group=None):
-    run = _run(stage, actions, micro_batches, process_group)
+def returns_a_tuple(stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss):
+    run = _run(stage, actions, micro_batches, process_group, loss_fn)
     return run.loss, run.peak_activations  # "the loss and the peak": not the PipelineRun asked
+
+
+def ignores_the_loss_fn(stage, actions, micro_batches, process_group=None, loss_fn=None):
+    """The argument taken and forgotten: the last stage computes transformer_loss as before."""
+    return _run(stage, actions, micro_batches, process_group)
 
 
 # Right answers written another way.
 
 
-def receives_with_irecv(stage, actions, micro_batches, process_group=None):
+def receives_with_irecv(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
     """irecv and wait at once: a blocking receive written with the asynchronous call."""
-    return _run(stage, actions, micro_batches, process_group, receive_async=True)
+    return _run(stage, actions, micro_batches, process_group, loss_fn, receive_async=True)
 
 
-def messages_through_batch_isend_irecv(stage, actions, micro_batches, process_group=None):
+def messages_through_batch_isend_irecv(
+    stage, actions, micro_batches, process_group=None, loss_fn=transformer_loss
+):
     """Every send and recv posted through dist.batch_isend_irecv (as torch's schedules do)."""
-    return _run(stage, actions, micro_batches, process_group, batched=True)
+    return _run(stage, actions, micro_batches, process_group, loss_fn, batched=True)
 
 
 # --------------------------------------------------------------------------- simulate
@@ -495,6 +515,12 @@ MISTAKES = [
         replaces="run_schedule",
         fails=[f"{_GRADS}[gpipe-p2-m4]"],
         says=["run_schedule returned (", "return PipelineRun(loss, peak_activations)"],
+    ),
+    Mistake(
+        "ignores_the_loss_fn",
+        replaces="run_schedule",
+        fails=["test_the_loss_fn_given_is_the_one_backpropagated"],
+        says=["is that of transformer_loss, not of the loss_fn given"],
     ),
     Mistake(
         "returns_a_dict",

@@ -6,10 +6,12 @@ for what each list promises."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from torch import nn
 
 from dojo.dev.mistakes import Mistake, RightAnswer
 from solutions import k39_capstone as reference
@@ -21,6 +23,8 @@ Stage = reference.Stage
 TP_PLAN = reference.TP_PLAN
 TensorParallelBlock = reference.TensorParallelBlock
 RecomputedBlock = reference.RecomputedBlock
+VocabParallelOutput = reference.VocabParallelOutput
+vocab_parallel_cross_entropy = reference.vocab_parallel_cross_entropy
 checkpoint = reference.checkpoint
 clip_grad_norm = reference.clip_grad_norm
 gpipe_actions = reference.gpipe_actions
@@ -121,6 +125,13 @@ def mesh_pp_lines_first(dp, tp, pp):
 # --------------------------------------------------------------------------- step 2: the stage
 
 
+def _vocab_split(stage, mesh):
+    """The last stage's output layer split by vocabulary, as the reference splits it."""
+    if stage.output is not None:
+        stage.output = VocabParallelOutput(stage.output, mesh.tp_group)
+    return stage
+
+
 def stage_not_split(model, mesh, recompute=False):
     """k21's stage, its blocks whole on every tp rank."""
     return split_stages(model, mesh.pp, mesh.pp_index)
@@ -131,7 +142,7 @@ def stage_by_dp_index(model, mesh, recompute=False):
     stage = split_stages(model, mesh.pp, mesh.dp_index)
     for index, block in stage.blocks.items():
         stage.blocks[index] = TensorParallelBlock(block, mesh)
-    return stage
+    return _vocab_split(stage, mesh)
 
 
 def stage_split_over_the_world(model, mesh, recompute=False):
@@ -140,7 +151,7 @@ def stage_split_over_the_world(model, mesh, recompute=False):
     world = dataclasses.replace(mesh, tp_group=None)
     for index, block in stage.blocks.items():
         stage.blocks[index] = TensorParallelBlock(block, world)
-    return stage
+    return _vocab_split(stage, mesh)
 
 
 def stage_recompute_ignored(model, mesh, recompute=False):
@@ -148,7 +159,7 @@ def stage_recompute_ignored(model, mesh, recompute=False):
     stage = split_stages(model, mesh.pp, mesh.pp_index)
     for index, block in stage.blocks.items():
         stage.blocks[index] = TensorParallelBlock(block, mesh)
-    return stage
+    return _vocab_split(stage, mesh)
 
 
 def stage_checkpointed_wrapper(model, mesh, recompute=False):
@@ -157,7 +168,7 @@ def stage_checkpointed_wrapper(model, mesh, recompute=False):
     for index, block in stage.blocks.items():
         split = TensorParallelBlock(block, mesh)
         stage.blocks[index] = Checkpointed(split) if recompute else split
-    return stage
+    return _vocab_split(stage, mesh)
 
 
 class RecomputedFromADetachedInput(TensorParallelBlock):
@@ -192,8 +203,31 @@ def stage_by_hand(model, mesh, recompute=False):
         {i: split(model.blocks[i], mesh) for i in blocks},
         embedding=model.embedding if first else None,
         norm=model.norm if last else None,
-        output=model.output if last else None,
+        output=VocabParallelOutput(model.output, mesh.tp_group) if last else None,
     )
+
+
+class OutputRowsInterleaved(VocabParallelOutput):
+    """The vocabulary dealt out round the tp ranks (rank r: words r, r + tp, ...): an even split,
+    but not the contiguous rows k34's loss takes rank r's columns for."""
+
+    def __init__(self, output, group):
+        nn.Module.__init__(self)
+        self.group = group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.weight = nn.Parameter(output.weight.detach()[rank::size].clone())
+        self.bias = nn.Parameter(output.bias.detach()[rank::size].clone())
+
+
+class OutputByHand(VocabParallelOutput):
+    """Right: the rows cut with chunk (vocab_shard's rows, found another way)."""
+
+    def __init__(self, output, group):
+        nn.Module.__init__(self)
+        self.group = group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.weight = nn.Parameter(output.weight.detach().chunk(size)[rank].clone())
+        self.bias = nn.Parameter(output.bias.detach().chunk(size)[rank].clone())
 
 
 # --------------------------------------------------------------------------- step 3: one step
@@ -205,7 +239,9 @@ def _pipeline(stage, tokens, targets, mesh, micro_batches, rows=None):
     mine = slice(index * share, (index + 1) * share)
     batches = list(zip(tokens[mine].chunk(micro_batches), targets[mine].chunk(micro_batches)))
     actions = gpipe_actions(mesh.pp, micro_batches, mesh.pp_index)
-    return run_schedule(stage, actions, batches, mesh.pp_group), targets[mine].numel()
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group)
+    run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
+    return run, targets[mine].numel()
 
 
 def _check_batch(tokens, mesh, micro_batches):
@@ -250,7 +286,8 @@ def step_whole_batch_on_every_replica(stage, tokens, targets, mesh, micro_batche
     """Every replica runs the whole global batch (the mean is then the same)."""
     batches = list(zip(tokens.chunk(micro_batches), targets.chunk(micro_batches)))
     actions = gpipe_actions(mesh.pp, micro_batches, mesh.pp_index)
-    run = run_schedule(stage, actions, batches, mesh.pp_group)
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group)
+    run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
     _mean(stage, mesh.dp_group, mesh.dp)
     return _loss(run, targets.numel(), mesh)
 
@@ -320,6 +357,37 @@ def step_checked_after_the_pipeline(stage, tokens, targets, mesh, micro_batches=
     return _loss(run, count, mesh)
 
 
+class _Gathered(torch.autograd.Function):
+    """Every tp rank's columns side by side (all_gather); backward, this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        ctx.rank, ctx.size = dist.get_rank(group), len(parts)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
+
+
+def step_loss_gathers_the_logits(stage, tokens, targets, mesh, micro_batches=2):
+    """The last stage's loss of the logits gathered over tp: the right numbers, V per token."""
+    _check_batch(tokens, mesh, micro_batches)
+    share = tokens.shape[0] // mesh.dp
+    mine = slice(mesh.dp_index * share, (mesh.dp_index + 1) * share)
+    batches = list(zip(tokens[mine].chunk(micro_batches), targets[mine].chunk(micro_batches)))
+    actions = gpipe_actions(mesh.pp, micro_batches, mesh.pp_index)
+
+    def gathered(logits, targets):
+        return reference.transformer_loss(_Gathered.apply(logits, mesh.tp_group), targets)
+
+    run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=gathered)
+    _mean(stage, mesh.dp_group, mesh.dp)
+    return _loss(run, targets[mine].numel(), mesh)
+
+
 def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2):
     """Right: one all-reduce per parameter, each divided."""
     _check_batch(tokens, mesh, micro_batches)
@@ -344,10 +412,11 @@ def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2):
 # --------------------------------------------------------------------------- step 4: the norm
 
 
-def _sliced(name):
+def _sliced(name, output=True):
     layer, _, kind = name.rpartition(".")
     style = next((s for planned, s in TP_PLAN.items() if layer.endswith(planned)), None)
-    return style == "column" or (style == "row" and kind == "weight")
+    split = style == "column" or (style == "row" and kind == "weight")
+    return split or (output and layer == "output")
 
 
 def _clip(stage, mesh, max_norm, sharded, stages="pp"):
@@ -378,6 +447,12 @@ def clip_without_the_stages(stage, mesh, max_norm=0.5):
 def clip_counting_every_replica(stage, mesh, max_norm=0.5):
     """The dp replicas' (equal) gradients counted as parts: every copy once per replica."""
     return _clip(stage, mesh, max_norm, lambda n: ("dp", "tp") if _sliced(n) else ("dp",))
+
+
+def clip_output_as_a_copy(stage, mesh, max_norm=0.5):
+    """k28's plan alone read for the slices: the output layer's vocabulary rows taken for a
+    copy, so only tp rank 0's rows are counted."""
+    return _clip(stage, mesh, max_norm, lambda n: ("tp",) if _sliced(n, output=False) else ())
 
 
 def clip_norm_only(stage, mesh, max_norm=0.5):
@@ -414,6 +489,7 @@ _RECOMPUTED = "test_a_recomputed_stage_runs_each_block_again_with_the_same_gradi
 _GRADS = "test_one_step_s_gradients_equal_one_process_s"
 _LOSS = "test_the_loss_is_the_global_batch_s_on_every_rank"
 _SHARE = "test_the_pipeline_carries_a_replica_s_share_on_the_pp_group"
+_GATHER = "test_the_last_stage_holds_its_vocabulary_columns_and_never_gathers_them"
 _GROUPS = "test_gradients_are_averaged_on_the_dp_group_and_no_group_is_made"
 _BATCH = "test_a_batch_that_does_not_split_is_refused"
 _SAME = "test_every_rank_clips_by_the_same_norm"
@@ -459,6 +535,12 @@ MISTAKES = [
         replaces="build_stage",
         fails=[_SLICES],
         says=["it should not and lacks", "k21's split_stages of the pp index"],
+    ),
+    Mistake(
+        "OutputRowsInterleaved",
+        replaces="VocabParallelOutput",
+        fails=[_SLICES],
+        says=["but not tp rank 0's", "words [r V/tp, (r+1) V/tp)", "k34's vocab_shard"],
     ),
     Mistake(
         "stage_split_over_the_world",
@@ -533,6 +615,12 @@ MISTAKES = [
         says=["the sum of the 2 replicas' losses"],
     ),
     Mistake(
+        "step_loss_gathers_the_logits",
+        replaces="forward_backward",
+        fails=[_GATHER],
+        says=["gathered", "three numbers per token", "never the logits themselves"],
+    ),
+    Mistake(
         "step_whole_batch_on_every_replica",
         replaces="forward_backward",
         fails=[_SHARE],
@@ -587,6 +675,12 @@ MISTAKES = [
         says=["step 1:", "the squares summed on every dp replica"],
     ),
     Mistake(
+        "clip_output_as_a_copy",
+        replaces="clip_gradients",
+        fails=[_NORM],
+        says=["step 1:", "the output layer's vocabulary rows counted as a copy"],
+    ),
+    Mistake(
         "clip_norm_only",
         replaces="clip_gradients",
         fails=[_NORM],
@@ -598,6 +692,7 @@ RIGHT_ANSWERS = [
     RightAnswer("mesh_pp_lines_first", replaces="make_mesh"),
     RightAnswer("stage_by_hand", replaces="build_stage"),
     RightAnswer("RecomputedByTorch", replaces="RecomputedBlock"),
+    RightAnswer("OutputByHand", replaces="VocabParallelOutput"),
     RightAnswer("step_per_parameter_mean", replaces="forward_backward"),
     RightAnswer("step_loss_by_hand", replaces="forward_backward"),
     RightAnswer("clip_by_hand", replaces="clip_gradients"),
