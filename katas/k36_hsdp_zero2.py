@@ -75,7 +75,9 @@ WHAT THE TESTS CHECK
     mesh_dim_names=("replicate", "shard"))``, the whole state; ZeRO-2 on 4 ranks: 3 AdamW
     steps equal to unsharded AdamW on the mean gradient, one reduce-scatter and one all-gather
     a step and nothing else, no full gradient left, the slice's gradient and state 1/N; the
-    formula against the bytes held; and the program.
+    formula against the bytes held; on GPUs (NCCL), HSDP on a 2x2 mesh (4 GPUs) and on 1x2 and
+    2x1 (2 GPUs) against one process, ZeRO-2 on 4 and on 2 against unsharded AdamW; and the
+    program.
 
 RUN IT
     .venv/bin/python -m katas.k36_hsdp_zero2 --replicate 2 --shard 2

@@ -73,8 +73,10 @@ WHAT THE TESTS CHECK
     replica ends with the same weights, equal to a replay of the agreed quorums (no step lost,
     none counted twice), each newcomer's state taken from a member of the last quorum. ``local_sgd_step`` equals torch's ``PostLocalSGDOptimizer`` with
     ``PeriodicModelAverager`` bitwise (H = 2, H = 3 after 2 warm-up steps), makes one average
-    every H steps, and at H = 1 equals torch's DDP to 1e-6. ``diloco_outer_step`` equals the
-    outer Nesterov formula, and with outer lr 1 and no momentum equals LocalSGD. The program.
+    every H steps, and at H = 1 equals torch's DDP to 1e-6; on 2 GPUs, over NCCL, it equals
+    ``PostLocalSGDOptimizer`` bitwise too (the quorum is the store's and gloo's: it stays on the
+    CPU). ``diloco_outer_step`` equals the outer Nesterov formula, and with outer lr 1 and no
+    momentum equals LocalSGD. The program.
 
 RUN IT
     .venv/bin/python -m katas.k37_fault_tolerance                  (3 replicas, one killed)

@@ -150,7 +150,8 @@ WHAT THE TESTS CHECK
     the dp group, no group made while training, a batch that does not split refused before
     anything is sent; 3 clipped SGD steps: every step's loss and
     norm and the weights after them equal one process's (with ``clip_grad_norm_``), every rank
-    the same norm; and the program.
+    the same norm; on 8 GPUs (NCCL, a GPU per rank), one clipped step's loss, norm and weights
+    equal one process's; and the program.
 
 RUN IT
     .venv/bin/python -m katas.k39_capstone

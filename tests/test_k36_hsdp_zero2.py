@@ -13,6 +13,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec import collectives
+from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
 from dojo.spec.testing import refusal, run_module_ok, shared_run
 from dojo.todo import KataTodo
@@ -563,3 +564,156 @@ def test_program_trains_and_shows_the_bytes(kata):
         ("HSDP equals one process and ZeRO-2 unsharded AdamW", "its verdict"),
     ):
         assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+# CUDA's kernels add in other orders than the CPU's: one process on the CPU is met to rounding.
+CUDA_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+# A 2x2 mesh is HSDP whole (a row of 2 to shard over, a column of 2 to replicate down): 4 GPUs.
+# A 2-GPU machine runs the two halves: 1x2 (the reduce-scatter in a row of 2) and 2x1 (the
+# all-reduce down a column of 2).
+CUDA_MESHES = [
+    pytest.param(2, 2, id="2x2-on-4-gpus"),
+    pytest.param(1, 2, id="1x2-on-2-gpus"),
+    pytest.param(2, 1, id="2x1-on-2-gpus"),
+]
+
+
+def _hsdp_on_cuda(rank, world_size, replicate, shard):
+    device = rank_gpu()
+    kata = load_kata(KATA)
+    mesh = kata.make_mesh(replicate, shard)
+    grad = (torch.arange(2.0 * shard) + 100.0 * rank).to(device)  # 2 elements a piece
+    with recording() as reduced:
+        piece = kata.reduce_gradient(grad, mesh)
+    model = kata.HsdpTransformer(make_transformer(11).to(device), mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        tokens, targets = (t.to(device) for t in make_tokens(2 * world_size, 70 + step))
+        part = slice(2 * rank, 2 * rank + 2)  # each rank its own data
+        transformer_loss(model(tokens[part]), targets[part]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "mesh": (mesh.replicate_index, mesh.shard_index),
+        "piece": piece.detach().cpu(),
+        "reduce calls": _calls(reduced, mesh),
+        "device": str(model.embedding.shard.device),
+        "state": {n: t.cpu() for n, t in kata.full_state(model).items()},
+    }
+
+
+def _one_process(sequences: int) -> dict[str, torch.Tensor]:
+    """One process on the CPU, trained on every rank's sequences at once."""
+    model = make_transformer(11)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        tokens, targets = make_tokens(sequences, 70 + step)
+        transformer_loss(model(tokens), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.step(2)
+@pytest.mark.cuda
+@pytest.mark.parametrize("replicate,shard", CUDA_MESHES)
+def test_hsdp_on_nccl_equals_one_process(kata, replicate, shard):
+    """NCCL, a GPU per rank: the reduction's groups and values, then 2 SGD steps of
+    HsdpTransformer against one process on the CPU."""
+    world = replicate * shard
+    results = run_world(
+        _hsdp_on_cuda, world, replicate, shard, **on_cuda(world, "nccl", deadline=120)
+    )
+    alone = _one_process(2 * world)
+    expected_calls = [("reduce-scatter", "shard"), ("all-reduce", "replicate")]
+    for rank, got in enumerate(results):
+        where = f"NCCL on CUDA, rank {rank} of a {replicate} x {shard} mesh"
+        assert got["device"].startswith("cuda"), (
+            f"{where}: the shards left the GPU: {got['device']}"
+        )
+        assert got["reduce calls"] == expected_calls, (
+            f"{where}: reduce_gradient called {got['reduce calls'] or 'nothing'}, expected "
+            f"{expected_calls}"
+        )
+        _, s = got["mesh"]
+        total = sum(torch.arange(2.0 * shard) + 100.0 * peer for peer in range(world))
+        want = total[2 * s : 2 * s + 2] / world
+        assert close(got["piece"], want), (
+            f"{where}: reduce_gradient gave {got['piece'].tolist()}, expected piece {s} of the "
+            f"mean over all {world} ranks, {want.tolist()}"
+        )
+        for name, value in alone.items():
+            mine = got["state"].get(name)
+            assert close(mine, value, **CUDA_TOLERANCE), (
+                f"{where}: after {STEPS} SGD steps of HsdpTransformer {name} differs from one "
+                f"process's on the CPU: {gap(mine, value)}"
+            )
+
+
+def _zero2_on_cuda(rank, world_size):
+    import torch.distributed as dist
+
+    device = rank_gpu()
+    kata = load_kata(KATA)
+    model, plain = make_transformer(13).to(device), make_transformer(13).to(device)
+    optimizer = kata.Zero2Optimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    reference = torch.optim.AdamW(plain.parameters(), **ADAMW)
+    steps = []
+    for step in range(ZERO_STEPS):
+        tokens, targets = (t.to(device) for t in make_tokens(2, 500 + 10 * step + rank))
+        for net in (model, plain):
+            transformer_loss(net(tokens), targets).backward()
+        with recording() as calls:
+            optimizer.step()
+        steps.append(
+            {
+                "calls": [
+                    (collectives.kind(c.name), collectives.which_group(c.group, None))
+                    for c in calls
+                ],
+                "grads left": [n for n, p in model.named_parameters() if p.grad is not None],
+            }
+        )
+        for p in plain.parameters():  # unsharded AdamW on the mean gradient
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
+    return {
+        "steps": steps,
+        "device": str(optimizer.shard.device),
+        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+        "expected": {n: p.detach().cpu() for n, p in plain.named_parameters()},
+    }
+
+
+@pytest.mark.step(3)
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [pytest.param(4, id="4-gpus"), pytest.param(2, id="2-gpus")])
+def test_zero2_on_nccl_trains_like_unsharded_adamw(kata, world):
+    """NCCL, a GPU per rank: 3 AdamW steps of Zero2Optimizer against unsharded AdamW on the same
+    GPUs and the mean gradient, with one reduce-scatter and one all-gather a step."""
+    results = run_world(_zero2_on_cuda, world, **on_cuda(world, "nccl", deadline=120))
+    expected_calls = [("reduce-scatter", "the group"), ("all-gather", "the group")]
+    for rank, got in enumerate(results):
+        where = f"NCCL on CUDA, rank {rank} of {world}"
+        assert got["device"].startswith("cuda"), f"{where}: the slice left the GPU: {got['device']}"
+        for step, done in enumerate(got["steps"]):
+            assert done["calls"] == expected_calls, (
+                f"{where}: Zero2Optimizer.step() (step {step}) called {done['calls'] or 'nothing'}, "
+                f"expected {expected_calls}"
+            )
+            assert not done["grads left"], (
+                f"{where}: after step {step} the parameters {done['grads left'][:3]} still hold "
+                "their whole gradients: ZeRO-2 keeps only its slice"
+            )
+        for name, want in got["expected"].items():
+            mine = got["params"][name]
+            assert close(mine, want, **TOLERANCE), (
+                f"{where}: after {ZERO_STEPS} steps of Zero2Optimizer(AdamW) {name} differs from "
+                f"unsharded AdamW on the mean gradient: {gap(mine, want)}"
+            )

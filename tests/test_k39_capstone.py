@@ -17,6 +17,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec import collectives
+from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
 from dojo.spec.testing import run_module_ok, shared_run
 from dojo.todo import KataTodo
@@ -750,11 +751,11 @@ def _training_world():
     return run_world(_training, 8, deadline=120)
 
 
-def _alone(clip: bool = True) -> dict:
+def _alone(clip: bool = True, steps: int = STEPS) -> dict:
     model = make_transformer(SEED, blocks=BLOCKS)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         tokens, targets = _global_batch(CAPSTONE[0], step)
         loss = transformer_loss(model(tokens), targets)
         loss.backward()
@@ -903,3 +904,53 @@ def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
         f"{shown} drew no timeline in DIR (it holds {sorted(p.name for p in tmp_path.iterdir())}): "
         f"the program's ranks run through launch_world, which draws them; it printed:\n{out}"
     )
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _step_on_cuda(rank, world_size):
+    device = rank_gpu()
+    kata = load_kata(KATA)
+    dp, tp, pp = CAPSTONE
+    mesh = kata.make_mesh(dp, tp, pp)
+    model = make_transformer(SEED, blocks=BLOCKS).to(device)
+    stage = kata.build_stage(model, mesh, recompute=True)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    tokens, targets = (t.to(device) for t in _global_batch(dp, 0))
+    loss, norm = kata.train_step(stage, optimizer, tokens, targets, mesh, MAX_NORM)
+    return {
+        "place": (mesh.pp_index, mesh.dp_index, mesh.tp_index),
+        "loss": loss,
+        "norm": norm,
+        "devices": sorted({p.device.type for p in stage.parameters()}),
+        "weights": {n: p.detach().cpu() for n, p in stage.named_parameters()},
+    }
+
+
+@pytest.mark.step(4)
+@pytest.mark.cuda
+def test_one_step_on_8_gpus_equals_one_process_s(kata):
+    """The capstone on NCCL, a GPU per rank (dp 2 x tp 2 x pp 2), every block recomputed: one
+    train_step's loss, norm and weights against one process on the CPU. Its pieces move CUDA
+    tensors on NCCL: k21's sends and receives, k28's all-reduces on the tp group, k33's float64
+    all-reduces of the loss and the norm, the dp mean."""
+    results = run_world(_step_on_cuda, 8, **on_cuda(8, "nccl", deadline=180))
+    alone = _alone(steps=1)
+    tp = CAPSTONE[1]
+    for rank, got in enumerate(results):
+        who = f"NCCL on CUDA, {_where(rank, got['place'])}"
+        assert got["devices"] == ["cuda"], f"{who}: the stage's parameters are on {got['devices']}"
+        assert math.isclose(got["loss"], alone["losses"][0], rel_tol=1e-4), (
+            f"{who}: one step's loss is {got['loss']:.6f}, one process's {alone['losses'][0]:.6f}"
+        )
+        assert math.isclose(got["norm"], alone["norms"][0], rel_tol=1e-4), (
+            f"{who}: one step's gradient norm is {got['norm']:.6f}, one process's "
+            f"{alone['norms'][0]:.6f}"
+        )
+        for name, mine in got["weights"].items():
+            want = _tp_slice(name, alone["weights"][name].detach(), tp, got["place"][2])
+            assert close(mine, want, **TOLERANCE), (
+                f"{who}: {name} after one clipped SGD step differs from one process's (its tp "
+                f"slice): {gap(mine, want)}"
+            )
