@@ -43,21 +43,27 @@ def _connect(port: int):
 # --------------------------------------------------------------------------- step 1: quorum
 
 
-def _quorum_rank(rank, world_size, port, previous, delays, min_replicas):
+def _quorum_rank(rank, world_size, port, previous, delays, min_replicas, timeout):
     kata = load_kata(KATA)
     if delays[rank] is None:
         return None  # this replica is dead: it never registers
-    time.sleep(delays[rank])
     store = _connect(port)
+    if delays[rank] == LATE:  # it comes once the others have closed the quorum, however busy
+        try:
+            store.wait(["quorum/0/members"], timedelta(seconds=TIMEOUT * 4))
+        except RuntimeError:  # a quorum never written where the kata says: it comes anyway
+            pass
+    else:
+        time.sleep(delays[rank])
     began = time.time()  # the wall clock: the ranks' times are compared with each other
-    members = kata.join_quorum(store, 0, rank, previous, min_replicas=min_replicas, timeout=TIMEOUT)
+    members = kata.join_quorum(store, 0, rank, previous, min_replicas=min_replicas, timeout=timeout)
     ended = time.time()
     return {"members": members, "seconds": ended - began, "began": began, "ended": ended}
 
 
-def _quorum(previous, delays, min_replicas=1):
+def _quorum(previous, delays, min_replicas=1, timeout=TIMEOUT):
     store = loopback_store()
-    args = (store.port, list(previous), delays, min_replicas)
+    args = (store.port, list(previous), delays, min_replicas, timeout)
     return run_world(_quorum_rank, 3, *args, init_group=False, stall=None, deadline=20)
 
 
@@ -84,12 +90,16 @@ def _check_members(results, expected, where):
         )
 
 
+LATE = "late"  # a replica's delay: until the others have closed the quorum
 STAGGER = (0, 0.15, 0.3)  # seconds: the replicas of the last quorum come one after another
+# A deadline far above what a busy machine adds to a store's round trips: a quorum closed at once
+# and one closed at the deadline stay apart however late the ranks start
+PATIENT = 6.0
 
 
 @pytest.mark.step(1)
 def test_every_replica_gets_the_same_quorum(kata):
-    results = _shared_quorum((0, 1, 2), STAGGER)
+    results = _shared_quorum((0, 1, 2), STAGGER, timeout=PATIENT)
     where = "3 replicas of the last quorum, coming 0.15 s apart"
     got = {tuple(g["members"]) for g in results if isinstance(g["members"], list)}
     if len(got) == 1 and set(next(iter(got))) < {0, 1, 2}:
@@ -101,9 +111,9 @@ def test_every_replica_gets_the_same_quorum(kata):
     _check_members(results, [0, 1, 2], where)
     last = max(got["began"] for got in results)  # the last member of previous came then
     for rank, got in enumerate(results):
-        assert got["ended"] - last < TIMEOUT * 0.5, (
+        assert got["ended"] - last < PATIENT * 0.5, (
             f"{where}: replica {rank} returned {got['ended'] - last:.2f} s after the last of them "
-            f"had registered (the deadline is {TIMEOUT:g} s): when every member of the last "
+            f"had registered (the deadline is {PATIENT:g} s): when every member of the last "
             "quorum has registered, close the quorum at once"
         )
 
@@ -123,7 +133,7 @@ def test_a_replica_that_never_comes_is_left_out_after_the_deadline(kata):
 
 @pytest.mark.step(1)
 def test_a_late_replica_is_left_out_and_told(kata):
-    results = _shared_quorum((0, 1), (0, 0, TIMEOUT * 1.5))
+    results = _shared_quorum((0, 1), (0, 0, LATE))
     _check_members(results, [0, 1], "replica 2 registers after 0 and 1 closed the quorum")
 
 
