@@ -233,14 +233,20 @@ class OutputByHand(VocabParallelOutput):
 # --------------------------------------------------------------------------- step 3: one step
 
 
-def _pipeline(stage, tokens, targets, mesh, micro_batches, rows=None):
+def _pipeline(stage, tokens, targets, mesh, micro_batches, rows=None, mixed=None):
     share = tokens.shape[0] // mesh.dp
     index = mesh.dp_index if rows is None else rows
     mine = slice(index * share, (index + 1) * share)
     batches = list(zip(tokens[mine].chunk(micro_batches), targets[mine].chunk(micro_batches)))
     actions = gpipe_actions(mesh.pp, micro_batches, mesh.pp_index)
     loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group)
-    run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
+    if mixed is None:
+        run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
+    else:
+        with reference.receiving_in(mixed.compute_dtype):
+            run = run_schedule(
+                stage, actions, batches, mesh.pp_group, lambda y, t: loss_fn(y.float(), t)
+            )
     return run, targets[mine].numel()
 
 
@@ -252,7 +258,10 @@ def _check_batch(tokens, mesh, micro_batches):
         )
 
 
-def _mean(stage, group, divide):
+def _mean(stage, group, divide, mixed=None, dtype=torch.float32):
+    if mixed is not None:  # k31: the mean lands in the fp32 masters
+        mixed.reduce_gradients(dtype, group)
+        return
     for p in stage.parameters():
         dist.all_reduce(p.grad, group=group)
         p.grad /= divide
@@ -388,19 +397,19 @@ def step_loss_gathers_the_logits(stage, tokens, targets, mesh, micro_batches=2):
     return _loss(run, targets[mine].numel(), mesh)
 
 
-def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2):
+def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
     """Right: one all-reduce per parameter, each divided."""
     _check_batch(tokens, mesh, micro_batches)
-    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
-    _mean(stage, mesh.dp_group, mesh.dp)
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches, mixed=mixed)
+    _mean(stage, mesh.dp_group, mesh.dp, mixed)
     return _loss(run, count, mesh)
 
 
-def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2):
+def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
     """Right: the loss's sum and count all-reduced over dp and pp only (not tp)."""
     _check_batch(tokens, mesh, micro_batches)
-    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
-    _mean(stage, mesh.dp_group, mesh.dp)
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches, mixed=mixed)
+    _mean(stage, mesh.dp_group, mesh.dp, mixed)
     both = torch.zeros(2, dtype=torch.float64)
     if run.loss is not None:
         both[0], both[1] = run.loss * count, count
