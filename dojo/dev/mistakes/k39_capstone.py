@@ -397,6 +397,17 @@ def step_loss_gathers_the_logits(stage, tokens, targets, mesh, micro_batches=2):
     return _loss(run, targets[mine].numel(), mesh)
 
 
+def step_dp_mean_in_bf16(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
+    """bf16: the gradients' mean over dp summed in bf16 (k31's reduce_gradients told so)."""
+    _check_batch(tokens, mesh, micro_batches)
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches, mixed=mixed)
+    if mixed is None:
+        _mean(stage, mesh.dp_group, mesh.dp)
+    else:
+        _mean(stage, mesh.dp_group, mesh.dp, mixed, dtype=mixed.compute_dtype)
+    return _loss(run, count, mesh)
+
+
 def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
     """Right: one all-reduce per parameter, each divided."""
     _check_batch(tokens, mesh, micro_batches)
@@ -416,6 +427,41 @@ def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2, mixed=None)
     dist.all_reduce(both, group=mesh.dp_group)
     dist.all_reduce(both, group=mesh.pp_group)
     return (both[0] / both[1]).item()
+
+
+# --------------------------------------------------------------------------- bf16: k31's masters
+
+
+class MastersInBF16(reference.MasterWeights):
+    """bf16: the masters kept in bf16, copies of their own (the gradients rounded into them)."""
+
+    def __init__(self, model, compute_dtype=torch.bfloat16):
+        super().__init__(model, compute_dtype)
+        self.masters = [nn.Parameter(m.detach().to(compute_dtype)) for m in self.masters]
+
+    def reduce_gradients(self, reduce_dtype=torch.float32, process_group=None):
+        for master, param in zip(self.masters, self.model.parameters()):
+            mean = param.grad.float()
+            dist.all_reduce(mean, group=process_group)
+            master.grad = (mean / dist.get_world_size(process_group)).to(master.dtype)
+            param.grad = None
+
+
+class MastersAreTheBF16Copy(reference.MasterWeights):
+    """bf16: the masters handed to the optimizer are the model's own bf16 parameters."""
+
+    def __init__(self, model, compute_dtype=torch.bfloat16):
+        super().__init__(model, compute_dtype)
+        self.masters = list(model.parameters())
+
+    def reduce_gradients(self, reduce_dtype=torch.float32, process_group=None):
+        for param in self.model.parameters():
+            mean = param.grad.float()
+            dist.all_reduce(mean, group=process_group)
+            param.grad = (mean / dist.get_world_size(process_group)).to(param.dtype)
+
+    def masters_to_model(self):
+        pass  # the model was stepped itself
 
 
 # --------------------------------------------------------------------------- step 4: the norm
@@ -504,6 +550,7 @@ _BATCH = "test_a_batch_that_does_not_split_is_refused"
 _SAME = "test_every_rank_clips_by_the_same_norm"
 _NORM = "test_the_norm_equals_one_process_s"
 _TRAINED = "test_three_steps_equal_one_process_s_loss_and_weights"
+_BF16_DTYPES = "test_bf16_keeps_fp32_masters_sends_bf16_and_reduces_in_fp32"
 
 MISTAKES = [
     Mistake(
@@ -694,6 +741,24 @@ MISTAKES = [
         replaces="clip_gradients",
         fails=[_NORM],
         says=["trained WITHOUT clipping"],
+    ),
+    Mistake(
+        "step_dp_mean_in_bf16",
+        replaces="forward_backward",
+        fails=[_BF16_DTYPES],
+        says=["dp replicas was all-reduced in [['bfloat16']]", "reduce in fp32"],
+    ),
+    Mistake(
+        "MastersInBF16",
+        replaces="MasterWeights",
+        fails=[_BF16_DTYPES],
+        says=["the master weights are ['torch.bfloat16']", "keep them fp32"],
+    ),
+    Mistake(
+        "MastersAreTheBF16Copy",
+        replaces="MasterWeights",
+        fails=[_BF16_DTYPES],
+        says=["are the stage's own bf16 parameters", "the optimizer steps the bf16 copy"],
     ),
 ]
 
