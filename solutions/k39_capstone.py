@@ -168,7 +168,7 @@ WHAT THE TESTS CHECK
     momentum): the stage bf16, the masters and the momentum fp32, the pp sends bf16 (2 bytes
     a value), the dp mean fp32, and 3 steps' losses, norms and masters equal one process's in
     the same policy to bf16's rounding; on 8 GPUs (NCCL, a GPU per rank), one clipped step's loss, norm and weights
-    equal one process's; and the program.
+    equal one process's; and the program, in fp32 and in bf16.
 
 RUN IT
     .venv/bin/python -m katas.k39_capstone

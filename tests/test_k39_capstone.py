@@ -1062,6 +1062,17 @@ def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
     )
 
 
+@pytest.mark.step(4)
+def test_program_trains_in_bf16_with_fp32_masters(kata):
+    out = run_module_ok(KATA, "--steps", "1", "--precision", "bf16").stdout
+    shown = f"`python -m katas.{KATA} --steps 1 --precision bf16`"
+    for line, why in (
+        ("in bf16, fp32 masters, the dp mean in fp32", "what --precision bf16 does"),
+        ("one process's in the same policy to bf16's rounding", "its verdict, to bf16's rounding"),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
+
+
 # --------------------------------------------------------------------------- CUDA
 
 
