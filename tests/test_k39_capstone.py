@@ -26,6 +26,7 @@ from dojo.toy_models import MODEL_DIM, SEQUENCE, make_tokens, make_transformer, 
 KATA = "k39_capstone"
 
 SEED, BLOCKS, MICRO, STEPS, LR = 0, 4, 2, 3, 0.1
+MOMENTUM = 0.9  # the bf16 trainer's SGD: a state the optimizer keeps, in fp32
 MAX_NORM = 0.5  # below the tiny transformer's gradient norms (~0.9): clipping bites
 CAPSTONE = (2, 2, 2)  # (dp, tp, pp) on 8 ranks
 ODD = 6  # sequences: no split into dp 2 x 2 micro-batches
@@ -100,6 +101,7 @@ def _calls(calls, mesh) -> list[dict]:
             "bytes": c.bytes,
             # batch_isend_irecv: each op's kind, in the order of its tensors' shapes
             "parts": [part[0] for part in c.parts],
+            "dtypes": c.dtypes,
         }
         for c in calls
     ]
@@ -743,6 +745,45 @@ def _training(rank, world_size):
         "losses": losses,
         "norms": norms,
         "weights": {n: p.detach().clone() for n, p in stage.named_parameters()},
+        "bf16": _bf16_training(kata, mesh),
+    }
+
+
+def _bf16_training(kata, mesh) -> dict:
+    """The same trainer in bf16 with k31's fp32 masters, on the same ranks (a second stage):
+    3 steps of SGD with momentum (a state to hold in fp32), the first step's calls."""
+    stage = kata.build_stage(make_transformer(SEED, blocks=BLOCKS), mesh, recompute=True)
+    mixed = kata.MasterWeights(stage, torch.bfloat16)
+    optimizer = torch.optim.SGD(mixed.masters, lr=LR, momentum=MOMENTUM)
+    losses, norms, calls = [], [], []
+    for step in range(STEPS):
+        tokens, targets = _global_batch(CAPSTONE[0], step)
+        with recording() as made:
+            loss, norm = kata.train_step(
+                stage, optimizer, tokens, targets, mesh, MAX_NORM, mixed=mixed
+            )
+        calls = calls or _calls(made, mesh)
+        losses.append(loss)
+        norms.append(norm)
+    names = [n for n, _ in stage.named_parameters()]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "calls": calls,
+        "model": sorted({str(p.dtype) for p in stage.parameters()}),
+        "steps_the_model": any(
+            p is q for g in optimizer.param_groups for p in g["params"] for q in stage.parameters()
+        ),
+        "stepped": sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]}),
+        "state": sorted(
+            {
+                str(t.dtype)
+                for s in optimizer.state.values()
+                for t in s.values()
+                if torch.is_tensor(t)
+            }
+        ),
+        "weights": {n: m.detach().clone() for n, m in zip(names, mixed.masters)},
     }
 
 
@@ -887,6 +928,121 @@ def test_three_steps_equal_one_process_s_loss_and_weights(kata):
             )
 
 
+def _alone_bf16() -> dict:
+    """One process in the same policy: the model in bf16, fp32 masters (plain torch), the loss
+    of the logits in fp32, SGD with momentum on the masters; the initial and final weights."""
+    model = make_transformer(SEED, blocks=BLOCKS)
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    optimizer = torch.optim.SGD(masters, lr=LR, momentum=MOMENTUM)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = _global_batch(CAPSTONE[0], step)
+        loss = transformer_loss(model(tokens).float(), targets)
+        loss.backward()
+        for master, param in zip(masters, model.parameters()):
+            master.grad, param.grad = param.grad.float(), None
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, MAX_NORM).item())
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for master, param in zip(masters, model.parameters()):
+                param.copy_(master)
+    names = [n for n, _ in model.named_parameters()]
+    return {"losses": losses, "norms": norms, "first": first, "weights": dict(zip(names, masters))}
+
+
+# bf16 keeps 8 bits of mantissa (its epsilon 2^-8 = 0.4%): tp's partial sums, rounded to bf16
+# before they are added, and the activations sent between the stages round otherwise than one
+# process's full products, so the run is held to bf16's rounding, not to fp32's. The weights move
+# by up to ~1e-2 in 3 steps; the run stays within a fifth of that movement (measured: at most
+# 0.043), while masters kept in bf16 drop the updates below half a bf16 weight's ulp and miss by
+# 1.7 times it. A dp mean in bf16 stays within it (0.033): its dtype is what the spec holds.
+BF16_LOSS = 4e-3  # relative: bf16's epsilon
+BF16_NORM = 2e-2  # relative: a sum of squares of bf16 gradients (measured: 0.7%)
+BF16_DRIFT = 0.2  # the weights' largest gap over their largest movement in 3 steps
+
+
+@pytest.mark.step(4)
+def test_bf16_keeps_fp32_masters_sends_bf16_and_reduces_in_fp32(kata):
+    dp = CAPSTONE[0]
+    for rank, got in enumerate(_training_world()):
+        who = f"{_where(rank, got['place'])}, in bf16 with k31's MasterWeights"
+        run = got["bf16"]
+        assert run["model"] == ["torch.bfloat16"], (
+            f"{who}: the stage's parameters are {run['model']}: k31's MasterWeights casts the "
+            "stage to bf16, its forward and backward compute in bf16"
+        )
+        assert not run["steps_the_model"], (
+            f"{who}: MasterWeights.masters, which the optimizer steps, are the stage's own bf16 "
+            "parameters: the optimizer steps the bf16 copy and its updates (lr x g ~1e-3) round "
+            "away below half a bf16 weight's ulp; keep fp32 copies of their own as the masters"
+        )
+        masters = sorted({str(m.dtype) for m in run["weights"].values()})
+        assert masters == ["torch.float32"], (
+            f"{who}: the master weights are {masters}: keep them fp32 (an SGD update, lr x g "
+            "~1e-3, is below half the ulp of a bf16 weight near 1, and rounds away)"
+        )
+        assert run["stepped"] == ["torch.float32"] and run["state"] == ["torch.float32"], (
+            f"{who}: the optimizer steps {run['stepped']} parameters and keeps its momentum in "
+            f"{run['state']}: it must step the fp32 masters (MasterWeights.masters), never the "
+            "bf16 copy the model computes with, and keep its state fp32"
+        )
+        sends = [c for c in run["calls"] if c["kind"] in ("isend", "send")]
+        assert sends and all(c["dtypes"] == ["bfloat16"] for c in sends), (
+            f"{who}: the pipeline sent {[c['dtypes'] for c in sends]}: a bf16 stage sends its "
+            "bf16 activations (and their gradients back), half the bytes of fp32"
+        )
+        for c in sends:
+            count = math.prod(c["shapes"][0])
+            assert c["bytes"] == 2 * count, (
+                f"{who}: a send of {count} values carried {c['bytes']} bytes: bf16 is 2 bytes a "
+                f"value (fp32's {4 * count} halved)"
+            )
+        means = [  # not k33's loss (2 numbers) and norm (1), in float64
+            c for c in run["calls"] if c["group"] == "dp" and math.prod(c["shapes"][0]) > 2
+        ]
+        assert means and all(c["dtypes"] == ["float32"] for c in means), (
+            f"{who}: the gradients' mean over the {dp} dp replicas was all-reduced in "
+            f"{[c['dtypes'] for c in means]}: reduce in fp32 (k31's reduce_gradients(torch."
+            "float32, the dp group)); bf16 rounds every partial sum to 8 bits"
+        )
+
+
+@pytest.mark.step(4)
+def test_bf16_three_steps_equal_one_process_in_the_same_policy(kata):
+    alone = _alone_bf16()
+    tp = CAPSTONE[1]
+    for rank, got in enumerate(_training_world()):
+        who = f"{_where(rank, got['place'])}, in bf16"
+        run = got["bf16"]
+        for step, (mine, want) in enumerate(zip(run["losses"], alone["losses"])):
+            assert math.isclose(mine, want, rel_tol=BF16_LOSS), (
+                f"{who}: step {step + 1}'s loss is {mine:.6f}, one process's in the same policy "
+                f"{want:.6f}: more apart than bf16's rounding ({BF16_LOSS:.0e})"
+            )
+        for step, (mine, want) in enumerate(zip(run["norms"], alone["norms"])):
+            assert math.isclose(mine, want, rel_tol=BF16_NORM), (
+                f"{who}: step {step + 1}'s gradient norm is {mine:.6f}, one process's "
+                f"{want:.6f}: measure and clip the fp32 masters' gradients (the dp mean)"
+            )
+        drift = moved = 0.0
+        for name, mine in run["weights"].items():
+            want = _tp_slice(name, alone["weights"][name].detach(), tp, got["place"][2])
+            first = _tp_slice(name, alone["first"][name], tp, got["place"][2])
+            assert mine.shape == want.shape, f"{who}: {name} is {gap(mine, want)}"
+            drift = max(drift, (mine.double() - want.double()).abs().max().item())
+            moved = max(moved, (want.double() - first.double()).abs().max().item())
+        assert drift <= BF16_DRIFT * moved, (
+            f"{who}: after {STEPS} steps the masters differ from one process's in the same "
+            f"policy by up to {drift:.3g}, while its weights moved by up to {moved:.3g}: bf16's "
+            f"rounding keeps them within {BF16_DRIFT} of that; updates lost (masters in bf16) or "
+            "not taken miss by the movement itself"
+        )
+
+
 @pytest.mark.step(4)
 def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
     out = run_module_ok(KATA, "--steps", "1", "--recompute", "--trace", str(tmp_path)).stdout
@@ -904,6 +1060,17 @@ def test_program_trains_on_8_ranks_and_draws_its_timeline(kata, tmp_path):
         f"{shown} drew no timeline in DIR (it holds {sorted(p.name for p in tmp_path.iterdir())}): "
         f"the program's ranks run through launch_world, which draws them; it printed:\n{out}"
     )
+
+
+@pytest.mark.step(4)
+def test_program_trains_in_bf16_with_fp32_masters(kata):
+    out = run_module_ok(KATA, "--steps", "1", "--precision", "bf16").stdout
+    shown = f"`python -m katas.{KATA} --steps 1 --precision bf16`"
+    for line, why in (
+        ("in bf16, fp32 masters, the dp mean in fp32", "what --precision bf16 does"),
+        ("one process's in the same policy to bf16's rounding", "its verdict, to bf16's rounding"),
+    ):
+        assert line in out, f"{shown} should print {line!r} ({why}); it printed:\n{out}"
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -233,14 +233,20 @@ class OutputByHand(VocabParallelOutput):
 # --------------------------------------------------------------------------- step 3: one step
 
 
-def _pipeline(stage, tokens, targets, mesh, micro_batches, rows=None):
+def _pipeline(stage, tokens, targets, mesh, micro_batches, rows=None, mixed=None):
     share = tokens.shape[0] // mesh.dp
     index = mesh.dp_index if rows is None else rows
     mine = slice(index * share, (index + 1) * share)
     batches = list(zip(tokens[mine].chunk(micro_batches), targets[mine].chunk(micro_batches)))
     actions = gpipe_actions(mesh.pp, micro_batches, mesh.pp_index)
     loss_fn = functools.partial(vocab_parallel_cross_entropy, group=mesh.tp_group)
-    run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
+    if mixed is None:
+        run = run_schedule(stage, actions, batches, mesh.pp_group, loss_fn=loss_fn)
+    else:
+        with reference.receiving_in(mixed.compute_dtype):
+            run = run_schedule(
+                stage, actions, batches, mesh.pp_group, lambda y, t: loss_fn(y.float(), t)
+            )
     return run, targets[mine].numel()
 
 
@@ -252,7 +258,10 @@ def _check_batch(tokens, mesh, micro_batches):
         )
 
 
-def _mean(stage, group, divide):
+def _mean(stage, group, divide, mixed=None, dtype=torch.float32):
+    if mixed is not None:  # k31: the mean lands in the fp32 masters
+        mixed.reduce_gradients(dtype, group)
+        return
     for p in stage.parameters():
         dist.all_reduce(p.grad, group=group)
         p.grad /= divide
@@ -388,25 +397,71 @@ def step_loss_gathers_the_logits(stage, tokens, targets, mesh, micro_batches=2):
     return _loss(run, targets[mine].numel(), mesh)
 
 
-def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2):
-    """Right: one all-reduce per parameter, each divided."""
+def step_dp_mean_in_bf16(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
+    """bf16: the gradients' mean over dp summed in bf16 (k31's reduce_gradients told so)."""
     _check_batch(tokens, mesh, micro_batches)
-    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
-    _mean(stage, mesh.dp_group, mesh.dp)
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches, mixed=mixed)
+    if mixed is None:
+        _mean(stage, mesh.dp_group, mesh.dp)
+    else:
+        _mean(stage, mesh.dp_group, mesh.dp, mixed, dtype=mixed.compute_dtype)
     return _loss(run, count, mesh)
 
 
-def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2):
+def step_per_parameter_mean(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
+    """Right: one all-reduce per parameter, each divided."""
+    _check_batch(tokens, mesh, micro_batches)
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches, mixed=mixed)
+    _mean(stage, mesh.dp_group, mesh.dp, mixed)
+    return _loss(run, count, mesh)
+
+
+def step_loss_by_hand(stage, tokens, targets, mesh, micro_batches=2, mixed=None):
     """Right: the loss's sum and count all-reduced over dp and pp only (not tp)."""
     _check_batch(tokens, mesh, micro_batches)
-    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches)
-    _mean(stage, mesh.dp_group, mesh.dp)
+    run, count = _pipeline(stage, tokens, targets, mesh, micro_batches, mixed=mixed)
+    _mean(stage, mesh.dp_group, mesh.dp, mixed)
     both = torch.zeros(2, dtype=torch.float64)
     if run.loss is not None:
         both[0], both[1] = run.loss * count, count
     dist.all_reduce(both, group=mesh.dp_group)
     dist.all_reduce(both, group=mesh.pp_group)
     return (both[0] / both[1]).item()
+
+
+# --------------------------------------------------------------------------- bf16: k31's masters
+
+
+class MastersInBF16(reference.MasterWeights):
+    """bf16: the masters kept in bf16, copies of their own (the gradients rounded into them)."""
+
+    def __init__(self, model, compute_dtype=torch.bfloat16):
+        super().__init__(model, compute_dtype)
+        self.masters = [nn.Parameter(m.detach().to(compute_dtype)) for m in self.masters]
+
+    def reduce_gradients(self, reduce_dtype=torch.float32, process_group=None):
+        for master, param in zip(self.masters, self.model.parameters()):
+            mean = param.grad.float()
+            dist.all_reduce(mean, group=process_group)
+            master.grad = (mean / dist.get_world_size(process_group)).to(master.dtype)
+            param.grad = None
+
+
+class MastersAreTheBF16Copy(reference.MasterWeights):
+    """bf16: the masters handed to the optimizer are the model's own bf16 parameters."""
+
+    def __init__(self, model, compute_dtype=torch.bfloat16):
+        super().__init__(model, compute_dtype)
+        self.masters = list(model.parameters())
+
+    def reduce_gradients(self, reduce_dtype=torch.float32, process_group=None):
+        for param in self.model.parameters():
+            mean = param.grad.float()
+            dist.all_reduce(mean, group=process_group)
+            param.grad = (mean / dist.get_world_size(process_group)).to(param.dtype)
+
+    def masters_to_model(self):
+        pass  # the model was stepped itself
 
 
 # --------------------------------------------------------------------------- step 4: the norm
@@ -495,6 +550,7 @@ _BATCH = "test_a_batch_that_does_not_split_is_refused"
 _SAME = "test_every_rank_clips_by_the_same_norm"
 _NORM = "test_the_norm_equals_one_process_s"
 _TRAINED = "test_three_steps_equal_one_process_s_loss_and_weights"
+_BF16_DTYPES = "test_bf16_keeps_fp32_masters_sends_bf16_and_reduces_in_fp32"
 
 MISTAKES = [
     Mistake(
@@ -685,6 +741,24 @@ MISTAKES = [
         replaces="clip_gradients",
         fails=[_NORM],
         says=["trained WITHOUT clipping"],
+    ),
+    Mistake(
+        "step_dp_mean_in_bf16",
+        replaces="forward_backward",
+        fails=[_BF16_DTYPES],
+        says=["dp replicas was all-reduced in [['bfloat16']]", "reduce in fp32"],
+    ),
+    Mistake(
+        "MastersInBF16",
+        replaces="MasterWeights",
+        fails=[_BF16_DTYPES],
+        says=["the master weights are ['torch.bfloat16']", "keep them fp32"],
+    ),
+    Mistake(
+        "MastersAreTheBF16Copy",
+        replaces="MasterWeights",
+        fails=[_BF16_DTYPES],
+        says=["are the stage's own bf16 parameters", "the optimizer steps the bf16 copy"],
     ),
 ]
 
