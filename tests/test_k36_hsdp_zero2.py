@@ -180,6 +180,21 @@ def test_reduce_gradient_reduces_in_the_row_first(kata, replicate, shard):
         )
 
 
+def _train(model, rank: int | None = None, device="cpu", sequences: int = 8):
+    """``model`` after STEPS SGD steps on ``sequences`` sequences a step: all of them, or rank
+    ``rank``'s 2 (each rank its own data, all different)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        tokens, targets = (t.to(device) for t in make_tokens(sequences, 70 + step))
+        if rank is not None:
+            part = slice(2 * rank, 2 * rank + 2)
+            tokens, targets = tokens[part], targets[part]
+        transformer_loss(model(tokens), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
 def _torch_hsdp(dense, device_mesh):
     from torch.distributed.fsdp import fully_shard
 
@@ -203,27 +218,13 @@ def _training(rank, world_size):
         mesh = kata.make_mesh(replicate, shard)
         dense = make_transformer(11)
         model = kata.HsdpTransformer(dense, mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         alone = copy.deepcopy(dense)
-        alone_optimizer = torch.optim.SGD(alone.parameters(), lr=LR)
-        theirs = their_optimizer = None
+        theirs = None
         if (replicate, shard) == (2, 2):
             device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-            theirs = _torch_hsdp(dense, device_mesh)
-            their_optimizer = torch.optim.SGD(theirs.parameters(), lr=LR)
-        for step in range(STEPS):
-            tokens, targets = make_tokens(8, 70 + step)
-            part = slice(2 * rank, 2 * rank + 2)  # each rank its own data, all 4 different
-            transformer_loss(model(tokens[part]), targets[part]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            transformer_loss(alone(tokens), targets).backward()
-            alone_optimizer.step()
-            alone_optimizer.zero_grad()
-            if theirs is not None:
-                transformer_loss(theirs(tokens[part]), targets[part]).backward()
-                their_optimizer.step()
-                their_optimizer.zero_grad()
+            theirs = _train(_torch_hsdp(dense, device_mesh), rank)
+        _train(model, rank)
+        _train(alone)
         # torch's whole state first, then the kata's gathers
         their_state = None
         if theirs is not None:
@@ -465,13 +466,7 @@ def _hsdp_on_cuda(rank, world_size, replicate, shard):
     with recording() as reduced:
         piece = kata.reduce_gradient(grad, mesh)
     model = kata.HsdpTransformer(make_transformer(11).to(device), mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        tokens, targets = (t.to(device) for t in make_tokens(2 * world_size, 70 + step))
-        part = slice(2 * rank, 2 * rank + 2)  # each rank its own data
-        transformer_loss(model(tokens[part]), targets[part]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train(model, rank, device, sequences=2 * world_size)
     return {
         "mesh": (mesh.replicate_index, mesh.shard_index),
         "piece": piece.detach().cpu(),
@@ -483,13 +478,7 @@ def _hsdp_on_cuda(rank, world_size, replicate, shard):
 
 def _one_process(sequences: int) -> dict[str, torch.Tensor]:
     """One process on the CPU, trained on every rank's sequences at once."""
-    model = make_transformer(11)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        tokens, targets = make_tokens(sequences, 70 + step)
-        transformer_loss(model(tokens), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    model = _train(make_transformer(11), sequences=sequences)
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
