@@ -322,11 +322,18 @@ class GatherFromColumn(torch.autograd.Function):
         raise KataTodo("k28", 3, "FSDP down the column")
 
 
-class ShardedUnit(nn.Module):
-    """One FSDP unit down the column: ``module``'s (already tensor-parallel) parameters flattened
-    end to end and sharded over the column; forward gathers them and runs ``module`` on them."""
+class FlatUnit(nn.Module):
+    """One unit: ``module``'s parameters flattened end to end, this rank's piece of them kept
+    (``shard``, a Parameter); forward gathers them and runs ``module`` on them. A subclass says
+    which piece (``piece``) and how it is gathered (``gather``, an autograd Function of the
+    shard and the mesh). k36's HSDP units are the same, cut another way."""
 
-    def __init__(self, module: nn.Module, mesh: Mesh):
+    gather: type[torch.autograd.Function]
+
+    def piece(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a FlatUnit's subclass says which piece of flat this rank keeps")
+
+    def __init__(self, module: nn.Module, mesh):
         super().__init__()
         self.mesh = mesh
         self.names = [name for name, _ in module.named_parameters()]
@@ -334,7 +341,7 @@ class ShardedUnit(nn.Module):
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for _, p in module.named_parameters()])
         self.numel = flat.numel()
-        self.shard = nn.Parameter(shard_of(flat, mesh))
+        self.shard = nn.Parameter(self.piece(flat))
         for p in module.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # the shard holds them now
             p.requires_grad_(False)
@@ -350,8 +357,18 @@ class ShardedUnit(nn.Module):
         return out
 
     def forward(self, *args):
-        full = GatherFromColumn.apply(self.shard, self.mesh)
+        full = self.gather.apply(self.shard, self.mesh)
         return torch.func.functional_call(self.module, self.unit_parameters(full), args)
+
+
+class ShardedUnit(FlatUnit):
+    """One FSDP unit down the column: ``module``'s (already tensor-parallel) parameters, sharded
+    over the column (``shard_of``) and gathered from it."""
+
+    gather = GatherFromColumn
+
+    def piece(self, flat: torch.Tensor) -> torch.Tensor:
+        return shard_of(flat, self.mesh)
 
 
 class FsdpTpTransformer(nn.Module):
