@@ -371,25 +371,39 @@ class ShardedUnit(FlatUnit):
         return shard_of(flat, self.mesh)
 
 
-class FsdpTpTransformer(nn.Module):
-    """A TinyTransformer on a 2-D mesh: each block tensor-parallel over the row, then every unit
-    (the embedding, each block, the final norm with the output layer) sharded down the column."""
+class UnitTransformer(nn.Module):
+    """A TinyTransformer (copied) cut in units of the subclass's kind (``unit``, a FlatUnit): the
+    embedding, each block (as ``block`` makes it), the final norm with the output layer. k36's
+    HsdpTransformer is one too."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh):
+    unit: type[FlatUnit]
+
+    def block(self, block: nn.Module, mesh) -> nn.Module:
+        return block
+
+    def __init__(self, model: nn.Module, mesh):
         super().__init__()
         model = copy.deepcopy(model)
         self.mesh = mesh
-        self.embedding = ShardedUnit(model.embedding, mesh)
-        self.blocks = nn.ModuleList(
-            ShardedUnit(TensorParallelBlock(block, mesh), mesh) for block in model.blocks
-        )
-        self.head = ShardedUnit(nn.Sequential(model.norm, model.output), mesh)
+        self.embedding = self.unit(model.embedding, mesh)
+        self.blocks = nn.ModuleList(self.unit(self.block(b, mesh), mesh) for b in model.blocks)
+        self.head = self.unit(nn.Sequential(model.norm, model.output), mesh)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class FsdpTpTransformer(UnitTransformer):
+    """A TinyTransformer on a 2-D mesh: each block tensor-parallel over the row, then every unit
+    (the embedding, each block, the final norm with the output layer) sharded down the column."""
+
+    unit = ShardedUnit
+
+    def block(self, block: nn.Module, mesh: Mesh) -> nn.Module:
+        return TensorParallelBlock(block, mesh)
 
 
 # --------------------------------------------------------------------------- step 4: training

@@ -99,7 +99,7 @@ from dojo.launch import add_launch_arguments, launch_world
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
-from .k28_fsdp_tp import FlatUnit, all_gather_flat, reduce_scatter_flat
+from .k28_fsdp_tp import FlatUnit, UnitTransformer, all_gather_flat, reduce_scatter_flat
 
 # --------------------------------------------------------------------------- written for you
 
@@ -209,23 +209,12 @@ class HsdpUnit(FlatUnit):
         return piece_of(flat, self.mesh.shard_index, self.mesh.shard)
 
 
-class HsdpTransformer(nn.Module):
-    """A TinyTransformer under HSDP: the embedding, each block, and the final norm with the
-    output layer, each a unit (fully_shard's units: a block each, the model the rest)."""
+class HsdpTransformer(UnitTransformer):
+    """A TinyTransformer under HSDP (k28's UnitTransformer): the embedding, each block, and the
+    final norm with the output layer, each a unit (fully_shard's units: a block each, the model
+    the rest)."""
 
-    def __init__(self, model: nn.Module, mesh: HsdpMesh):
-        super().__init__()
-        model = copy.deepcopy(model)
-        self.mesh = mesh
-        self.embedding = HsdpUnit(model.embedding, mesh)
-        self.blocks = nn.ModuleList(HsdpUnit(block, mesh) for block in model.blocks)
-        self.head = HsdpUnit(nn.Sequential(model.norm, model.output), mesh)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+    unit = HsdpUnit
 
     def units(self) -> list[tuple[str, HsdpUnit]]:
         """(the dense model's name prefix, the unit), embedding first."""
