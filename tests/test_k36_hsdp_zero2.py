@@ -276,23 +276,25 @@ def test_against_torchs_fully_shard_on_a_replicate_shard_mesh(kata):
 # --------------------------------------------------------------------------- step 3: ZeRO-2
 
 
-def _zero2(rank, world_size):
+def _zero2_steps(rank, world_size, device="cpu"):
+    """ZERO_STEPS AdamW steps of the kata's Zero2Optimizer beside unsharded AdamW on the mean
+    gradient (each rank its own data): the model, the optimizer and what each step did."""
     import torch.distributed as dist
 
     kata = load_kata(KATA)
-    model, plain = make_transformer(13), make_transformer(13)
+    model, plain = make_transformer(13).to(device), make_transformer(13).to(device)
     optimizer = kata.Zero2Optimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
     reference = torch.optim.AdamW(plain.parameters(), **ADAMW)
     steps = []
     for step in range(ZERO_STEPS):
-        tokens, targets = make_tokens(2, 500 + 10 * step + rank)
+        tokens, targets = (t.to(device) for t in make_tokens(2, 500 + 10 * step + rank))
         for net in (model, plain):
             transformer_loss(net(tokens), targets).backward()
         with recording() as calls:
             optimizer.step()
         grads_left = [n for n, p in model.named_parameters() if p.grad is not None]
         shard_grad = optimizer.shard.grad
-        for p in plain.parameters():
+        for p in plain.parameters():  # unsharded AdamW on the mean gradient
             dist.all_reduce(p.grad)
             p.grad /= world_size
         reference.step()
@@ -305,11 +307,16 @@ def _zero2(rank, world_size):
                 ],
                 "grads left": grads_left,
                 "shard grad": None if shard_grad is None else tuple(shard_grad.shape),
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "expected": {n: p.detach().clone() for n, p in plain.named_parameters()},
+                "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+                "expected": {n: p.detach().cpu().clone() for n, p in plain.named_parameters()},
             }
         )
         optimizer.zero_grad()
+    return model, optimizer, steps
+
+
+def _zero2(rank, world_size):
+    model, optimizer, steps = _zero2_steps(rank, world_size)
     for p in model.parameters():  # one more backward: held_bytes after a step, as training does
         p.grad = None
     tokens, targets = make_tokens(2, 900 + rank)
@@ -519,40 +526,12 @@ def test_hsdp_on_nccl_equals_one_process(kata, replicate, shard):
 
 
 def _zero2_on_cuda(rank, world_size):
-    import torch.distributed as dist
-
-    device = rank_gpu()
-    kata = load_kata(KATA)
-    model, plain = make_transformer(13).to(device), make_transformer(13).to(device)
-    optimizer = kata.Zero2Optimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
-    reference = torch.optim.AdamW(plain.parameters(), **ADAMW)
-    steps = []
-    for step in range(ZERO_STEPS):
-        tokens, targets = (t.to(device) for t in make_tokens(2, 500 + 10 * step + rank))
-        for net in (model, plain):
-            transformer_loss(net(tokens), targets).backward()
-        with recording() as calls:
-            optimizer.step()
-        steps.append(
-            {
-                "calls": [
-                    (collectives.kind(c.name), collectives.which_group(c.group, None))
-                    for c in calls
-                ],
-                "grads left": [n for n, p in model.named_parameters() if p.grad is not None],
-            }
-        )
-        for p in plain.parameters():  # unsharded AdamW on the mean gradient
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
-        reference.step()
-        reference.zero_grad(set_to_none=True)
-        optimizer.zero_grad()
+    _, optimizer, steps = _zero2_steps(rank, world_size, rank_gpu())
     return {
         "steps": steps,
         "device": str(optimizer.shard.device),
-        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
-        "expected": {n: p.detach().cpu() for n, p in plain.named_parameters()},
+        "params": steps[-1]["params"],
+        "expected": steps[-1]["expected"],
     }
 
 
