@@ -40,6 +40,7 @@ kata's own program)
     checkpoints what k15 and k16 hold a training's written and loaded state to, in their words
     collectives process groups and the collectives recorded on them, in the specs' words
     cuda       worlds on CUDA for the GPU tests: run_world's options, a rank's GPU
+    meshes     what k28's and k36's specs share: a 2-D mesh's groups, refusals, calls' groups
     pipelines  what k21's and k27's specs share: micro-batches, a stage's place, a stuck schedule
     wrappers   what k12's and k13's specs ask of any hand-made DDP wrapper
     traces     a rank's own trace of its calls, written as it goes and read back by the test

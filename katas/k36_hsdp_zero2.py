@@ -99,7 +99,7 @@ from dojo.launch import add_launch_arguments, launch_world
 from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
-from .k28_fsdp_tp import all_gather_flat, reduce_scatter_flat
+from .k28_fsdp_tp import FlatUnit, UnitTransformer, all_gather_flat, reduce_scatter_flat
 
 # --------------------------------------------------------------------------- written for you
 
@@ -198,54 +198,23 @@ class GatherShard(torch.autograd.Function):
         return reduce_gradient(grad.contiguous(), ctx.mesh), None
 
 
-class HsdpUnit(nn.Module):
-    """One HSDP unit: ``module``'s parameters flattened end to end, this rank's piece of them
-    kept (``shard``, a Parameter); forward gathers them in the row and runs ``module``."""
+class HsdpUnit(FlatUnit):
+    """One HSDP unit (k28's FlatUnit): ``module``'s parameters flattened end to end, this rank's
+    piece of them kept (``shard``, a Parameter); forward gathers them in the row and runs
+    ``module``."""
 
-    def __init__(self, module: nn.Module, mesh: HsdpMesh):
-        super().__init__()
-        self.mesh = mesh
-        self.names = [name for name, _ in module.named_parameters()]
-        self.shapes = [p.shape for _, p in module.named_parameters()]
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-        self.numel = flat.numel()
-        self.shard = nn.Parameter(piece_of(flat, mesh.shard_index, mesh.shard))
-        for p in module.parameters():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # the shard holds them now
-            p.requires_grad_(False)
-        object.__setattr__(self, "module", module)  # not a submodule: its weights are the shard's
+    gather = GatherShard
 
-    def unit_parameters(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The module's parameters as views of the unit's whole flat vector."""
-        out, start = {}, 0
-        for name, shape in zip(self.names, self.shapes):
-            out[name] = full[start : start + shape.numel()].view(shape)
-            start += shape.numel()
-        return out
-
-    def forward(self, *args):
-        full = GatherShard.apply(self.shard, self.mesh)
-        return torch.func.functional_call(self.module, self.unit_parameters(full), args)
+    def piece(self, flat: torch.Tensor) -> torch.Tensor:
+        return piece_of(flat, self.mesh.shard_index, self.mesh.shard)
 
 
-class HsdpTransformer(nn.Module):
-    """A TinyTransformer under HSDP: the embedding, each block, and the final norm with the
-    output layer, each a unit (fully_shard's units: a block each, the model the rest)."""
+class HsdpTransformer(UnitTransformer):
+    """A TinyTransformer under HSDP (k28's UnitTransformer): the embedding, each block, and the
+    final norm with the output layer, each a unit (fully_shard's units: a block each, the model
+    the rest)."""
 
-    def __init__(self, model: nn.Module, mesh: HsdpMesh):
-        super().__init__()
-        model = copy.deepcopy(model)
-        self.mesh = mesh
-        self.embedding = HsdpUnit(model.embedding, mesh)
-        self.blocks = nn.ModuleList(HsdpUnit(block, mesh) for block in model.blocks)
-        self.head = HsdpUnit(nn.Sequential(model.norm, model.output), mesh)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+    unit = HsdpUnit
 
     def units(self) -> list[tuple[str, HsdpUnit]]:
         """(the dense model's name prefix, the unit), embedding first."""

@@ -393,11 +393,18 @@ class GatherFromColumn(torch.autograd.Function):
         # END STEP 3
 
 
-class ShardedUnit(nn.Module):
-    """One FSDP unit down the column: ``module``'s (already tensor-parallel) parameters flattened
-    end to end and sharded over the column; forward gathers them and runs ``module`` on them."""
+class FlatUnit(nn.Module):
+    """One unit: ``module``'s parameters flattened end to end, this rank's piece of them kept
+    (``shard``, a Parameter); forward gathers them and runs ``module`` on them. A subclass says
+    which piece (``piece``) and how it is gathered (``gather``, an autograd Function of the
+    shard and the mesh). k36's HSDP units are the same, cut another way."""
 
-    def __init__(self, module: nn.Module, mesh: Mesh):
+    gather: type[torch.autograd.Function]
+
+    def piece(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a FlatUnit's subclass says which piece of flat this rank keeps")
+
+    def __init__(self, module: nn.Module, mesh):
         super().__init__()
         self.mesh = mesh
         self.names = [name for name, _ in module.named_parameters()]
@@ -405,7 +412,7 @@ class ShardedUnit(nn.Module):
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for _, p in module.named_parameters()])
         self.numel = flat.numel()
-        self.shard = nn.Parameter(shard_of(flat, mesh))
+        self.shard = nn.Parameter(self.piece(flat))
         for p in module.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # the shard holds them now
             p.requires_grad_(False)
@@ -421,29 +428,53 @@ class ShardedUnit(nn.Module):
         return out
 
     def forward(self, *args):
-        full = GatherFromColumn.apply(self.shard, self.mesh)
+        full = self.gather.apply(self.shard, self.mesh)
         return torch.func.functional_call(self.module, self.unit_parameters(full), args)
 
 
-class FsdpTpTransformer(nn.Module):
-    """A TinyTransformer on a 2-D mesh: each block tensor-parallel over the row, then every unit
-    (the embedding, each block, the final norm with the output layer) sharded down the column."""
+class ShardedUnit(FlatUnit):
+    """One FSDP unit down the column: ``module``'s (already tensor-parallel) parameters, sharded
+    over the column (``shard_of``) and gathered from it."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh):
+    gather = GatherFromColumn
+
+    def piece(self, flat: torch.Tensor) -> torch.Tensor:
+        return shard_of(flat, self.mesh)
+
+
+class UnitTransformer(nn.Module):
+    """A TinyTransformer (copied) cut in units of the subclass's kind (``unit``, a FlatUnit): the
+    embedding, each block (as ``block`` makes it), the final norm with the output layer. k36's
+    HsdpTransformer is one too."""
+
+    unit: type[FlatUnit]
+
+    def block(self, block: nn.Module, mesh) -> nn.Module:
+        return block
+
+    def __init__(self, model: nn.Module, mesh):
         super().__init__()
         model = copy.deepcopy(model)
         self.mesh = mesh
-        self.embedding = ShardedUnit(model.embedding, mesh)
-        self.blocks = nn.ModuleList(
-            ShardedUnit(TensorParallelBlock(block, mesh), mesh) for block in model.blocks
-        )
-        self.head = ShardedUnit(nn.Sequential(model.norm, model.output), mesh)
+        self.embedding = self.unit(model.embedding, mesh)
+        self.blocks = nn.ModuleList(self.unit(self.block(b, mesh), mesh) for b in model.blocks)
+        self.head = self.unit(nn.Sequential(model.norm, model.output), mesh)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class FsdpTpTransformer(UnitTransformer):
+    """A TinyTransformer on a 2-D mesh: each block tensor-parallel over the row, then every unit
+    (the embedding, each block, the final norm with the output layer) sharded down the column."""
+
+    unit = ShardedUnit
+
+    def block(self, block: nn.Module, mesh: Mesh) -> nn.Module:
+        return TensorParallelBlock(block, mesh)
 
 
 # --------------------------------------------------------------------------- step 4: training

@@ -24,6 +24,7 @@ from dojo.harness.calls import clock, recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import WorldDeadlock, run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.states import close, gap
 from dojo.spec.testing import run_module_ok, shared_run, streams
 from dojo.todo import KataTodo
 
@@ -86,21 +87,7 @@ def _reference(q, k, v, causal: bool):
 
 
 def _close(a, b) -> bool:
-    return (
-        isinstance(a, torch.Tensor)
-        and a.shape == b.shape
-        and bool(torch.allclose(a.double(), b.double(), **TOLERANCE))
-    )
-
-
-def _gap(a, b) -> str:
-    if not isinstance(a, torch.Tensor):
-        return f"it is {type(a).__name__}, not a tensor"
-    if a.shape != b.shape:
-        return f"it is shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
-    if torch.isnan(a).any():
-        return f"it holds {int(torch.isnan(a).sum())} NaNs"
-    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"
+    return close(a, b, **TOLERANCE)
 
 
 def _mask_of(query_chunk: int, key_chunk: int, causal: bool) -> str | None:
@@ -179,7 +166,7 @@ def _merge_problem(got, a, b, whole) -> str | None:
                 "the merged lse is lse_a + lse_b: logs of sums do not add; the merged lse is "
                 "log(e^lse_a + e^lse_b) (torch.logaddexp)"
             )
-        return f"the merged lse is wrong ({_gap(got_lse, lse)}): it is log(e^lse_a + e^lse_b)"
+        return f"the merged lse is wrong ({gap(got_lse, lse)}): it is log(e^lse_a + e^lse_b)"
     if _close(got_out, out):
         return None
     if _close(got_out, out_a + out_b):
@@ -192,7 +179,7 @@ def _merge_problem(got, a, b, whole) -> str | None:
             "the merged out is the mean of the two parts: weigh each by its share of the whole "
             "softmax's mass, e^(lse_x - lse), not one half"
         )
-    return f"the merged out is wrong ({_gap(got_out, out)}): out = sum of e^(lse_x - lse) * out_x"
+    return f"the merged out is wrong ({gap(got_out, out)}): out = sum of e^(lse_x - lse) * out_x"
 
 
 @pytest.mark.step(1)
@@ -231,7 +218,7 @@ def test_merge_keeps_each_rows_own_weights(kata):
             "(unsqueeze(-1)) to scale that row"
         )
     assert isinstance(got, tuple) and _close(got[0], whole[0]), (
-        f"with 4 query rows of 4 features the merged out is wrong ({_gap(got[0], whole[0])}) "
+        f"with 4 query rows of 4 features the merged out is wrong ({gap(got[0], whole[0])}) "
         "although it is right when rows and features differ in number: each ROW has its own "
         "lse, so its weight e^(lse_x - lse) must scale that row: lse is (..., rows), make it "
         "(..., rows, 1) (unsqueeze(-1)) before multiplying, or it is broadcast along the features"
@@ -253,8 +240,8 @@ def test_merge_survives_large_scores(kata):
         "(torch.logaddexp does it)"
     )
     assert _close(out, whole[0]) and _close(lse, whole[1]), (
-        f"with scores near 1000 the merge is wrong: out {_gap(out, whole[0])}, lse "
-        f"{_gap(lse, whole[1])}"
+        f"with scores near 1000 the merge is wrong: out {gap(out, whole[0])}, lse "
+        f"{gap(lse, whole[1])}"
     )
 
 
@@ -269,8 +256,8 @@ def test_merge_with_a_part_that_saw_no_key(kata):
         raise AssertionError(f"merge_partials raised {type(error).__name__}: {error}")
     assert _close(got[0], out_a) and _close(got[1], lse_a), (
         "merging an empty part (lse -inf, out 0: a row that saw no key yet, how a running result "
-        f"starts) with a part must give that part: out {_gap(got[0], out_a)}, lse "
-        f"{_gap(got[1], lse_a)}. e^(-inf - lse) is 0: the empty part weighs nothing"
+        f"starts) with a part must give that part: out {gap(got[0], out_a)}, lse "
+        f"{gap(got[1], lse_a)}. e^(-inf - lse) is 0: the empty part weighs nothing"
     )
     got, error = _call(kata.merge_partials, empty_out, empty_lse, empty_out, empty_lse)
     if error is not None:
@@ -373,7 +360,7 @@ def _block_problem(got, q, k, v, causal) -> str | None:
             )
             if _close(out, flipped @ v):
                 return "out lets query i see keys i..end: the mask is the wrong way round"
-        return f"out differs from scaled_dot_product_attention ({_gap(out, want_out)})"
+        return f"out differs from scaled_dot_product_attention ({gap(out, want_out)})"
     if not _close(lse, want_lse):
         if isinstance(lse, torch.Tensor) and lse.shape == want_lse.shape:
             if _close(lse, torch.logsumexp(_scores(q, k, causal, scale=1.0), dim=-1)):
@@ -384,7 +371,7 @@ def _block_problem(got, q, k, v, causal) -> str | None:
                     "the row's keys (torch.logsumexp), which the merge needs"
                 )
         return (
-            f"lse is wrong ({_gap(lse, want_lse)}): one per query row, the log-sum-exp of that "
+            f"lse is wrong ({gap(lse, want_lse)}): one per query row, the log-sum-exp of that "
             "row's scaled scores over the keys it keeps"
         )
     return None
@@ -426,7 +413,7 @@ def test_blocks_merge_into_the_whole_attention(kata):
     assert _close(out, want_out[..., last, :]) and _close(lse, want_lse[..., last]), (
         "the last of 3 chunks attended causally to itself and fully to the two before, merged "
         f"with merge_partials, differs from the causal attention over all 24 keys: out "
-        f"{_gap(out, want_out[..., last, :])}, lse {_gap(lse, want_lse[..., last])}. Each "
+        f"{gap(out, want_out[..., last, :])}, lse {gap(lse, want_lse[..., last])}. Each "
         "block alone passes: does attend_block's lse belong to the same scaled scores as its out?"
     )
 
@@ -760,14 +747,14 @@ def _check_ring_values(by_rank, layout, length, causal, what):
         out, lse = result["out"], result["lse"]
         assert _close(out, want_out[..., rows, :]), (
             f"rank {rank}: {what}'s output for its rows {layout[rank]} differs from "
-            f"scaled_dot_product_attention on one process ({_gap(out, want_out[..., rows, :])}). "
+            f"scaled_dot_product_attention on one process ({gap(out, want_out[..., rows, :])}). "
             "Every block is the right one (the test before passed): is each block merged into "
             "the running result of its query chunk with merge_partials (not replacing it), and "
             "the chunks put back in layout order?"
         )
         assert _close(lse, want_lse[..., rows]), (
             f"rank {rank}: {what}'s lse for its rows differs from the log-sum-exp over the whole "
-            f"row ({_gap(lse, want_lse[..., rows])}): return the merged lse, (..., local length)"
+            f"row ({gap(lse, want_lse[..., rows])}): return the merged lse, (..., local length)"
         )
 
 
@@ -972,19 +959,19 @@ def test_block_gradients_add_up_to_the_whole(kata, causal):
         block_dq, block_dk, block_dv = got
         where = f"the last of 3 chunks' queries against key chunk {chunk} (causal={causal})"
         assert _close(block_dv, dv_last[..., keys, :]), (
-            f"block_gradients for {where}: dv {_gap(block_dv, dv_last[..., keys, :])}. dv is "
+            f"block_gradients for {where}: dv {gap(block_dv, dv_last[..., keys, :])}. dv is "
             "P^T @ grad_out with P the probabilities of the WHOLE row: e^(scores - lse), lse "
             "the finished one passed in (not this block's own softmax)"
         )
         assert _close(block_dk, dk_last[..., keys, :]), (
-            f"block_gradients for {where}: dk {_gap(block_dk, dk_last[..., keys, :])}. "
+            f"block_gradients for {where}: dk {gap(block_dk, dk_last[..., keys, :])}. "
             "dS = P * (grad_out @ v^T - D), D = rowsum(grad_out * out) with the finished out; "
             "dk = dS^T @ q * scale"
         )
         total_dq = total_dq + block_dq
     assert _close(total_dq, dq[..., last, :]), (
         f"the last chunk's dq summed over its 3 key blocks differs from scaled_dot_product_"
-        f"attention's ({_gap(total_dq, dq[..., last, :])}): dq = dS @ k * scale, each block "
+        f"attention's ({gap(total_dq, dq[..., last, :])}): dq = dS @ k * scale, each block "
         "adding its share"
     )
 
@@ -1028,7 +1015,7 @@ def test_ring_backward_equals_one_process(kata, world_size, layout_name, causal)
         rows = _rows(layout, rank, length)
         assert _close(result["out"], want_out[..., rows, :]), (
             f"rank {rank}: ring_attention's output differs from one process "
-            f"({_gap(result['out'], want_out[..., rows, :])})"
+            f"({gap(result['out'], want_out[..., rows, :])})"
         )
         grads = result["grads"]
         assert all(t is not None for t in grads), (
@@ -1037,7 +1024,7 @@ def test_ring_backward_equals_one_process(kata, world_size, layout_name, causal)
         )
         dq, dk, dv = grads
         assert _close(dq, shards[0][rank]), (
-            f"rank {rank}: dq of its rows differs from one process's ({_gap(dq, shards[0][rank])}): "
+            f"rank {rank}: dq of its rows differs from one process's ({gap(dq, shards[0][rank])}): "
             "each block this rank computed adds to dq of its own queries"
         )
         for name, got, theirs in (("dk", dk, shards[1]), ("dv", dv, shards[2])):
@@ -1052,7 +1039,7 @@ def test_ring_backward_equals_one_process(kata, world_size, layout_name, causal)
                 )
             raise AssertionError(
                 f"rank {rank}: {name} of its keys differs from one process's "
-                f"({_gap(got, theirs[rank])}): every rank that attended to these keys adds its "
+                f"({gap(got, theirs[rank])}): every rank that attended to these keys adds its "
                 f"share; the sum travels round the ring with the block and comes home. dq is "
                 "right, so the shares are: are they carried along and added up, not kept where "
                 "they were computed?"
@@ -1121,7 +1108,7 @@ def test_ring_equals_torchs_own_ring_on_the_same_world(kata, world_size, causal)
         ):
             assert _close(mine, theirs), (
                 f"rank {rank}: the {name} of ring_attention differs from torch's own ring's on "
-                f"the same {world_size} ranks and shards ({_gap(mine, theirs)})"
+                f"the same {world_size} ranks and shards ({gap(mine, theirs)})"
             )
 
 
@@ -1166,9 +1153,9 @@ def test_ring_on_cuda_equals_one_process(kata):
     q, k, v, g = _tensors(length)
     want_out, want = _sdpa_grads(q, k, v, g, True)
     result = by_rank[0]
-    assert _close(result["out"], want_out), f"on CUDA: the output {_gap(result['out'], want_out)}"
+    assert _close(result["out"], want_out), f"on CUDA: the output {gap(result['out'], want_out)}"
     for name, got, full in zip(("dq", "dk", "dv"), result["grads"], want):
-        assert _close(got, full), f"on CUDA: {name} {_gap(got, full)}"
+        assert _close(got, full), f"on CUDA: {name} {gap(got, full)}"
 
 
 def _context_parallel_rank(rank, world_size, length):

@@ -13,7 +13,7 @@ from torch import nn
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec import collectives
+from dojo.spec import meshes
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
 from dojo.spec.testing import refusal, run_module_ok, shared_run
@@ -47,24 +47,8 @@ def _close(a, b) -> bool:
     return close(a, b, **TOLERANCE)
 
 
-def _fail(rank: int, what: str, error: Exception) -> str:
-    return f"rank {rank}: {what} raised {type(error).__name__}: {str(error).strip()[:400]}"
-
-
-def _calls(calls, mesh) -> list[tuple[str, str]]:
-    """Each recorded collective: its kind and its group ("tp", "dp", "world" or "another")."""
-    import torch.distributed as dist
-
-    def which(group):
-        if group is mesh.tp_group:
-            return "tp"
-        if group is mesh.dp_group:
-            return "dp"
-        if group is None or group is dist.group.WORLD:
-            return "world"
-        return "another group"
-
-    return [(collectives.kind(c.name), which(c.group)) for c in calls if c.name != "new_group"]
+GRID = meshes.Grid("Mesh", outer="dp", inner="tp")
+_fail, _calls = meshes.failed, GRID.kinds
 
 
 def _tp_slice(tensor: torch.Tensor, name: str, tp_index: int, tp: int) -> torch.Tensor:
@@ -81,52 +65,8 @@ def _tp_slice(tensor: torch.Tensor, name: str, tp_index: int, tp: int) -> torch.
 # --------------------------------------------------------------------------- step 1: the mesh
 
 
-# What a Mesh holds (the dataclass written for the learner): the tests read each.
-MESH_FIELDS = ("dp", "tp", "dp_index", "tp_index", "tp_group", "dp_group", "tp_ranks", "dp_ranks")
-
-
 def _meshes(rank, world_size):
-    import torch.distributed as dist
-
-    kata = load_kata(KATA)
-    out = {}
-    for dp, tp in MESHES:
-        mesh = kata.make_mesh(dp, tp)
-        lacks = [name for name in MESH_FIELDS if not hasattr(mesh, name)]
-        if lacks:
-            raise AssertionError(
-                f"make_mesh({dp}, {tp}) returned {mesh!r}, which has no {', '.join(lacks)}: "
-                f"return the Mesh written for you, Mesh({', '.join(MESH_FIELDS)})"
-            )
-        # Only all-reduce over the groups when every rank is in its own row and column: a rank
-        # outside the group it was given would leave its peers waiting for ever.
-        fits = (mesh.dp_index, mesh.tp_index) == divmod(rank, tp) and all(
-            group is not None and rank in dist.get_process_group_ranks(group)
-            for group in (mesh.tp_group, mesh.dp_group)
-        )
-        agree = torch.tensor([1.0 if fits else 0.0])
-        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-        row, column = torch.tensor([float(rank)]), torch.tensor([float(rank)])
-        if agree.item() == 1.0:
-            dist.all_reduce(row, group=mesh.tp_group)
-            dist.all_reduce(column, group=mesh.dp_group)
-        out[(dp, tp)] = {
-            "indices": (mesh.dp_index, mesh.tp_index),
-            "ranks": (list(mesh.tp_ranks), list(mesh.dp_ranks)),
-            "sizes": (dist.get_world_size(mesh.tp_group), dist.get_world_size(mesh.dp_group)),
-            "sums": (row.item(), column.item()),
-        }
-    refused = {}
-    for dp, tp in ((3, 2), (2, 1), (0, 4), (4, 0)):
-        try:
-            kata.make_mesh(dp, tp)
-            refused[(dp, tp)] = None
-        except KataTodo:
-            raise
-        except Exception as error:  # what a learner's version raised, as it raised it
-            refused[(dp, tp)] = (type(error).__name__, str(error))
-    out["refused"] = refused
-    return out
+    return GRID.facts(load_kata(KATA), rank, MESHES)
 
 
 @shared_run
@@ -137,60 +77,12 @@ def _mesh_world():
 @pytest.mark.step(1)
 @pytest.mark.parametrize("dp,tp", MESHES)
 def test_mesh_groups_are_rows_and_columns(kata, dp, tp):
-    results = [result[(dp, tp)] for result in _mesh_world()]
-
-    def expected(rank):
-        dp_index, tp_index = rank // tp, rank % tp
-        row = list(range(dp_index * tp, dp_index * tp + tp))
-        return dp_index, tp_index, row, list(range(tp_index, 4, tp))
-
-    # Every rank's indices first, then its members, sizes and sums: a mistake shows as the
-    # narrowest thing it gets wrong, whichever rank is first.
-    for rank, got in enumerate(results):
-        dp_index, tp_index, _, _ = expected(rank)
-        assert got["indices"] == (dp_index, tp_index), (
-            f"rank {rank} of a {dp} x {tp} mesh says (dp_index, tp_index) = {got['indices']}, "
-            f"expected {(dp_index, tp_index)}: rank = dp_index * tp + tp_index, so dp_index = "
-            "rank // tp and tp_index = rank % tp"
-        )
-    for rank, got in enumerate(results):
-        _, _, row, column = expected(rank)
-        assert got["ranks"] == (row, column), (
-            f"rank {rank} of a {dp} x {tp} mesh lists tp_ranks {got['ranks'][0]} and dp_ranks "
-            f"{got['ranks'][1]}, expected its row {row} and its column {column}"
-        )
-    for rank, got in enumerate(results):
-        assert got["sizes"] == (tp, dp), (
-            f"rank {rank} of a {dp} x {tp} mesh: its tp group has {got['sizes'][0]} ranks and "
-            f"its dp group {got['sizes'][1]}, expected {tp} (the row) and {dp} (the column): "
-            "tp_group and dp_group swapped?"
-        )
-    for rank, got in enumerate(results):
-        _, _, row, column = expected(rank)
-        assert got["sums"] == (float(sum(row)), float(sum(column))), (
-            f"rank {rank} of a {dp} x {tp} mesh: an all-reduce of the ranks over tp_group gave "
-            f"{got['sums'][0]} and over dp_group {got['sums'][1]}, expected {sum(row)} (row "
-            f"{row}) and {sum(column)} (column {column}): the groups do not hold those ranks "
-            "(or some rank is not in the groups it was given)"
-        )
+    GRID.check_groups([result[(dp, tp)] for result in _mesh_world()], dp, tp)
 
 
 @pytest.mark.step(1)
 def test_a_mesh_that_does_not_fit_is_refused(kata):
-    for (dp, tp), got in _mesh_world()[0]["refused"].items():
-        assert got is not None, (
-            f"make_mesh({dp}, {tp}) on 4 ranks returned a mesh: raise ValueError (dp x tp must "
-            "be the world size, each at least 1)"
-        )
-        assert got[0] == "ValueError", (
-            f"make_mesh({dp}, {tp}) on 4 ranks raised {got[0]}: {got[1][:200]}; check first "
-            "and raise ValueError, saying dp x tp must equal the world size"
-        )
-        if dp >= 1 and tp >= 1:
-            assert "4" in got[1], (
-                f"make_mesh({dp}, {tp})'s ValueError says {got[1]!r}: name the world size (4) "
-                "so the learner knows what dp x tp must be"
-            )
+    GRID.check_refusals(_mesh_world()[0]["refused"])
 
 
 # --------------------------------------------------------------------------- step 2: TP in the row

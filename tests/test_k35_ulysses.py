@@ -23,6 +23,7 @@ from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
 from dojo.spec.cuda import on_cuda, rank_gpu
+from dojo.spec.states import close, gap
 from dojo.spec.testing import run_module_ok, shared_run, streams
 from dojo.todo import KataTodo
 
@@ -100,21 +101,7 @@ def _recorded(calls, group=None) -> list[dict]:
 
 
 def _close(a, b) -> bool:
-    return (
-        isinstance(a, torch.Tensor)
-        and a.shape == b.shape
-        and bool(torch.allclose(a.double(), b.double(), **TOLERANCE))
-    )
-
-
-def _gap(a, b) -> str:
-    if not isinstance(a, torch.Tensor):
-        return f"it is {type(a).__name__}, not a tensor"
-    if a.shape != b.shape:
-        return f"it is shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
-    if torch.isnan(a).any():
-        return f"it holds {int(torch.isnan(a).sum())} NaNs"
-    return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"
+    return close(a, b, **TOLERANCE)
 
 
 def _world(fn, world_size, *args):
@@ -185,8 +172,9 @@ def _check_head_shard(rank, size, y, heads, length):
     if _close(y, expected):
         return
     assert isinstance(y, torch.Tensor) and y.shape == expected.shape, (
-        f"rank {rank} of {size}: scatter_heads returned {_gap(y, expected)} (batch, heads / N, "
-        f"whole sequence, dim) = (B, {heads}/{size}, {length // size} x {size}, D)"
+        f"rank {rank} of {size}: scatter_heads' output is wrong ({gap(y, expected)}): expected "
+        f"(batch, heads / N, whole sequence, dim) = (B, {heads}/{size}, {length // size} x "
+        f"{size}, D)"
     )
     found = _where(y, heads, length)
     if any(rows != [i] for i, rows in enumerate(found["batches"])):
@@ -211,7 +199,7 @@ def _check_head_shard(rank, size, y, heads, length):
             f"expected 0..{length - 1}: rank j's tokens are the j-th slice of the sequence, so "
             "lay the pieces received end to end in rank order"
         )
-    raise AssertionError(f"rank {rank}: scatter_heads' values are wrong ({_gap(y, expected)})")
+    raise AssertionError(f"rank {rank}: scatter_heads' values are wrong ({gap(y, expected)})")
 
 
 def _value_error(call) -> tuple[str, str]:
@@ -319,8 +307,8 @@ def test_gather_heads_gives_each_rank_its_tokens_back(kata, world_size, heads, l
             continue
         z = result["z"]
         assert isinstance(z, torch.Tensor) and z.shape == expected.shape, (
-            f"rank {rank}: gather_heads returned {_gap(z, expected)}: (batch, every head, this "
-            "rank's tokens, dim)"
+            f"rank {rank}: gather_heads' output is wrong ({gap(z, expected)}): expected (batch, "
+            "every head, this rank's tokens, dim)"
         )
         found = _where(z, heads, length)
         got = [h[0] if len(h) == 1 else h for h in found["heads"]]
@@ -418,7 +406,7 @@ def test_each_function_sends_the_gradient_back_where_it_came_from(
         extra = sorted({c["name"] for c in got["backward"] if c["name"] not in ALL_TO_ALL})
         assert not extra, (
             f"rank {rank}: {name}.backward called {', '.join(extra)}, and its gradient differs "
-            f"from one process's ({_gap(g, expected)}): an all-to-all only moves numbers (each "
+            f"from one process's ({gap(g, expected)}): an all-to-all only moves numbers (each "
             f"is sent once), so nothing is summed: its backward is {inverse} of the gradient, "
             "the inverse all-to-all, alone"
         )
@@ -431,7 +419,7 @@ def test_each_function_sends_the_gradient_back_where_it_came_from(
                 )
         raise AssertionError(
             f"rank {rank}: the gradient {name} gave its input differs from one process's "
-            f"({_gap(g, expected)}): backward is {inverse} of the gradient, the inverse "
+            f"({gap(g, expected)}): backward is {inverse} of the gradient, the inverse "
             "all-to-all"
         )
 
@@ -506,7 +494,7 @@ def _diagnose_output(rank, size, out, q, k, v, causal):
             "the scores are scaled by 1/dim, not 1/sqrt(dim): the scale was applied twice "
             "(scaled_dot_product_attention scales the scores itself; do not scale q first)"
         )
-    return f"the output differs from one process's ({_gap(out, expected)})"
+    return f"the output differs from one process's ({gap(out, expected)})"
 
 
 @pytest.mark.step(3)
@@ -543,7 +531,7 @@ def test_ulysses_attention_gradients_equal_one_process(kata, world_size, heads, 
             expected = _tokens(full.grad, rank, world_size)
             assert got is not None and _close(got, expected), (
                 f"rank {rank}: {name} of its tokens differs from one process's "
-                + ("(none)" if got is None else f"({_gap(got, expected)})")
+                + ("(none)" if got is None else f"({gap(got, expected)})")
             )
 
 
@@ -608,9 +596,9 @@ def test_ulysses_attention_on_cuda_equals_one_process(kata):
     q, k, v, g = (t.requires_grad_() for t in _random(4, length, 4))
     expected = _sdpa(q, k, v, True)
     expected.backward(g)
-    assert _close(result["out"], expected), f"on CUDA: the output {_gap(result['out'], expected)}"
+    assert _close(result["out"], expected), f"on CUDA: the output {gap(result['out'], expected)}"
     for name, got, full in zip(("dq", "dk", "dv"), result["grads"], (q, k, v)):
-        assert _close(got, full.grad), f"on CUDA: {name} {_gap(got, full.grad)}"
+        assert _close(got, full.grad), f"on CUDA: {name} {gap(got, full.grad)}"
 
 
 # --------------------------------------------------------------------------- step 4: bytes
@@ -741,7 +729,7 @@ def test_ulysses_the_ring_and_the_all_gather_agree_on_the_same_inputs(kata):
                 expected = _tokens(full, rank, world_size)
                 assert _close(mine, expected), (
                     f"rank {rank}: the {name} of {way} differs from one process's on the same "
-                    f"inputs ({_gap(mine, expected)})"
+                    f"inputs ({gap(mine, expected)})"
                 )
 
 

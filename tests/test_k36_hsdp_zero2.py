@@ -12,11 +12,10 @@ import torch
 from dojo.harness.calls import recording
 from dojo.harness.impl import load_kata
 from dojo.harness.world import run_world
-from dojo.spec import collectives
+from dojo.spec import collectives, meshes
 from dojo.spec.cuda import on_cuda, rank_gpu
 from dojo.spec.states import close, gap
 from dojo.spec.testing import refusal, run_module_ok, shared_run
-from dojo.todo import KataTodo
 from dojo.toy_models import make_tokens, make_transformer, transformer_loss
 
 KATA = "k36_hsdp_zero2"
@@ -32,88 +31,21 @@ ADAMW = {"lr": 0.01, "eps": 1e-3, "weight_decay": 0.01}
 ZERO_STEPS = 3
 
 
-def _failed(rank: int, what: str, error: Exception) -> str:
-    return f"rank {rank}: {what} raised {type(error).__name__}: {str(error).strip()[:400]}"
-
-
-def _calls(calls, mesh) -> list[tuple[str, str]]:
-    """Each recorded collective: its kind and its group ("shard", "replicate", "world", ...)."""
-    import torch.distributed as dist
-
-    def which(group):
-        if group is mesh.shard_group:
-            return "shard"
-        if group is mesh.replicate_group:
-            return "replicate"
-        if group is None or group is dist.group.WORLD:
-            return "world"
-        return "another group"
-
-    return [(collectives.kind(c.name), which(c.group)) for c in calls if c.name != "new_group"]
+GRID = meshes.Grid(
+    "HsdpMesh",
+    outer="replicate",
+    inner="shard",
+    row="the pieces of one copy",
+    column="the copies of its piece",
+)
+_calls = GRID.kinds
 
 
 # --------------------------------------------------------------------------- step 1: the mesh
 
 
-MESH_FIELDS = (
-    "replicate",
-    "shard",
-    "replicate_index",
-    "shard_index",
-    "shard_group",
-    "replicate_group",
-    "shard_ranks",
-    "replicate_ranks",
-)
-MISFITS = ((3, 2), (2, 1), (0, 4), (4, 0))
-
-
 def _meshes(rank, world_size):
-    import torch.distributed as dist
-
-    kata = load_kata(KATA)
-    out = {}
-    for replicate, shard in MESHES:
-        mesh = kata.make_mesh(replicate, shard)
-        lacks = [name for name in MESH_FIELDS if not hasattr(mesh, name)]
-        if lacks:
-            raise AssertionError(
-                f"make_mesh({replicate}, {shard}) returned {mesh!r}, which has no "
-                f"{', '.join(lacks)}: return the HsdpMesh written for you"
-            )
-        # all-reduce over the groups only when every rank is in its own row and column: a rank
-        # outside the group it was given would leave its peers waiting for ever
-        fits = (mesh.replicate_index, mesh.shard_index) == divmod(rank, shard) and all(
-            group is not None and rank in dist.get_process_group_ranks(group)
-            for group in (mesh.shard_group, mesh.replicate_group)
-        )
-        agree = torch.tensor([1.0 if fits else 0.0])
-        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-        row, column = torch.tensor([float(rank)]), torch.tensor([float(rank)])
-        if agree.item() == 1.0:
-            dist.all_reduce(row, group=mesh.shard_group)
-            dist.all_reduce(column, group=mesh.replicate_group)
-        out[(replicate, shard)] = {
-            "indices": (mesh.replicate_index, mesh.shard_index),
-            "ranks": (list(mesh.shard_ranks), list(mesh.replicate_ranks)),
-            "sizes": (
-                dist.get_world_size(mesh.shard_group),
-                dist.get_world_size(mesh.replicate_group),
-            ),
-            "sums": (row.item(), column.item()),
-        }
-    refused = {}
-    for replicate, shard in MISFITS:
-        with recording() as calls:
-            try:
-                kata.make_mesh(replicate, shard)
-                refused[(replicate, shard)] = None
-            except KataTodo:
-                raise
-            except Exception as error:  # what a learner's version raised, as it raised it
-                refused[(replicate, shard)] = (type(error).__name__, str(error), len(calls))
-    out["refused"] = refused
-    return out
+    return GRID.facts(load_kata(KATA), rank, MESHES)
 
 
 @shared_run
@@ -124,68 +56,12 @@ def _mesh_world():
 @pytest.mark.step(1)
 @pytest.mark.parametrize("replicate,shard", MESHES)
 def test_mesh_groups_are_rows_and_columns(kata, replicate, shard):
-    results = [result[(replicate, shard)] for result in _mesh_world()]
-    name = f"a {replicate} x {shard} mesh"
-
-    def expected(rank):
-        r, s = divmod(rank, shard)
-        return r, s, list(range(r * shard, (r + 1) * shard)), list(range(s, 4, shard))
-
-    # indices first, then members, sizes, sums: a mistake shows as the narrowest thing it breaks
-    for rank, got in enumerate(results):
-        r, s, _, _ = expected(rank)
-        assert got["indices"] == (r, s), (
-            f"rank {rank} of {name} says (replicate_index, shard_index) = {got['indices']}, "
-            f"expected {(r, s)}: rank = replicate_index * shard + shard_index (torch's "
-            "init_device_mesh lays a (replicate, shard) mesh out so), so replicate_index = rank "
-            "// shard and shard_index = rank % shard"
-        )
-    for rank, got in enumerate(results):
-        _, _, row, column = expected(rank)
-        assert got["ranks"] == (row, column), (
-            f"rank {rank} of {name} lists shard_ranks {got['ranks'][0]} and replicate_ranks "
-            f"{got['ranks'][1]}, expected its row {row} (the pieces of one copy) and its column "
-            f"{column} (the copies of its piece)"
-        )
-    for rank, got in enumerate(results):
-        assert got["sizes"] == (shard, replicate), (
-            f"rank {rank} of {name}: its shard group has {got['sizes'][0]} ranks and its "
-            f"replicate group {got['sizes'][1]}, expected {shard} (the row) and {replicate} (the "
-            "column): shard_group and replicate_group swapped?"
-        )
-    for rank, got in enumerate(results):
-        _, _, row, column = expected(rank)
-        assert got["sums"] == (float(sum(row)), float(sum(column))), (
-            f"rank {rank} of {name}: an all-reduce of the ranks over shard_group gave "
-            f"{got['sums'][0]} and over replicate_group {got['sums'][1]}, expected {sum(row)} "
-            f"(row {row}) and {sum(column)} (column {column}): the groups do not hold those "
-            "ranks (or some rank is not in the groups it was given)"
-        )
+    GRID.check_groups([result[(replicate, shard)] for result in _mesh_world()], replicate, shard)
 
 
 @pytest.mark.step(1)
 def test_a_mesh_that_does_not_fit_is_refused(kata):
-    for (replicate, shard), got in _mesh_world()[0]["refused"].items():
-        said = f"make_mesh({replicate}, {shard}) on 4 ranks"
-        assert got is not None, (
-            f"{said} returned a mesh: raise ValueError (replicate x shard must be the world "
-            "size, each at least 1)"
-        )
-        kind, message, calls = got
-        assert kind == "ValueError", (
-            f"{said} raised {kind}: {message[:200]}; check first and raise ValueError, saying "
-            "replicate x shard must equal the world size"
-        )
-        if replicate >= 1 and shard >= 1:
-            assert "4" in message, (
-                f"{said}'s ValueError says {message!r}: name the world size (4), so that the "
-                "reader knows what replicate x shard must be"
-            )
-        assert calls == 0, (
-            f"{said} made {calls} call(s) of torch.distributed before its ValueError: check the "
-            "mesh first (dist.new_group is a collective of the whole world; a rank that stops "
-            "half-way leaves the others waiting in it)"
-        )
+    GRID.check_refusals(_mesh_world()[0]["refused"])
 
 
 # --------------------------------------------------------------------------- step 2: HSDP
@@ -304,6 +180,21 @@ def test_reduce_gradient_reduces_in_the_row_first(kata, replicate, shard):
         )
 
 
+def _train(model, rank: int | None = None, device="cpu", sequences: int = 8):
+    """``model`` after STEPS SGD steps on ``sequences`` sequences a step: all of them, or rank
+    ``rank``'s 2 (each rank its own data, all different)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        tokens, targets = (t.to(device) for t in make_tokens(sequences, 70 + step))
+        if rank is not None:
+            part = slice(2 * rank, 2 * rank + 2)
+            tokens, targets = tokens[part], targets[part]
+        transformer_loss(model(tokens), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
 def _torch_hsdp(dense, device_mesh):
     from torch.distributed.fsdp import fully_shard
 
@@ -327,27 +218,13 @@ def _training(rank, world_size):
         mesh = kata.make_mesh(replicate, shard)
         dense = make_transformer(11)
         model = kata.HsdpTransformer(dense, mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         alone = copy.deepcopy(dense)
-        alone_optimizer = torch.optim.SGD(alone.parameters(), lr=LR)
-        theirs = their_optimizer = None
+        theirs = None
         if (replicate, shard) == (2, 2):
             device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-            theirs = _torch_hsdp(dense, device_mesh)
-            their_optimizer = torch.optim.SGD(theirs.parameters(), lr=LR)
-        for step in range(STEPS):
-            tokens, targets = make_tokens(8, 70 + step)
-            part = slice(2 * rank, 2 * rank + 2)  # each rank its own data, all 4 different
-            transformer_loss(model(tokens[part]), targets[part]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            transformer_loss(alone(tokens), targets).backward()
-            alone_optimizer.step()
-            alone_optimizer.zero_grad()
-            if theirs is not None:
-                transformer_loss(theirs(tokens[part]), targets[part]).backward()
-                their_optimizer.step()
-                their_optimizer.zero_grad()
+            theirs = _train(_torch_hsdp(dense, device_mesh), rank)
+        _train(model, rank)
+        _train(alone)
         # torch's whole state first, then the kata's gathers
         their_state = None
         if theirs is not None:
@@ -399,23 +276,25 @@ def test_against_torchs_fully_shard_on_a_replicate_shard_mesh(kata):
 # --------------------------------------------------------------------------- step 3: ZeRO-2
 
 
-def _zero2(rank, world_size):
+def _zero2_steps(rank, world_size, device="cpu"):
+    """ZERO_STEPS AdamW steps of the kata's Zero2Optimizer beside unsharded AdamW on the mean
+    gradient (each rank its own data): the model, the optimizer and what each step did."""
     import torch.distributed as dist
 
     kata = load_kata(KATA)
-    model, plain = make_transformer(13), make_transformer(13)
+    model, plain = make_transformer(13).to(device), make_transformer(13).to(device)
     optimizer = kata.Zero2Optimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
     reference = torch.optim.AdamW(plain.parameters(), **ADAMW)
     steps = []
     for step in range(ZERO_STEPS):
-        tokens, targets = make_tokens(2, 500 + 10 * step + rank)
+        tokens, targets = (t.to(device) for t in make_tokens(2, 500 + 10 * step + rank))
         for net in (model, plain):
             transformer_loss(net(tokens), targets).backward()
         with recording() as calls:
             optimizer.step()
         grads_left = [n for n, p in model.named_parameters() if p.grad is not None]
         shard_grad = optimizer.shard.grad
-        for p in plain.parameters():
+        for p in plain.parameters():  # unsharded AdamW on the mean gradient
             dist.all_reduce(p.grad)
             p.grad /= world_size
         reference.step()
@@ -428,11 +307,16 @@ def _zero2(rank, world_size):
                 ],
                 "grads left": grads_left,
                 "shard grad": None if shard_grad is None else tuple(shard_grad.shape),
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "expected": {n: p.detach().clone() for n, p in plain.named_parameters()},
+                "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+                "expected": {n: p.detach().cpu().clone() for n, p in plain.named_parameters()},
             }
         )
         optimizer.zero_grad()
+    return model, optimizer, steps
+
+
+def _zero2(rank, world_size):
+    model, optimizer, steps = _zero2_steps(rank, world_size)
     for p in model.parameters():  # one more backward: held_bytes after a step, as training does
         p.grad = None
     tokens, targets = make_tokens(2, 900 + rank)
@@ -589,13 +473,7 @@ def _hsdp_on_cuda(rank, world_size, replicate, shard):
     with recording() as reduced:
         piece = kata.reduce_gradient(grad, mesh)
     model = kata.HsdpTransformer(make_transformer(11).to(device), mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        tokens, targets = (t.to(device) for t in make_tokens(2 * world_size, 70 + step))
-        part = slice(2 * rank, 2 * rank + 2)  # each rank its own data
-        transformer_loss(model(tokens[part]), targets[part]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train(model, rank, device, sequences=2 * world_size)
     return {
         "mesh": (mesh.replicate_index, mesh.shard_index),
         "piece": piece.detach().cpu(),
@@ -607,13 +485,7 @@ def _hsdp_on_cuda(rank, world_size, replicate, shard):
 
 def _one_process(sequences: int) -> dict[str, torch.Tensor]:
     """One process on the CPU, trained on every rank's sequences at once."""
-    model = make_transformer(11)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        tokens, targets = make_tokens(sequences, 70 + step)
-        transformer_loss(model(tokens), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    model = _train(make_transformer(11), sequences=sequences)
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -654,40 +526,12 @@ def test_hsdp_on_nccl_equals_one_process(kata, replicate, shard):
 
 
 def _zero2_on_cuda(rank, world_size):
-    import torch.distributed as dist
-
-    device = rank_gpu()
-    kata = load_kata(KATA)
-    model, plain = make_transformer(13).to(device), make_transformer(13).to(device)
-    optimizer = kata.Zero2Optimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
-    reference = torch.optim.AdamW(plain.parameters(), **ADAMW)
-    steps = []
-    for step in range(ZERO_STEPS):
-        tokens, targets = (t.to(device) for t in make_tokens(2, 500 + 10 * step + rank))
-        for net in (model, plain):
-            transformer_loss(net(tokens), targets).backward()
-        with recording() as calls:
-            optimizer.step()
-        steps.append(
-            {
-                "calls": [
-                    (collectives.kind(c.name), collectives.which_group(c.group, None))
-                    for c in calls
-                ],
-                "grads left": [n for n, p in model.named_parameters() if p.grad is not None],
-            }
-        )
-        for p in plain.parameters():  # unsharded AdamW on the mean gradient
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
-        reference.step()
-        reference.zero_grad(set_to_none=True)
-        optimizer.zero_grad()
+    _, optimizer, steps = _zero2_steps(rank, world_size, rank_gpu())
     return {
         "steps": steps,
         "device": str(optimizer.shard.device),
-        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
-        "expected": {n: p.detach().cpu() for n, p in plain.named_parameters()},
+        "params": steps[-1]["params"],
+        "expected": steps[-1]["expected"],
     }
 
 

@@ -55,14 +55,26 @@ def largest_gap(a: dict, b: dict) -> tuple[str, float]:
 
 
 def close(a, b: torch.Tensor, **tolerance) -> bool:
-    """``a`` is a tensor shaped like ``b`` and all-close to it (``torch.allclose``'s tolerance)."""
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, **tolerance)
+    """``a`` is a tensor shaped like ``b``, of its dtype, and all-close to it (``torch.allclose``'s
+    tolerance)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and bool(torch.allclose(a, b, **tolerance))
+    )
 
 
 def gap(a, b: torch.Tensor) -> str:
     """How far ``a`` is from the expected tensor ``b``, in words for a message."""
     if a is None:
         return "None"
+    if not isinstance(a, torch.Tensor):
+        return f"it is {type(a).__name__}, not a tensor"
     if a.shape != b.shape:
         return f"shaped {tuple(a.shape)}, expected {tuple(b.shape)}"
+    if a.dtype != b.dtype:
+        return f"it is {a.dtype}, expected {b.dtype}"
+    if torch.isnan(a).any():
+        return f"it holds {int(torch.isnan(a).sum())} NaNs"
     return f"largest difference {(a.double() - b.double()).abs().max().item():.3g}"

@@ -304,87 +304,61 @@ def test_parallel_benchmark_holds_each_kata_against_torch():
         assert kept and kept.group(1) == kept.group(2), checkpointed
 
 
-@pytest.mark.slow  # a process importing torch, then a 2-rank world running DTensor: ~6 s on 2 cores
-def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
-    """`python -m benchmarks.parallel --only vocab` (k34's row), one step of a one-block model."""
+def _row(only: str, row: str, *options: str) -> str:
+    """`python -m benchmarks.parallel --only ONLY` (with ``options``), one step: its one row,
+    which starts with "[main] ROW"."""
     result = run_module(
-        "benchmarks.parallel", "--impl", impl.current(), "--only", "vocab", "--steps", "1",
-        "--warmup", "0", "--dim", "32", "--blocks", "1", timeout=120,
+        "benchmarks.parallel", "--impl", impl.current(), "--only", only, "--steps", "1",
+        "--warmup", "0", "--dim", "32", *options, timeout=120,
     )  # fmt: skip
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
     rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 1 and rows[0].startswith("[main] k34 VocabParallelLM vs loss_parallel"), (
-        f"expected k34's row alone in:\n{out}"
+    assert len(rows) == 1 and rows[0].startswith(f"[main] {row}"), (
+        f"expected the row {row!r} alone in:\n{out}"
     )
+    return rows[0]
+
+
+@pytest.mark.slow  # a process importing torch, then a 2-rank world running DTensor: ~6 s on 2 cores
+def test_parallel_benchmark_holds_the_vocabulary_split_against_loss_parallel():
+    """`python -m benchmarks.parallel --only vocab` (k34's row), one step of a one-block model."""
+    row = _row("vocab", "k34 VocabParallelLM vs loss_parallel", "--blocks", "1")
     if impl.current() == "solutions":  # the embedding's sum, the loss's three, f's in backward
-        assert re.search(r"\d\.\d\dx +5 +\d+ +same weights", rows[0]), rows[0]
+        assert re.search(r"\d\.\d\dx +5 +\d+ +same weights", row), row
 
 
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~6 s on 2 cores
 def test_parallel_benchmark_holds_mixed_precision_fsdp_against_fully_shard():
     """`dojo bench parallel --only mp`: k31's MixedPrecisionFSDP beside fully_shard with the same
     MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters), one step."""
-    result = run_module(
-        "benchmarks.parallel",
-        "--impl",
-        impl.current(),
-        "--only",
-        "mp",
-        "--steps",
-        "1",
-        "--warmup",
-        "0",
-        "--dim",
-        "32",
-        timeout=120,
-    )
-    out, err = result.stdout, result.stderr
-    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
-    rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 1 and rows[0].startswith("[main] k31 MixedPrecisionFSDP vs"), out
-    if "not implemented yet" in rows[0]:
+    row = _row("mp", "k31 MixedPrecisionFSDP vs")
+    if "not implemented yet" in row:
         return
     # the same units, the same calls: 4 blocks and the model, a gather and a reduce-scatter each
-    assert re.search(r"\d\.\d\dx +10 +10 ", rows[0]), rows[0]
+    assert re.search(r"\d\.\d\dx +10 +10 ", row), row
     if impl.current() == "solutions":
-        assert "same weights" in rows[0], rows[0]
+        assert "same weights" in row, row
 
 
 @pytest.mark.slow  # a process importing torch, then a 4-rank world running DTensor: ~8 s on 2 cores
 def test_parallel_benchmark_holds_hsdp_against_fully_shard_on_a_2d_mesh():
     """`dojo bench parallel --world-size 4 --only hsdp`: k36's HsdpTransformer beside fully_shard
     on a (replicate, shard) = (2, 2) mesh, the same units, one step."""
-    result = run_module(
-        "benchmarks.parallel", "--impl", impl.current(), "--world-size", "4", "--only", "hsdp",
-        "--steps", "1", "--warmup", "0", "--dim", "32", timeout=120,
-    )  # fmt: skip
-    out, err = result.stdout, result.stderr
-    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
-    rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 1 and rows[0].startswith("[main] k36 HsdpTransformer vs"), out
-    if "not implemented yet" in rows[0]:
+    row = _row("hsdp", "k36 HsdpTransformer vs", "--world-size", "4")
+    if "not implemented yet" in row:
         return
     if impl.current() == "solutions":
-        assert "same weights" in rows[0], rows[0]
+        assert "same weights" in row, row
 
 
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
 def test_parallel_benchmark_holds_ulysses_against_the_ring():
     """`dojo bench parallel --only ulysses` (k35's row): Ulysses beside k26's ring on the same
     inputs (torch has no Ulysses in core), both held to one process's attention, one step."""
-    result = run_module(
-        "benchmarks.parallel", "--impl", impl.current(), "--only", "ulysses", "--steps", "1",
-        "--warmup", "0", "--dim", "32", timeout=120,
-    )  # fmt: skip
-    out, err = result.stdout, result.stderr
-    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
-    rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 1 and rows[0].startswith(
-        "[main] k35 ulysses_attention vs k26's ring_attention"
-    ), f"expected k35's row alone in:\n{out}"
+    row = _row("ulysses", "k35 ulysses_attention vs k26's ring_attention")
     if impl.current() == "solutions":  # 4 all-to-alls each way; the ring's 2 + 6 sends and receives
-        assert re.search(r"\d\.\d\dx +8 +\d+ +same weights", rows[0]), rows[0]
+        assert re.search(r"\d\.\d\dx +8 +\d+ +same weights", row), row
 
 
 @pytest.mark.slow  # a process importing torch, then a 2-rank world: ~5 s on 2 cores
@@ -392,15 +366,6 @@ def test_parallel_benchmark_holds_local_sgd_against_post_local_sgd_optimizer():
     """`dojo bench parallel --only localsgd` (k37's row): local_sgd_step beside torch's
     PostLocalSGDOptimizer with a PeriodicModelAverager of the same period, one period timed
     (4 optimizer steps and one average) and one counted: one all-reduce each way."""
-    result = run_module(
-        "benchmarks.parallel", "--impl", impl.current(), "--only", "localsgd", "--steps", "1",
-        "--warmup", "0", "--dim", "32", timeout=120,
-    )  # fmt: skip
-    out, err = result.stdout, result.stderr
-    assert result.returncode == 0, f"the benchmark failed (exit {result.returncode}):\n{out}\n{err}"
-    rows = [line for line in out.splitlines() if " vs " in line]
-    assert len(rows) == 1 and rows[0].startswith(
-        "[main] k37 local_sgd_step vs PostLocalSGDOptimizer"
-    ), f"expected k37's row alone in:\n{out}"
+    row = _row("localsgd", "k37 local_sgd_step vs PostLocalSGDOptimizer")
     if impl.current() == "solutions":
-        assert re.search(r"\d\.\d\dx +1 +1 +same weights", rows[0]), rows[0]
+        assert re.search(r"\d\.\d\dx +1 +1 +same weights", row), row
